@@ -1,0 +1,385 @@
+"""The node's local scheduler: a synchronous core the node's event loop drives.
+
+``admit`` takes arrivals, ``next_work`` says what the engine runs next (or when to
+look again), ``finish`` takes the engine's outcome. Every method returns the
+requests it settled as :class:`Outcome` values; the caller delivers them. The core
+never sleeps, never touches an engine or Ray, and reads time only from its clock,
+so tests drive it exactly with a fake clock. Decisions come from ``policies``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from edgefleet.clock import Clock
+from edgefleet.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    EdgeFleetError,
+    Evicted,
+    Rejected,
+    Superseded,
+)
+from edgefleet.request import Request, RequestState
+from policies import (
+    Admit,
+    BatchParams,
+    Candidate,
+    PreemptionParams,
+    QueueLimits,
+    QueueLoad,
+    QueueOrder,
+    decide_admission,
+    plan_batch,
+    should_preempt,
+)
+from policies.admission import retry_after
+
+S = RequestState
+DEFAULT_ROW_COST_S = 0.01  # until the first call of a model has been timed
+
+
+@dataclass(frozen=True)
+class ModelRules:
+    """Per-model scheduling rules: how to batch and what a superseded caller receives."""
+
+    batching: BatchParams = BatchParams()
+    follow_dedup: bool = False
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A request reached a terminal state. ``follow`` names the request whose result a
+    superseded caller receives instead of an error (dedup in 'follow' mode)."""
+
+    request: Request
+    state: RequestState
+    error: EdgeFleetError | None = None
+    follow: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One engine call: requests of one model that share a batch."""
+
+    model: str
+    requests: tuple[Request, ...]
+    rank: int
+    started: float
+
+    @property
+    def rows(self) -> int:
+        return sum(r.rows for r in self.requests)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What ``next_work`` decided: run ``plan``, or call again at ``wake_at`` (None: on
+    the next arrival)."""
+
+    plan: Plan | None = None
+    wake_at: float | None = None
+    settled: tuple[Outcome, ...] = ()
+
+
+@dataclass(frozen=True)
+class Admission:
+    accepted: bool
+    settled: tuple[Outcome, ...] = ()  # the arrival itself when refused, evictions, duplicates
+    preempt: bool = False  # the caller should abort the running call
+
+
+class LocalScheduler:
+    """Priority lanes, bounded admission, dedup, batching, deadlines and preemption."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        limits: QueueLimits,
+        order: QueueOrder,
+        preemption: PreemptionParams,
+        rules: Mapping[str, ModelRules] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._limits = limits
+        self._order = order
+        self._preemption = preemption
+        self._rules: dict[str, ModelRules] = dict(rules or {})
+        self._lanes: dict[int, deque[Request]] = {}  # rank -> FIFO lane
+        self._ranks: list[int] = []  # lane ranks, highest first
+        self._queued: dict[str, Request] = {}
+        self._keys: dict[tuple[str, str], Request] = {}
+        self._bytes = 0
+        self._with_deadline = 0
+        self._seq = 0
+        self._running: Plan | None = None
+        self._preempting = False
+        self._row_cost: dict[str, float] = {}
+        self.draining = False
+
+    # ----------------------------------------------------------------- configuration
+
+    def set_rules(self, model: str, rules: ModelRules) -> None:
+        self._rules[model] = rules
+
+    def rules(self, model: str) -> ModelRules:
+        return self._rules.get(model, ModelRules())
+
+    # ------------------------------------------------------------------------ intake
+
+    def admit(self, req: Request) -> Admission:
+        """Queue ``req`` (state NEW), evicting or superseding others, or refuse it."""
+        now = self._clock.now()
+        if self.draining:
+            return self._refuse(req, "node is draining and takes no new work", retry=0.0)
+        if req.deadline is not None and req.deadline <= now:
+            req.move(S.EXPIRED)
+            err = DeadlineExceeded("deadline had passed on arrival", request_id=req.id)
+            return Admission(False, (Outcome(req, S.EXPIRED, err),))
+        rank = self._order.rank(req.priority)
+        dup = self._keys.get((req.model, req.key)) if req.key is not None else None
+        load = QueueLoad(
+            items=len(self._queued) - (dup is not None),
+            nbytes=self._bytes - (dup.nbytes if dup else 0),
+        )
+        decision = decide_admission(rank, req.nbytes, load, self._limits, self._victims(dup))
+        if not isinstance(decision, Admit):
+            return self._refuse(req, decision.reason, retry=self._retry_after(rank))
+        settled: list[Outcome] = []
+        if dup is not None:
+            self._remove(dup, S.SUPERSEDED)
+            follow = self.rules(req.model).follow_dedup
+            err = Superseded(
+                f"replaced by newer request {req.id} with the same key {req.key!r}",
+                request_id=dup.id,
+            )
+            settled.append(Outcome(dup, S.SUPERSEDED, err, follow=req.id if follow else None))
+        for victim_id in decision.evict:
+            victim = self._queued[victim_id]
+            self._remove(victim, S.EVICTED)
+            err = Evicted(
+                f"evicted from a full queue by a priority-{req.priority} request; "
+                "retry later or at a higher priority",
+                request_id=victim.id,
+            )
+            settled.append(Outcome(victim, S.EVICTED, err))
+        req.seq = self._seq
+        self._seq += 1
+        req.move(S.QUEUED)
+        self._enqueue(req, at_head=False)
+        preempt = (
+            self._running is not None
+            and not self._preempting
+            and should_preempt(self._running.rank, rank, self._preemption)
+        )
+        self._preempting |= preempt
+        return Admission(True, tuple(settled), preempt)
+
+    def _refuse(self, req: Request, reason: str, *, retry: float) -> Admission:
+        req.move(S.REJECTED)
+        err = Rejected(reason, retry_after_s=retry, request_id=req.id)
+        return Admission(False, (Outcome(req, S.REJECTED, err),))
+
+    def _victims(self, skip: Request | None) -> Iterator[Candidate]:
+        """Queued requests, lowest rank first and newest first within a rank."""
+        for rank in reversed(self._ranks):
+            for r in reversed(self._lanes[rank]):
+                if r is not skip:
+                    yield Candidate(r.id, rank, r.nbytes)
+
+    # ------------------------------------------------------------------- the engine
+
+    def next_work(self) -> Step:
+        """Expire overdue requests, then pick the next engine call (or when to look again)."""
+        now = self._clock.now()
+        settled = self._expire_overdue(now)
+        if self._running is not None:
+            return Step(settled=settled)
+        leader = next((lane[0] for rank in self._ranks if (lane := self._lanes[rank])), None)
+        if leader is None:
+            return Step(settled=settled)
+        params = self.rules(leader.model).batching
+        if leader.isolate or params.max_rows <= 1:
+            candidates = [leader]
+        else:
+            candidates = [
+                r
+                for rank in self._ranks
+                for r in self._lanes[rank]
+                if r.model == leader.model and r.group == leader.group
+            ]
+        plan = plan_batch(candidates, now, params)
+        if not plan.ids:
+            return Step(wake_at=self._earliest(plan.wait_until), settled=settled)
+        chosen = {rid: self._queued[rid] for rid in plan.ids}
+        requests = tuple(chosen.values())
+        for r in requests:
+            self._remove(r, S.RUNNING)
+            r.started = now
+        rank = max(self._order.rank(r.priority) for r in requests)
+        self._running = Plan(leader.model, requests, rank, now)
+        return Step(plan=self._running, settled=settled)
+
+    def finish(
+        self, plan: Plan, *, error: EdgeFleetError | None = None, aborted: bool = False
+    ) -> tuple[Outcome, ...]:
+        """Settle a finished engine call.
+
+        Success completes every request. An aborted call goes back to the head of its
+        priority. A failed batch of several is split: each request is requeued to run
+        alone, so only the request that is really bad fails.
+        """
+        assert plan is self._running, "finish() must get the plan next_work() returned"
+        self._running = None
+        self._preempting = False
+        now = self._clock.now()
+        settled: list[Outcome] = []
+        requeue: list[Request] = []
+        for r in plan.requests:
+            if r.extra.get("cancel"):
+                r.move(S.CANCELLED)
+                settled.append(Outcome(r, S.CANCELLED, Cancelled("cancelled", request_id=r.id)))
+            elif aborted or (error is not None and len(plan.requests) > 1):
+                r.move(S.QUEUED)
+                r.preemptions += aborted
+                r.isolate |= not aborted
+                requeue.append(r)
+            elif error is not None:
+                r.move(S.FAILED)
+                settled.append(Outcome(r, S.FAILED, error))
+            else:
+                r.move(S.COMPLETED)
+                settled.append(Outcome(r, S.COMPLETED))
+        for r in reversed(requeue):
+            self._enqueue(r, at_head=True)
+        if error is None and not aborted:
+            self._observe(plan.model, (now - plan.started) / max(1, plan.rows))
+        return tuple(settled)
+
+    @property
+    def running(self) -> Plan | None:
+        return self._running
+
+    # ------------------------------------------------------------ cancel and expire
+
+    def cancel(self, request_id: str) -> tuple[Outcome | None, bool]:
+        """Cancel a queued or running request.
+
+        Returns the outcome when the request was queued, and whether the running
+        call should be aborted (every request in it is cancelled). A request running
+        in a batch with others is marked; its result is dropped when the call ends.
+        """
+        req = self._queued.get(request_id)
+        if req is not None:
+            self._remove(req, S.CANCELLED)
+            return Outcome(req, S.CANCELLED, Cancelled("cancelled", request_id=req.id)), False
+        plan = self._running
+        if plan is None or all(r.id != request_id for r in plan.requests):
+            return None, False
+        for r in plan.requests:
+            if r.id == request_id:
+                r.extra["cancel"] = True
+        return None, all(r.extra.get("cancel") for r in plan.requests)
+
+    def expire(self, request_id: str) -> Outcome | None:
+        """Fail a still-queued request whose deadline has passed (a timer fired)."""
+        req = self._queued.get(request_id)
+        if req is None or req.deadline is None or req.deadline > self._clock.now():
+            return None
+        return self._expire(req)
+
+    def cancel_all(self, reason: str) -> tuple[Outcome, ...]:
+        """Cancel everything queued (the node is stopping)."""
+        outcomes = []
+        for r in list(self._queued.values()):
+            self._remove(r, S.CANCELLED)
+            outcomes.append(Outcome(r, S.CANCELLED, Cancelled(reason, request_id=r.id)))
+        return tuple(outcomes)
+
+    def _expire(self, req: Request) -> Outcome:
+        self._remove(req, S.EXPIRED)
+        late = self._clock.now() - (req.deadline or 0.0)
+        err = DeadlineExceeded(
+            f"deadline passed {late * 1000:.1f} ms ago while queued; the engine was not used",
+            request_id=req.id,
+        )
+        return Outcome(req, S.EXPIRED, err)
+
+    def _expire_overdue(self, now: float) -> tuple[Outcome, ...]:
+        if not self._with_deadline:
+            return ()
+        overdue = [r for r in self._queued.values() if r.deadline is not None and r.deadline <= now]
+        return tuple(self._expire(r) for r in overdue)
+
+    def _earliest(self, wake_at: float | None) -> float | None:
+        deadlines = [r.deadline for r in self._queued.values() if r.deadline is not None]
+        times = [t for t in (wake_at, *deadlines) if t is not None]
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _enqueue(self, req: Request, *, at_head: bool) -> None:
+        rank = self._order.rank(req.priority)
+        lane = self._lanes.get(rank)
+        if lane is None:
+            lane = self._lanes[rank] = deque()
+            self._ranks = sorted(self._lanes, reverse=True)
+        if at_head:
+            lane.appendleft(req)
+        else:
+            lane.append(req)
+        self._queued[req.id] = req
+        if req.key is not None:
+            self._keys.setdefault((req.model, req.key), req)
+        self._bytes += req.nbytes
+        self._with_deadline += req.deadline is not None
+
+    def _remove(self, req: Request, new_state: RequestState) -> None:
+        self._lanes[self._order.rank(req.priority)].remove(req)
+        del self._queued[req.id]
+        if req.key is not None and self._keys.get((req.model, req.key)) is req:
+            del self._keys[(req.model, req.key)]
+        self._bytes -= req.nbytes
+        self._with_deadline -= req.deadline is not None
+        req.move(new_state)
+
+    def _observe(self, model: str, row_cost: float) -> None:
+        old = self._row_cost.get(model)
+        self._row_cost[model] = row_cost if old is None else 0.8 * old + 0.2 * row_cost
+
+    def _retry_after(self, rank: int) -> float:
+        ahead = sum(
+            r.rows for lane_rank in self._ranks if lane_rank >= rank for r in self._lanes[lane_rank]
+        )
+        cost = max(self._row_cost.values(), default=DEFAULT_ROW_COST_S)
+        left = 0.0
+        if self._running is not None:
+            expected = self._running.rows * self._row_cost.get(self._running.model, cost)
+            left = max(0.0, expected - (self._clock.now() - self._running.started))
+        return retry_after(ahead, left, cost)
+
+    # ---------------------------------------------------------------------- queries
+
+    def queued_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for r in self._queued.values():
+            counts[r.priority] = counts.get(r.priority, 0) + 1
+        return counts
+
+    @property
+    def queued(self) -> int:
+        return len(self._queued)
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def idle(self) -> bool:
+        return not self._queued and self._running is None
+
+    def row_cost(self, model: str) -> float | None:
+        return self._row_cost.get(model)

@@ -1,0 +1,251 @@
+"""The fleet configuration: one pydantic schema for the whole YAML file.
+
+Unknown keys are errors. Paths resolve relative to the YAML file and must stay
+inside ``model_dir``. :func:`load_config` reports every problem by its YAML path,
+with the line where it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from edgefleet.errors import ConfigError
+from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
+
+MiB = 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BatchingConfig(_Strict):
+    """How a node groups requests for one model into a batch."""
+
+    window_ms: float = Field(0.0, ge=0, le=10_000, description="0 = never wait for a batch")
+    max_batch_size: int = Field(1, ge=1, le=4096, description="rows per engine call")
+    pad_to: list[int] = Field(
+        default_factory=list, description="batch sizes to pad to; padded rows are dropped"
+    )
+    only_if_faster: bool = Field(
+        True, description="measure at warm-up; never wait for a batch that would not pay"
+    )
+    min_gain: float = Field(
+        0.05, ge=0, lt=1, description="per-row cost must fall by this fraction to batch"
+    )
+
+    @field_validator("pad_to")
+    @classmethod
+    def _sorted_positive(cls, v: list[int]) -> list[int]:
+        if any(size < 1 for size in v):
+            raise ValueError("pad sizes must be >= 1")
+        return sorted(set(v))
+
+
+class ModelConfig(_Strict):
+    """One model a node can serve."""
+
+    path: Path
+    kind: Literal["tensor", "decoder"] = "tensor"
+    threads: int = Field(1, ge=1, le=64, description="ONNX Runtime intra-op threads")
+    batching: BatchingConfig = BatchingConfig()
+    dedup: Literal["supersede", "follow"] = Field(
+        "supersede",
+        description="what the older caller of a replaced duplicate gets: "
+        "'supersede' = a Superseded error, 'follow' = the newer request's result",
+    )
+    max_input_bytes: int = Field(64 * MiB, ge=1)
+    memory_mb: float | None = Field(
+        None, gt=0, description="memory the loaded model takes; default: estimated at load"
+    )
+    warmup: bool = True
+
+
+class QueueConfig(_Strict):
+    capacity: int = Field(64, ge=1, le=1_000_000, description="queued requests")
+    max_bytes: int = Field(256 * MiB, ge=1, description="bytes of queued inputs")
+
+
+class PreemptionConfig(_Strict):
+    enabled: bool = True
+    min_priority_gap: int = Field(5, ge=1, le=10)
+
+
+class NodeDefaults(_Strict):
+    queue: QueueConfig = QueueConfig()
+    preemption: PreemptionConfig = PreemptionConfig()
+    memory_budget_mb: float = Field(2048, gt=0)
+    order: Literal["priority", "fifo"] = Field(
+        "priority", description="queue discipline; 'fifo' ignores priorities (a baseline)"
+    )
+    num_cpus: float = Field(0, ge=0, description="Ray CPUs reserved per node actor")
+
+
+class NodeConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    models: list[str] | None = Field(None, description="default: every model in the file")
+    queue: QueueConfig | None = None
+    preemption: PreemptionConfig | None = None
+    memory_budget_mb: float | None = Field(None, gt=0)
+    order: Literal["priority", "fifo"] | None = None
+    num_cpus: float | None = Field(None, ge=0)
+
+
+class LocalConfig(_Strict):
+    nodes: int = Field(1, ge=1, le=64, description="simulated nodes when `nodes:` is empty")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded Ray cluster")
+
+
+class FleetMeta(_Strict):
+    name: str = Field("edgefleet", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class NodeSpec(_Strict):
+    """Everything one node actor needs, resolved from the fleet file."""
+
+    name: str
+    models: dict[str, ModelConfig]
+    priorities: dict[str, int]
+    queue: QueueConfig
+    preemption: PreemptionConfig
+    memory_budget_mb: float
+    order: Literal["priority", "fifo"] = "priority"
+    num_cpus: float = 0
+
+
+class FleetConfig(_Strict):
+    fleet: FleetMeta = FleetMeta()
+    local: LocalConfig = LocalConfig()
+    priorities: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
+    model_dir: Path | None = Field(
+        None, description="models must live under this folder; default: the YAML's folder"
+    )
+    models: dict[str, ModelConfig]
+    node_defaults: NodeDefaults = NodeDefaults()
+    nodes: list[NodeConfig] = Field(default_factory=list)
+
+    @field_validator("priorities")
+    @classmethod
+    def _priority_range(cls, v: dict[str, int]) -> dict[str, int]:
+        for name, value in v.items():
+            if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+                raise ValueError(f"priority class {name!r} is {value}; allowed 0-10")
+        return v
+
+    @model_validator(mode="after")
+    def _references(self) -> FleetConfig:
+        if not self.models:
+            raise ValueError("models: at least one model is required")
+        seen: set[str] = set()
+        for i, node in enumerate(self.nodes):
+            if node.name in seen:
+                raise ValueError(f"nodes.{i}.name: duplicate node name {node.name!r}")
+            seen.add(node.name)
+            for m in node.models or []:
+                if m not in self.models:
+                    known = ", ".join(sorted(self.models))
+                    raise ValueError(f"nodes.{i}.models: unknown model {m!r}; known: {known}")
+        return self
+
+    def node_specs(self) -> list[NodeSpec]:
+        """One spec per node; with no ``nodes:`` list, ``local.nodes`` identical nodes."""
+        nodes = self.nodes or [NodeConfig(name=f"edge-{i}") for i in range(self.local.nodes)]
+        d = self.node_defaults
+        return [
+            NodeSpec(
+                name=n.name,
+                models={m: self.models[m] for m in (n.models or list(self.models))},
+                priorities=dict(self.priorities),
+                queue=n.queue or d.queue,
+                preemption=n.preemption or d.preemption,
+                memory_budget_mb=n.memory_budget_mb or d.memory_budget_mb,
+                order=n.order or d.order,
+                num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
+            )
+            for n in nodes
+        ]
+
+
+def parse_config(
+    data: Mapping[str, Any], base_dir: Path, *, lines: Mapping[str, int] | None = None
+) -> FleetConfig:
+    """Validate a parsed YAML mapping; resolve and confine model paths under ``base_dir``."""
+    try:
+        cfg = FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, lines or {})) from None
+    model_dir = (base_dir / (cfg.model_dir or ".")).resolve()
+    models: dict[str, ModelConfig] = {}
+    problems: list[str] = []
+    for name, m in cfg.models.items():
+        path = (model_dir / m.path).resolve() if not m.path.is_absolute() else m.path.resolve()
+        if not path.is_relative_to(model_dir):
+            where = _where(lines or {}, f"models.{name}.path")
+            problems.append(
+                f"models.{name}.path{where}: {m.path} is outside the model directory {model_dir}"
+            )
+        models[name] = m.model_copy(update={"path": path})
+    if problems:
+        raise ConfigError("invalid fleet config:\n  " + "\n  ".join(problems))
+    return cfg.model_copy(update={"models": models, "model_dir": model_dir})
+
+
+def load_config(path: str | Path) -> FleetConfig:
+    """Read, validate and resolve a fleet YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+        lines = _line_index(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with at least 'models:'")
+    return parse_config(data, path.parent, lines=lines)
+
+
+def _line_index(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
+    """Map dotted YAML paths (``models.clf.batching``) to 1-based line numbers."""
+    index: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            path = f"{prefix}.{key.value}" if prefix else str(key.value)
+            index[path] = key.start_mark.line + 1
+            index.update(_line_index(value, path))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = f"{prefix}.{i}" if prefix else str(i)
+            index[path] = item.start_mark.line + 1
+            index.update(_line_index(item, path))
+    return index
+
+
+def _where(lines: Mapping[str, int], path: str) -> str:
+    while path:
+        if path in lines:
+            return f" (line {lines[path]})"
+        path = path.rpartition(".")[0]
+    return ""
+
+
+def _format_errors(exc: ValidationError, lines: Mapping[str, int]) -> str:
+    out = []
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif err["type"] == "literal_error":
+            msg = f"{msg}"
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        out.append(f"{path or '(top)'}{_where(lines, path)}: {msg}")
+    return "invalid fleet config:\n  " + "\n  ".join(out)

@@ -1,0 +1,96 @@
+"""Typed errors. Every request that does not produce a result ends in exactly one of these.
+
+All errors are subclasses of :class:`EdgeFleetError`, carry a human-readable message
+that says what to do, and pickle cleanly so they cross Ray process boundaries intact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class EdgeFleetError(Exception):
+    """Base class of every error edgefleet reports to a caller."""
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle only their positional args by default; keep the keywords too.
+        return (_rebuild, (type(self), self.message, self.__dict__.copy()))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls: type[EdgeFleetError], message: str, state: dict[str, Any]) -> EdgeFleetError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class Rejected(EdgeFleetError):
+    """The request was refused at admission (queue full, node draining, switching...).
+
+    ``retry_after_s`` estimates when capacity for this priority frees up.
+    """
+
+    def __init__(
+        self, message: str, *, retry_after_s: float = 0.0, request_id: str | None = None
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        self.retry_after_s = retry_after_s
+
+
+class Evicted(EdgeFleetError):
+    """A queued request was pushed out of a full queue by a higher-priority arrival."""
+
+
+class Superseded(EdgeFleetError):
+    """A queued request was replaced by a newer request with the same dedup key."""
+
+
+class DeadlineExceeded(EdgeFleetError):
+    """The request's deadline passed before it could run; the engine was not used."""
+
+
+class Cancelled(EdgeFleetError):
+    """The request was cancelled by its caller (or its node was shut down)."""
+
+
+class InvalidInput(EdgeFleetError):
+    """The inputs do not match the model signature or the configured limits."""
+
+
+class ModelNotFound(EdgeFleetError):
+    """The model is not configured on this node or fleet, or its file is missing."""
+
+
+class EngineError(EdgeFleetError):
+    """The inference engine failed while running this request."""
+
+
+class NodeLost(EdgeFleetError):
+    """The node holding the request died or stopped answering."""
+
+
+class ConfigError(EdgeFleetError):
+    """A fleet configuration is invalid; the message names each problem by its YAML path."""
+
+
+__all__ = [
+    "Cancelled",
+    "ConfigError",
+    "DeadlineExceeded",
+    "EdgeFleetError",
+    "EngineError",
+    "Evicted",
+    "InvalidInput",
+    "ModelNotFound",
+    "NodeLost",
+    "Rejected",
+    "Superseded",
+]

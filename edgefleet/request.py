@@ -1,0 +1,147 @@
+"""Requests, priorities and the request lifecycle, written down once."""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgefleet.errors import InvalidInput
+
+DEFAULT_PRIORITIES: Mapping[str, int] = {
+    "foreground": 10,
+    "inline": 7,
+    "background": 3,
+    "offline": 0,
+}
+MIN_PRIORITY = 0
+MAX_PRIORITY = 10
+
+
+def resolve_priority(priority: str | int, classes: Mapping[str, int] = DEFAULT_PRIORITIES) -> int:
+    """Map a class name or an int 0-10 onto the integer priority (higher runs first)."""
+    if isinstance(priority, bool):  # bool is an int subclass; True is not a priority
+        raise InvalidInput(f"priority must be a class name or an int 0-10, got {priority!r}")
+    if isinstance(priority, int | np.integer):
+        value = int(priority)
+        if MIN_PRIORITY <= value <= MAX_PRIORITY:
+            return value
+        raise InvalidInput(f"priority must be between 0 and 10, got {value}")
+    if isinstance(priority, str):
+        if priority in classes:
+            return classes[priority]
+        names = ", ".join(f"{k} ({v})" for k, v in classes.items())
+        raise InvalidInput(f"unknown priority class {priority!r}; use one of {names} or 0-10")
+    raise InvalidInput(f"priority must be a class name or an int 0-10, got {priority!r}")
+
+
+def priority_name(priority: int, classes: Mapping[str, int] = DEFAULT_PRIORITIES) -> str:
+    """The class name of an integer priority, or the number itself when no class has it."""
+    for name, value in classes.items():
+        if value == priority:
+            return name
+    return str(priority)
+
+
+class RequestState(enum.Enum):
+    NEW = "new"  # arrived, not yet admitted
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    REJECTED = "rejected"
+    EVICTED = "evicted"
+    SUPERSEDED = "superseded"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset(
+    {
+        RequestState.COMPLETED,
+        RequestState.FAILED,
+        RequestState.REJECTED,
+        RequestState.EVICTED,
+        RequestState.SUPERSEDED,
+        RequestState.EXPIRED,
+        RequestState.CANCELLED,
+    }
+)
+
+S = RequestState
+TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
+    # FAILED from NEW: invalid input or unknown model, found before queueing.
+    # EXPIRED from NEW: the deadline had already passed on arrival.
+    S.NEW: frozenset({S.QUEUED, S.REJECTED, S.FAILED, S.EXPIRED, S.CANCELLED}),
+    # FAILED from QUEUED: the model could not be loaded when the request came up.
+    S.QUEUED: frozenset({S.RUNNING, S.EVICTED, S.SUPERSEDED, S.EXPIRED, S.CANCELLED, S.FAILED}),
+    # QUEUED from RUNNING: a preempted single-shot run goes back to the head of its priority.
+    S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.PAUSED, S.CANCELLED, S.QUEUED}),
+    S.PAUSED: frozenset({S.RUNNING, S.CANCELLED}),
+}
+del S
+
+
+class IllegalTransition(RuntimeError):
+    """A bug: code tried to move a request along an edge the lifecycle does not have."""
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """What a caller sends to a node: one inference, fully described.
+
+    ``deadline_unix`` is wall-clock time (``time.time()``) so it survives the trip
+    between processes; the node converts it to its own clock on arrival.
+    """
+
+    model: str
+    inputs: Mapping[str, np.ndarray]
+    priority: int = DEFAULT_PRIORITIES["foreground"]
+    id: str = field(default_factory=new_request_id)
+    deadline_unix: float | None = None
+    key: str | None = None
+
+    @staticmethod
+    def deadline_from_timeout(timeout_s: float | None) -> float | None:
+        return None if timeout_s is None else time.time() + timeout_s
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the node's scheduler tracks it. Only the scheduler mutates it."""
+
+    id: str
+    model: str
+    inputs: Mapping[str, np.ndarray]
+    priority: int
+    arrival: float
+    deadline: float | None = None  # on the node's clock
+    key: str | None = None
+    seq: int = 0  # arrival order, for FIFO within a priority
+    nbytes: int = 0
+    rows: int = 1  # rows on the batch axis (1 for models that cannot batch)
+    group: Hashable = None  # requests share a batch only within one group
+    state: RequestState = RequestState.NEW
+    isolate: bool = False  # run alone: its last batch failed
+    preemptions: int = 0
+    started: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def move(self, new: RequestState) -> None:
+        if new not in TRANSITIONS.get(self.state, frozenset()):
+            raise IllegalTransition(f"request {self.id}: {self.state.name} -> {new.name}")
+        self.state = new

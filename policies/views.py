@@ -1,0 +1,27 @@
+"""Read-only views that policies see. Policies never hold or mutate the queues themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Protocol
+
+
+class QueuedView(Protocol):
+    """What a policy may read of one queued request."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival(self) -> float: ...
+    @property
+    def deadline(self) -> float | None: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def group(self) -> Hashable: ...
+    @property
+    def isolate(self) -> bool: ...
