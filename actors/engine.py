@@ -1,0 +1,258 @@
+"""The ONNX Runtime engine: signatures, input validation, batched runs, abort.
+
+A node owns one engine. It runs on the node's engine thread (ONNX Runtime releases
+the GIL), one call at a time. Everything here is synchronous; the node actor moves
+calls onto the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import onnxruntime as ort
+
+from edgefleet.errors import EngineError, InvalidInput, ModelNotFound
+
+Dim = int | str | None  # a fixed size, or a named / unnamed dynamic axis
+
+_ORT_TYPES: dict[str, np.dtype[Any]] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(float16)": np.dtype(np.float16),
+    "tensor(double)": np.dtype(np.float64),
+    "tensor(int8)": np.dtype(np.int8),
+    "tensor(int16)": np.dtype(np.int16),
+    "tensor(int32)": np.dtype(np.int32),
+    "tensor(int64)": np.dtype(np.int64),
+    "tensor(uint8)": np.dtype(np.uint8),
+    "tensor(uint16)": np.dtype(np.uint16),
+    "tensor(uint32)": np.dtype(np.uint32),
+    "tensor(uint64)": np.dtype(np.uint64),
+    "tensor(bool)": np.dtype(np.bool_),
+}
+
+
+class RunAborted(Exception):
+    """The running call was aborted on purpose (preemption or cancel)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[Dim, ...]
+
+    def describe(self) -> str:
+        dims = ",".join("N" if d is None else str(d) for d in self.shape)
+        return f"{self.dtype.name} [{dims}]"
+
+
+def describe_array(a: np.ndarray) -> str:
+    return f"{a.dtype.name} [{','.join(str(d) for d in a.shape)}]"
+
+
+@dataclass(frozen=True)
+class Signature:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def batchable(self) -> bool:
+        """True when every input and output has a dynamic axis 0 (the shared batch axis)."""
+        specs = self.inputs + self.outputs
+        if not specs or any(not s.shape or isinstance(s.shape[0], int) for s in specs):
+            return False
+        # Named batch axes must all carry the same name to be the same axis.
+        names = {s.shape[0] for s in specs if isinstance(s.shape[0], str)}
+        return len(names) <= 1
+
+    def describe(self) -> str:
+        return ", ".join(f"{s.name} ({s.describe()})" for s in self.inputs)
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """What admission needs to know about valid inputs."""
+
+    nbytes: int
+    rows: int
+    group: Hashable  # None when the model cannot batch: the request runs alone
+
+
+class Engine(Protocol):
+    """One loaded model, as the node uses it. Tests provide fakes with scripted costs."""
+
+    @property
+    def signature(self) -> Signature: ...
+
+    def check(self, inputs: Mapping[str, Any], max_bytes: int) -> InputInfo:
+        """Validate inputs; MUST raise InvalidInput naming the input, expected and got."""
+        ...
+
+    def run(self, batch: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Run requests together; one output dict per request, in order. MUST raise
+        RunAborted when ``abort`` interrupted it and EngineError on failure."""
+        ...
+
+    def abort(self) -> None:
+        """Interrupt the call in progress, from any thread; no effect when idle."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def check_inputs(
+    sig: Signature, model: str, inputs: Mapping[str, Any], max_bytes: int
+) -> InputInfo:
+    """Validate a request's inputs against a signature (shared by real and fake engines)."""
+    if not isinstance(inputs, Mapping):
+        raise InvalidInput(
+            f"inputs must be a dict of name -> numpy array, got {type(inputs).__name__}"
+        )
+    expected = {s.name: s for s in sig.inputs}
+    for name in inputs:
+        if name not in expected:
+            raise InvalidInput(
+                f"unknown input {name!r} for model {model!r}; it takes {sig.describe()}"
+            )
+    for spec in sig.inputs:
+        if spec.name not in inputs:
+            raise InvalidInput(f"missing input {spec.name!r}: expects {spec.describe()}")
+    nbytes = 0
+    rows: dict[str, int] = {}
+    for spec in sig.inputs:
+        value = inputs[spec.name]
+        if not isinstance(value, np.ndarray):
+            raise InvalidInput(
+                f"input {spec.name!r} expects a numpy array {spec.describe()}, "
+                f"got {type(value).__name__}"
+            )
+        bad = value.dtype != spec.dtype or value.ndim != len(spec.shape)
+        bad = bad or any(
+            isinstance(d, int) and d != got for d, got in zip(spec.shape, value.shape, strict=False)
+        )
+        if bad:
+            raise InvalidInput(
+                f"input {spec.name!r} expects {spec.describe()}, got {describe_array(value)}"
+            )
+        nbytes += value.nbytes
+        if value.ndim:
+            rows[spec.name] = value.shape[0]
+    if nbytes > max_bytes:
+        raise InvalidInput(
+            f"inputs of model {model!r} take {nbytes} bytes; the limit is {max_bytes} bytes"
+        )
+    if not sig.batchable:
+        return InputInfo(nbytes, 1, None)
+    if len(set(rows.values())) > 1:
+        detail = ", ".join(f"{n} has {r}" for n, r in rows.items())
+        raise InvalidInput(f"inputs disagree on the batch axis (axis 0): {detail}")
+    n = next(iter(rows.values()))
+    if n < 1:
+        raise InvalidInput("inputs have an empty batch axis (0 rows)")
+    group = (model,) + tuple((s.name, inputs[s.name].shape[1:]) for s in sig.inputs)
+    return InputInfo(nbytes, n, group)
+
+
+class OnnxEngine:
+    """An ONNX Runtime session with batching, padding, validation and abort."""
+
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        *,
+        threads: int = 1,
+        pad_to: Sequence[int] = (),
+    ) -> None:
+        if not path.is_file():
+            raise ModelNotFound(f"model {name!r}: file {path} does not exist")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=opts, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # ORT raises its own exception types for bad files
+            raise EngineError(f"model {name!r}: cannot load {path}: {exc}") from None
+        self.name = name
+        self.path = path
+        self._pad_to = tuple(sorted(pad_to))
+        self._sig = Signature(
+            tuple(_spec(i) for i in self._session.get_inputs()),
+            tuple(_spec(o) for o in self._session.get_outputs()),
+        )
+        self._output_names = [o.name for o in self._sig.outputs]
+        self._lock = threading.Lock()
+        self._options: ort.RunOptions | None = None
+        self._aborting = False
+
+    @property
+    def signature(self) -> Signature:
+        return self._sig
+
+    def check(self, inputs: Mapping[str, Any], max_bytes: int) -> InputInfo:
+        return check_inputs(self._sig, self.name, inputs, max_bytes)
+
+    def run(self, batch: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        if len(batch) > 1 and not self._sig.batchable:
+            raise EngineError(f"model {self.name!r} cannot batch; run its requests one by one")
+        if len(batch) == 1 and not self._pad_to:
+            return [self._call(batch[0])]
+        sizes = [int(b[self._sig.inputs[0].name].shape[0]) for b in batch]
+        total = sum(sizes)
+        padded = next((p for p in self._pad_to if p >= total), total)
+        feed = {}
+        for spec in self._sig.inputs:
+            parts = [b[spec.name] for b in batch]
+            if padded > total:  # repeat the last row: zeros can upset normalisation layers
+                parts.append(np.repeat(parts[-1][-1:], padded - total, axis=0))
+            feed[spec.name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        out = self._call(feed)
+        results: list[dict[str, np.ndarray]] = []
+        start = 0
+        for n in sizes:
+            results.append({k: v[start : start + n] for k, v in out.items()})
+            start += n
+        return results
+
+    def _call(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        options = ort.RunOptions()
+        with self._lock:
+            self._options, self._aborting = options, False
+        try:
+            values = self._session.run(self._output_names, dict(feed), options)
+        except Exception as exc:
+            if self._aborting:
+                raise RunAborted(self.name) from None
+            raise EngineError(f"model {self.name!r} failed: {exc}") from None
+        finally:
+            with self._lock:
+                self._options = None
+        if self._aborting:
+            raise RunAborted(self.name)
+        return dict(zip(self._output_names, values, strict=True))
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._options is not None:
+                self._aborting = True
+                self._options.terminate = True
+
+    def close(self) -> None:
+        self.abort()
+        del self._session
+
+
+def _spec(arg: Any) -> TensorSpec:
+    dtype = _ORT_TYPES.get(arg.type)
+    if dtype is None:
+        raise EngineError(f"tensor {arg.name!r} has unsupported type {arg.type}")
+    shape = tuple(d if isinstance(d, int) else (d or None) for d in arg.shape)
+    return TensorSpec(arg.name, dtype, shape)

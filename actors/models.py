@@ -1,0 +1,191 @@
+"""ModelManager: load, warm up, measure, switch and unload models within a memory budget."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from statistics import median
+
+import numpy as np
+
+from actors.engine import Engine, OnnxEngine, Signature
+from edgefleet.config import MiB, ModelConfig
+from edgefleet.errors import EdgeFleetError, EngineError, ModelNotFound
+from policies import batch_limit
+
+Loader = Callable[[str, ModelConfig], Engine]
+Progress = Callable[[str], None]
+
+SYNTHETIC_DIM = 16  # size given to dynamic non-batch axes when measuring
+
+
+def load_onnx(name: str, config: ModelConfig) -> Engine:
+    return OnnxEngine(name, config.path, threads=config.threads, pad_to=config.batching.pad_to)
+
+
+@dataclass
+class ModelInfo:
+    """What the node knows of a model whether or not it is resident."""
+
+    name: str
+    config: ModelConfig
+    signature: Signature
+    memory_mb: float
+    costs_s: dict[int, float] = field(default_factory=dict)  # engine seconds per call, by rows
+    batch_limit: int = 1
+    loads: int = 0
+    load_s: float = 0.0
+
+
+class ModelManager:
+    """Keeps the node's resident models within ``budget_mb``, least recently used out first.
+
+    Every method that loads runs on the engine thread: loading is blocking I/O and
+    must never run while another engine call is in progress.
+    """
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelConfig],
+        budget_mb: float,
+        loader: Loader = load_onnx,
+    ) -> None:
+        self._configs = dict(models)
+        self._budget_mb = budget_mb
+        self._loader = loader
+        self._info: dict[str, ModelInfo] = {}
+        self._resident: OrderedDict[str, Engine] = OrderedDict()  # LRU order, newest last
+
+    def probe_all(self, progress: Progress | None = None) -> None:
+        """Load every model once: read its signature, warm it up, measure its cost per
+        batch size, and keep it resident while the budget allows (in config order)."""
+        for name in self._configs:
+            engine = self._load(name)
+            info = self._info[name]
+            if progress:
+                progress(f"{name}: loaded in {info.load_s * 1000:.0f} ms")
+            if info.config.warmup:
+                info.costs_s = measure_costs(engine, info.config)
+                params = info.config.batching
+                info.batch_limit = (
+                    batch_limit(info.costs_s, params.max_batch_size, params.min_gain)
+                    if params.only_if_faster and info.signature.batchable
+                    else params.max_batch_size
+                )
+            if not info.signature.batchable:
+                info.batch_limit = 1
+            if sum(self._info[m].memory_mb for m in self._resident) > self._budget_mb:
+                self.unload(name)
+
+    def info(self, name: str) -> ModelInfo:
+        try:
+            return self._info[name]
+        except KeyError:
+            known = ", ".join(sorted(self._configs)) or "none"
+            raise ModelNotFound(
+                f"model {name!r} is not served here; this node has: {known}"
+            ) from None
+
+    def models(self) -> list[ModelInfo]:
+        return list(self._info.values())
+
+    def resident(self, name: str) -> Engine | None:
+        engine = self._resident.get(name)
+        if engine is not None:
+            self._resident.move_to_end(name)
+        return engine
+
+    def loaded(self) -> list[str]:
+        return list(self._resident)
+
+    def ensure(self, name: str) -> Engine:
+        """Make ``name`` resident, unloading the least recently used models to fit."""
+        engine = self.resident(name)
+        return engine if engine is not None else self._load(name)
+
+    def unload(self, name: str) -> None:
+        engine = self._resident.pop(name, None)
+        if engine is not None:
+            engine.close()
+
+    def close(self) -> None:
+        for name in list(self._resident):
+            self.unload(name)
+
+    def _load(self, name: str) -> Engine:
+        config = self._configs.get(name)
+        if config is None:
+            self.info(name)  # raises ModelNotFound with the list of known models
+            raise AssertionError("unreachable")
+        need = config.memory_mb or _estimate_mb(config)
+        if need > self._budget_mb:
+            raise EngineError(
+                f"model {name!r} needs about {need:.0f} MB, more than the node's memory "
+                f"budget of {self._budget_mb:.0f} MB; raise memory_budget_mb or memory_mb"
+            )
+        while (
+            self._resident
+            and sum(self._info[m].memory_mb for m in self._resident) + need > self._budget_mb
+        ):
+            self.unload(next(iter(self._resident)))
+        t0 = time.perf_counter()
+        engine = self._loader(name, config)
+        elapsed = time.perf_counter() - t0
+        info = self._info.get(name)
+        if info is None:
+            info = self._info[name] = ModelInfo(name, config, engine.signature, need)
+        info.loads += 1
+        info.load_s = elapsed
+        self._resident[name] = engine
+        return engine
+
+
+def _estimate_mb(config: ModelConfig) -> float:
+    # Weights plus ONNX Runtime's working memory, which is of the same order.
+    try:
+        return max(1.0, 2 * config.path.stat().st_size / MiB)
+    except OSError:
+        return 1.0
+
+
+def synthetic_inputs(sig: Signature, rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs that satisfy ``sig``, with ``rows`` on the batch axis when the model batches."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for spec in sig.inputs:
+        shape = [d if isinstance(d, int) else SYNTHETIC_DIM for d in spec.shape]
+        if sig.batchable:
+            shape[0] = rows
+        if spec.dtype.kind == "f":
+            out[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        else:
+            out[spec.name] = np.zeros(shape, dtype=spec.dtype)
+    return out
+
+
+def measure_costs(engine: Engine, config: ModelConfig, repeats: int = 3) -> dict[int, float]:
+    """Median engine seconds per call at batch sizes 1, 2, 4, ... up to max_batch_size.
+
+    Also serves as warm-up. A model whose synthetic inputs fail (for example a
+    dynamic axis that must match another) gets no table: batching then follows
+    the configuration.
+    """
+    sig = engine.signature
+    max_rows = config.batching.max_batch_size if sig.batchable else 1
+    sizes = sorted({1, max_rows, *(2**k for k in range(1, 13) if 2**k < max_rows)})
+    costs: dict[int, float] = {}
+    try:
+        for size in sizes:
+            feed = synthetic_inputs(sig, size)
+            engine.run([feed])  # warm-up for this shape
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                engine.run([feed])
+                times.append(time.perf_counter() - t0)
+            costs[size] = median(times)
+    except EdgeFleetError:
+        return {}
+    return costs

@@ -1,0 +1,415 @@
+"""The node: one engine, one scheduler, one asyncio loop. Ray wraps it as an actor.
+
+The event loop only moves data and decisions; engine calls and model loads run on
+the node's single engine thread. Every request that reaches ``infer`` gets exactly
+one :class:`Reply`: its outputs or a typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import time
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from actors.engine import Engine, RunAborted, check_inputs
+from actors.models import Loader, ModelManager, load_onnx
+from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
+from edgefleet.clock import Clock, MonotonicClock
+from edgefleet.config import NodeSpec
+from edgefleet.errors import EdgeFleetError, EngineError, Rejected
+from edgefleet.request import InferRequest, Request, RequestState
+from policies import QUEUE_ORDERS, BatchParams, PreemptionParams, QueueLimits
+
+S = RequestState
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The one answer to one request."""
+
+    request_id: str
+    node: str
+    outputs: dict[str, np.ndarray] | None = None
+    error: EdgeFleetError | None = None
+    queue_s: float = 0.0  # arrival to engine start
+    service_s: float = 0.0  # engine time of the call that served it
+    batch_size: int = 0  # requests in that call
+
+    def unwrap(self) -> dict[str, np.ndarray]:
+        if self.error is not None:
+            raise self.error
+        assert self.outputs is not None
+        return self.outputs
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    loaded: bool
+    batchable: bool
+    batch_limit: int
+    cost_ms: dict[int, float]  # measured at warm-up: engine ms per call, by batch rows
+    row_ms: float | None  # observed recently, per row
+    loads: int
+
+
+@dataclass(frozen=True)
+class RunningStatus:
+    model: str
+    request_ids: tuple[str, ...]
+    priority: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    state: str  # starting | serving | draining | drained | stopped
+    queued: dict[int, int]  # priority -> requests
+    queued_bytes: int
+    running: RunningStatus | None
+    models: tuple[ModelStatus, ...]
+    counters: dict[str, int] = field(default_factory=dict)
+    switching: str | None = None
+    rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0
+
+    @property
+    def queue_length(self) -> int:
+        return sum(self.queued.values())
+
+
+class NodeRuntime:
+    """An edge node. Create it, ``await start()``, then ``infer`` from many callers."""
+
+    def __init__(
+        self, spec: NodeSpec, *, clock: Clock | None = None, loader: Loader | None = None
+    ) -> None:
+        self.spec = spec
+        self._clock = clock or MonotonicClock()
+        self._models = ModelManager(spec.models, spec.memory_budget_mb, loader or load_onnx)
+        self._sched = LocalScheduler(
+            clock=self._clock,
+            limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
+            order=QUEUE_ORDERS[spec.order](),
+            preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
+        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{spec.name}")
+        self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._switches: deque[tuple[str, asyncio.Future[None]]] = deque()
+        self._counters: Counter[str] = Counter()
+        self._state = "starting"
+        self._switching: str | None = None
+        self._engine: Engine | None = None  # the engine running a call now
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # --------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> NodeStatus:
+        """Load, warm up and measure every model, then start serving."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._models.probe_all)
+        for info in self._models.models():
+            window = info.config.batching.window_ms / 1000.0
+            self._sched.set_rules(
+                info.name,
+                ModelRules(BatchParams(window, info.batch_limit), info.config.dedup == "follow"),
+            )
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
+        self._state = "serving"
+        return self.status()
+
+    async def stop(self) -> NodeStatus:
+        """Cancel queued work, abort the running call, unload models."""
+        self._sched.draining = True
+        self._settle(self._sched.cancel_all(f"node {self.spec.name} stopped"))
+        if self._engine is not None:
+            self._engine.abort()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        plan = self._sched.running
+        if plan is not None:
+            for r in plan.requests:
+                r.extra["cancel"] = True
+            self._settle(self._sched.finish(plan, aborted=True))
+        self._state = "stopped"
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._models.close)
+        self._executor.shutdown(wait=False)
+        return self.status()
+
+    async def drain(self) -> NodeStatus:
+        """Refuse new work, finish what is queued and running, then return."""
+        assert self._idle is not None and self._wake is not None, "start() first"
+        self._sched.draining = True
+        self._state = "draining"
+        self._wake.set()
+        await self._idle.wait()
+        self._state = "drained"
+        return self.status()
+
+    async def switch_model(self, model: str) -> NodeStatus:
+        """Make ``model`` resident now: the current call finishes, new calls wait
+        (they stay queued) while the model loads, then serving resumes."""
+        self._models.info(model)  # ModelNotFound for a model this node does not serve
+        assert self._wake is not None, "start() first"
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._switches.append((model, done))
+        self._wake.set()
+        await done
+        return self.status()
+
+    # ------------------------------------------------------------------------ intake
+
+    async def infer(self, request: InferRequest) -> Reply:
+        """Admit, queue and eventually answer one request."""
+        existing = self._waiters.get(request.id)
+        if existing is not None:  # a retry of a request in flight: same answer, run once
+            return await asyncio.shield(existing)
+        self._counters["received"] += 1
+        try:
+            req = self._make_request(request)
+        except EdgeFleetError as exc:
+            self._counters["invalid"] += 1
+            exc.request_id = request.id
+            return Reply(request.id, self.spec.name, error=exc)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Reply] = loop.create_future()
+        self._waiters[req.id] = fut
+        admission = self._sched.admit(req)
+        self._settle(admission.settled)
+        if admission.accepted:
+            self._counters["admitted"] += 1
+            assert self._wake is not None and self._idle is not None
+            self._idle.clear()
+            if admission.preempt and self._engine is not None:
+                self._engine.abort()
+            if req.deadline is not None:
+                delay = max(0.0, req.deadline - self._clock.now())
+                self._timers[req.id] = loop.call_later(delay, self._expire, req.id)
+            self._wake.set()
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the caller went away: do not run it for nobody
+            self.cancel(req.id)
+            raise
+
+    def _make_request(self, request: InferRequest) -> Request:
+        if self._wake is None:
+            raise Rejected(f"node {self.spec.name} is still starting", retry_after_s=1.0)
+        info = self._models.info(request.model)
+        checked = check_inputs(
+            info.signature, request.model, request.inputs, info.config.max_input_bytes
+        )
+        priority = request.priority
+        if not 0 <= priority <= 10:
+            raise Rejected(f"priority must be 0-10, got {priority}")
+        now = self._clock.now()
+        deadline = None
+        if request.deadline_unix is not None:
+            deadline = now + (request.deadline_unix - time.time())
+        return Request(
+            id=request.id,
+            model=request.model,
+            inputs=request.inputs,
+            priority=priority,
+            arrival=now,
+            deadline=deadline,
+            key=request.key,
+            nbytes=checked.nbytes,
+            rows=checked.rows,
+            group=checked.group if checked.group is not None else request.id,
+        )
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a queued or running request. False when it is not (or no longer) here."""
+        outcome, abort = self._sched.cancel(request_id)
+        if outcome is not None:
+            self._settle([outcome])
+            return True
+        if abort and self._engine is not None:
+            self._engine.abort()
+        running = self._sched.running
+        return running is not None and any(r.id == request_id for r in running.requests)
+
+    def _expire(self, request_id: str) -> None:
+        self._timers.pop(request_id, None)
+        outcome = self._sched.expire(request_id)
+        if outcome is not None:
+            self._settle([outcome])
+
+    # ------------------------------------------------------------------ the engine
+
+    async def _serve(self) -> None:
+        assert self._wake is not None and self._idle is not None
+        while True:
+            self._wake.clear()
+            while self._switches:
+                await self._switch(*self._switches.popleft())
+            step = self._sched.next_work()
+            self._settle(step.settled)
+            if step.plan is not None:
+                self._idle.clear()
+                await self._execute(step.plan)
+                continue
+            if self._sched.idle:
+                self._idle.set()
+            timeout = None
+            if step.wake_at is not None:
+                timeout = max(0.0, step.wake_at - self._clock.now())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _switch(self, model: str, done: asyncio.Future[None]) -> None:
+        try:
+            await self._load(model)
+        except EdgeFleetError as exc:
+            if not done.done():
+                done.set_exception(exc)
+        else:
+            if not done.done():
+                done.set_result(None)
+
+    async def _load(self, model: str) -> Engine:
+        engine = self._models.resident(model)
+        if engine is not None:
+            return engine
+        self._switching = model
+        try:
+            loop = asyncio.get_running_loop()
+            engine = await loop.run_in_executor(self._executor, self._models.ensure, model)
+        finally:
+            self._switching = None
+        self._counters["model_loads"] += 1
+        return engine
+
+    async def _execute(self, plan: Plan) -> None:
+        loop = asyncio.get_running_loop()
+        results: list[dict[str, np.ndarray]] | None = None
+        t0 = self._clock.now()
+        try:
+            engine = await self._load(plan.model)
+            self._engine = engine
+            inputs = [r.inputs for r in plan.requests]
+            results = await loop.run_in_executor(self._executor, engine.run, inputs)
+        except RunAborted:
+            self._counters["preempted"] += len(plan.requests)
+            outcomes = self._sched.finish(plan, aborted=True)
+        except EdgeFleetError as exc:
+            outcomes = self._sched.finish(plan, error=exc)
+        except Exception as exc:  # an engine bug must fail requests, never the node
+            err = EngineError(f"model {plan.model!r}: {type(exc).__name__}: {exc}")
+            outcomes = self._sched.finish(plan, error=err)
+        else:
+            outcomes = self._sched.finish(plan)
+        finally:
+            self._engine = None
+        service = self._clock.now() - t0
+        self._counters["engine_calls"] += 1
+        self._counters["batched_requests"] += len(plan.requests)
+        by_id = {}
+        if results is not None:
+            by_id = {r.id: out for r, out in zip(plan.requests, results, strict=True)}
+        self._settle(outcomes, by_id, plan=plan, service_s=service)
+
+    # ----------------------------------------------------------------- settlement
+
+    def _settle(
+        self,
+        outcomes: Iterable[Outcome],
+        results: Mapping[str, dict[str, np.ndarray]] | None = None,
+        *,
+        plan: Plan | None = None,
+        service_s: float = 0.0,
+    ) -> None:
+        for o in outcomes:
+            self._counters[o.state.value] += 1
+            timer = self._timers.pop(o.request.id, None)
+            if timer is not None:
+                timer.cancel()
+            fut = self._waiters.pop(o.request.id, None)
+            if fut is None or fut.done():
+                continue
+            r = o.request
+            queue_s = (r.started - r.arrival) if r.started is not None else 0.0
+            if o.follow is not None and o.follow in self._waiters:
+                self._waiters[o.follow].add_done_callback(_forward(fut, r.id))
+                continue
+            reply = Reply(
+                r.id,
+                self.spec.name,
+                outputs=results.get(r.id) if results and o.state is S.COMPLETED else None,
+                error=o.error,
+                queue_s=queue_s,
+                service_s=service_s if plan is not None else 0.0,
+                batch_size=len(plan.requests) if plan is not None else 0,
+            )
+            fut.set_result(reply)
+
+    # --------------------------------------------------------------------- status
+
+    def status(self) -> NodeStatus:
+        running = self._sched.running
+        now = self._clock.now()
+        models = tuple(
+            ModelStatus(
+                name=i.name,
+                loaded=i.name in self._models.loaded(),
+                batchable=i.signature.batchable,
+                batch_limit=i.batch_limit,
+                cost_ms={k: v * 1000 for k, v in i.costs_s.items()},
+                row_ms=None if (c := self._sched.row_cost(i.name)) is None else c * 1000,
+                loads=i.loads,
+            )
+            for i in self._models.models()
+        )
+        return NodeStatus(
+            name=self.spec.name,
+            state=self._state,
+            queued=self._sched.queued_by_priority(),
+            queued_bytes=self._sched.queued_bytes,
+            running=None
+            if running is None
+            else RunningStatus(
+                running.model,
+                tuple(r.id for r in running.requests),
+                max(r.priority for r in running.requests),
+                now - running.started,
+            ),
+            models=models,
+            counters=dict(self._counters),
+            switching=self._switching,
+            rss_mb=_rss_mb(),
+            peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        )
+
+
+def _forward(target: asyncio.Future[Reply], request_id: str):  # type: ignore[no-untyped-def]
+    """Give a superseded caller the answer of the request that replaced it."""
+
+    def copy(source: asyncio.Future[Reply]) -> None:
+        if not target.done():
+            target.set_result(replace(source.result(), request_id=request_id))
+
+    return copy
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * resource.getpagesize() / (1024 * 1024)
+    except OSError:
+        return 0.0

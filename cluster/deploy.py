@@ -1,0 +1,69 @@
+"""Start an embedded Ray cluster on loopback, deploy node actors, tear them down."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import ray
+from ray.actor import ActorHandle
+
+from actors.node import NodeRuntime
+from edgefleet.config import FleetConfig, NodeSpec
+
+NAMESPACE = "edgefleet"
+LOOPBACK = "127.0.0.1"
+NODE_MAX_CONCURRENCY = 4096  # concurrent infer() calls one node actor holds open
+Progress = Callable[[str], None]
+
+
+def actor_name(fleet: str, node: str) -> str:
+    return f"{fleet}/node/{node}"
+
+
+def start_local_ray(config: FleetConfig) -> None:
+    """Start a private Ray instance bound to loopback, with no dashboard."""
+    ray.init(
+        address="local",
+        namespace=NAMESPACE,
+        num_cpus=config.local.num_cpus or max(2, len(config.node_specs())),
+        include_dashboard=False,
+        _node_ip_address=LOOPBACK,
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+    )
+
+
+def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[str, ActorHandle]:
+    """Create and start one node actor per node spec; returns handles by node name."""
+    remote_node = ray.remote(NodeRuntime)
+    handles: dict[str, ActorHandle] = {}
+    specs: list[NodeSpec] = config.node_specs()
+    for spec in specs:
+        handles[spec.name] = remote_node.options(  # type: ignore[attr-defined]
+            name=actor_name(config.fleet.name, spec.name),
+            namespace=NAMESPACE,
+            num_cpus=spec.num_cpus,
+            max_concurrency=NODE_MAX_CONCURRENCY,
+            max_restarts=0,
+        ).remote(spec)
+    pending = {h.start.remote(): name for name, h in handles.items()}
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            ray.get(done[0])
+            name = pending.pop(done[0])
+            if progress:
+                progress(f"node {name} ready ({len(handles) - len(pending)}/{len(handles)})")
+    except BaseException:
+        teardown(handles)
+        raise
+    return handles
+
+
+def teardown(handles: dict[str, ActorHandle], timeout_s: float = 10.0) -> None:
+    """Stop every node (cancelling queued work so callers hear of it), then kill it."""
+    refs = [h.stop.remote() for h in handles.values()]
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    for h in handles.values():
+        ray.kill(h)

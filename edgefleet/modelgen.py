@@ -1,0 +1,498 @@
+"""Deterministic generators of small ONNX models for tests, benchmarks and the demo.
+
+Every model is built in code (no downloads) with weights drawn from
+``numpy.random.default_rng(seed)``, so the same call always writes a byte-identical
+file. Models use opset 17 and IR version 8, which every supported onnxruntime loads,
+and each one passes ``onnx.checker.check_model`` before it is written.
+
+Builtin models (see :data:`BUILTIN_MODELS`):
+
+* ``classifier`` -- ``images[N,3,32,32] -> logits[N,10]``
+* ``detector``   -- ``images[N,3,H,W] -> heatmap[N,5,H,W], scores[N,5]``
+* ``stateful``   -- ``x[], state[2,1,16] -> y[], new_state[2,1,16]`` (not batchable)
+* ``slow``       -- ``x[N,256] -> y[N,256]`` (tunable cost, see :func:`calibrate_slow`)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+IR_VERSION = 8
+DEFAULT_SEED = 0
+PRODUCER_NAME = "edgefleet.modelgen"
+
+CLASSIFIER_SIZE = 32
+CLASSIFIER_CLASSES = 10
+DETECTOR_CLASSES = 5
+STATE_SHAPE: tuple[int, int, int] = (2, 1, 16)
+SLOW_LAYERS = 4
+SLOW_WIDTH = 256
+# A calibrated slow model may need thousands of layers; cycling through a small pool of
+# weight matrices keeps the file a few MB instead of gigabytes, and keeps the per-layer
+# cost steady because the working set no longer grows with the layer count.
+SLOW_DISTINCT_WEIGHTS = 8
+
+PathLike = str | os.PathLike[str]
+Dim = int | str
+FloatArray = npt.NDArray[np.float32]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _value_info(name: str, shape: Sequence[Dim]) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+
+def _init(name: str, array: np.ndarray) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), name)
+
+
+def _he_normal(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) -> FloatArray:
+    # He scaling keeps activations O(1) through Relu stacks, so outputs stay finite and
+    # batch-vs-row comparisons are not dominated by float rounding of huge values.
+    return (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(np.float32)
+
+
+def _finish(graph: onnx.GraphProto, path: PathLike) -> Path:
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        ir_version=IR_VERSION,
+        producer_name=PRODUCER_NAME,
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return _write_atomic(model.SerializeToString(), Path(path))
+
+
+def _write_atomic(data: bytes, path: Path) -> Path:
+    # Benchmarks and actors may load a model while the demo regenerates it; writing to a
+    # temporary file and renaming means a reader never sees a half-written model.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+# --------------------------------------------------------------------------- models
+
+
+def make_classifier(path: PathLike, *, seed: int = DEFAULT_SEED) -> Path:
+    """Write a tiny image classifier and return its path.
+
+    Signature: ``images`` float32 ``[N, 3, 32, 32]`` -> ``logits`` float32 ``[N, 10]``.
+    Conv(3->8, 3x3, pad 1), Relu, Conv(8->16, 3x3, stride 2, pad 1), Relu,
+    GlobalAveragePool, Flatten, Gemm(16->10).
+    """
+    rng = np.random.default_rng(seed)
+    w1 = _he_normal(rng, (8, 3, 3, 3), 3 * 9)
+    b1 = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    w2 = _he_normal(rng, (16, 8, 3, 3), 8 * 9)
+    b2 = (rng.standard_normal(16) * 0.1).astype(np.float32)
+    w3 = _he_normal(rng, (CLASSIFIER_CLASSES, 16), 16)
+    b3 = (rng.standard_normal(CLASSIFIER_CLASSES) * 0.1).astype(np.float32)
+
+    nodes = [
+        helper.make_node(
+            "Conv",
+            ["images", "conv1.w", "conv1.b"],
+            ["c1"],
+            kernel_shape=[3, 3],
+            pads=[1, 1, 1, 1],
+        ),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node(
+            "Conv",
+            ["r1", "conv2.w", "conv2.b"],
+            ["c2"],
+            kernel_shape=[3, 3],
+            pads=[1, 1, 1, 1],
+            strides=[2, 2],
+        ),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["pooled"]),
+        helper.make_node("Flatten", ["pooled"], ["flat"], axis=1),
+        helper.make_node("Gemm", ["flat", "fc.w", "fc.b"], ["logits"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "classifier",
+        [_value_info("images", ["N", 3, CLASSIFIER_SIZE, CLASSIFIER_SIZE])],
+        [_value_info("logits", ["N", CLASSIFIER_CLASSES])],
+        [
+            _init("conv1.w", w1),
+            _init("conv1.b", b1),
+            _init("conv2.w", w2),
+            _init("conv2.b", b2),
+            _init("fc.w", w3),
+            _init("fc.b", b3),
+        ],
+    )
+    return _finish(graph, path)
+
+
+def make_detector(path: PathLike, *, seed: int = DEFAULT_SEED) -> Path:
+    """Write a detector-like fully convolutional model and return its path.
+
+    Signature: ``images`` float32 ``[N, 3, H, W]`` -> ``heatmap`` float32
+    ``[N, 5, H, W]`` and ``scores`` float32 ``[N, 5]``, where
+    ``scores = Sigmoid(ReduceMax(heatmap, axes=[2, 3]))``. N, H and W are dynamic.
+    """
+    rng = np.random.default_rng(seed)
+    w1 = _he_normal(rng, (8, 3, 3, 3), 3 * 9)
+    b1 = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    w2 = _he_normal(rng, (DETECTOR_CLASSES, 8, 1, 1), 8)
+    b2 = (rng.standard_normal(DETECTOR_CLASSES) * 0.1).astype(np.float32)
+
+    nodes = [
+        helper.make_node(
+            "Conv",
+            ["images", "conv1.w", "conv1.b"],
+            ["c1"],
+            kernel_shape=[3, 3],
+            pads=[1, 1, 1, 1],
+        ),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "head.w", "head.b"], ["heatmap"], kernel_shape=[1, 1]),
+        # Opset 17 still takes ReduceMax axes as an attribute (it became an input in 18).
+        helper.make_node("ReduceMax", ["heatmap"], ["peak"], axes=[2, 3], keepdims=0),
+        helper.make_node("Sigmoid", ["peak"], ["scores"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "detector",
+        [_value_info("images", ["N", 3, "H", "W"])],
+        [
+            _value_info("heatmap", ["N", DETECTOR_CLASSES, "H", "W"]),
+            _value_info("scores", ["N", DETECTOR_CLASSES]),
+        ],
+        [_init("conv1.w", w1), _init("conv1.b", b1), _init("head.w", w2), _init("head.b", b2)],
+    )
+    return _finish(graph, path)
+
+
+def make_stateful(path: PathLike, *, seed: int = DEFAULT_SEED) -> Path:
+    """Write a recurrent-style model that cannot be batched and return its path.
+
+    Signature: ``x`` float32 ``[]`` (scalar), ``state`` float32 ``[2, 1, 16]`` ->
+    ``y`` float32 ``[]``, ``new_state`` float32 ``[2, 1, 16]``, where
+    ``new_state = Tanh(state * W + x)`` and ``y = ReduceSum(new_state)``.
+    All dims are fixed and the would-be batch axis of ``state`` is axis 1, so a batcher
+    that stacks requests along axis 0 must refuse this model.
+    """
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal(STATE_SHAPE).astype(np.float32)
+
+    nodes = [
+        helper.make_node("Mul", ["state", "state.w"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "x"], ["pre"]),
+        helper.make_node("Tanh", ["pre"], ["new_state"]),
+        # No axes input and noop_with_empty_axes=0 means "reduce everything" -> scalar.
+        helper.make_node("ReduceSum", ["new_state"], ["y"], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "stateful",
+        [_value_info("x", []), _value_info("state", STATE_SHAPE)],
+        [_value_info("y", []), _value_info("new_state", STATE_SHAPE)],
+        [_init("state.w", weight)],
+    )
+    return _finish(graph, path)
+
+
+def _slow_graph(layers: int, width: int, seed: int, distinct_weights: int) -> onnx.GraphProto:
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    if distinct_weights < 1:
+        raise ValueError(f"distinct_weights must be >= 1, got {distinct_weights}")
+    rng = np.random.default_rng(seed)
+    pool = min(layers, distinct_weights)
+    # 1/sqrt(width) keeps each pre-activation at unit variance, so Tanh never saturates
+    # to a constant and deep stacks still produce informative, finite outputs.
+    weights = [
+        _init(f"w{i}", rng.standard_normal((width, width)) / math.sqrt(width)) for i in range(pool)
+    ]
+    nodes: list[onnx.NodeProto] = []
+    prev = "x"
+    for i in range(layers):
+        out = "y" if i == layers - 1 else f"h{i}"
+        nodes.append(helper.make_node("MatMul", [prev, f"w{i % pool}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [out]))
+        prev = out
+    return helper.make_graph(
+        nodes,
+        "slow",
+        [_value_info("x", ["N", width])],
+        [_value_info("y", ["N", width])],
+        weights,
+    )
+
+
+def make_slow(
+    path: PathLike,
+    *,
+    layers: int = SLOW_LAYERS,
+    width: int = SLOW_WIDTH,
+    seed: int = DEFAULT_SEED,
+    distinct_weights: int = SLOW_DISTINCT_WEIGHTS,
+) -> Path:
+    """Write a tunable-cost MLP and return its path.
+
+    Signature: ``x`` float32 ``[N, width]`` -> ``y`` float32 ``[N, width]``, computed as
+    ``layers`` repetitions of ``Tanh(h @ W_i)`` with ``W_i`` of shape ``[width, width]``
+    scaled by ``1/sqrt(width)``. Cost per call grows with ``layers * width**2``; per-item
+    cost falls with batch size because every weight is read once per call. Layer ``i``
+    uses weight ``i % distinct_weights`` so the file size stays bounded.
+    """
+    return _finish(_slow_graph(layers, width, seed, distinct_weights), path)
+
+
+def _session(model_bytes: bytes, threads: int) -> Any:
+    # Imported lazily: writing models needs only onnx, so callers that never calibrate
+    # (e.g. a model-preparation step) do not pay for loading onnxruntime.
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
+
+
+def _median_call_s(session: Any, feed: dict[str, FloatArray], runs: int, warmup: int = 3) -> float:
+    run = session.run
+    for _ in range(warmup):
+        run(None, feed)  # first calls pay for allocations and page faults
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        run(None, feed)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _time_slow(layers: int, width: int, seed: int, threads: int, runs: int, warmup: int) -> float:
+    graph = _slow_graph(layers, width, seed, SLOW_DISTINCT_WEIGHTS)
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION
+    )
+    session = _session(model.SerializeToString(), threads)
+    feed = {"x": np.ones((1, width), dtype=np.float32)}
+    return _median_call_s(session, feed, runs=runs, warmup=warmup)
+
+
+# Probe and re-time only graphs whose measurement stays cheap: session creation grows
+# with node count (~0.3 s at 3000 layers) and each timed run costs up to the target.
+_PROBE_MAX_S = 0.005
+_PROBE_MAX_LAYERS = 3000
+_MEASURE_BUDGET_S = 0.3
+
+
+def _runs_for(expected_s: float) -> int:
+    return max(3, min(15, int(_MEASURE_BUDGET_S / max(expected_s, 1e-6))))
+
+
+def calibrate_slow(
+    path: PathLike,
+    target_ms: float,
+    *,
+    width: int = SLOW_WIDTH,
+    threads: int = 1,
+    seed: int = DEFAULT_SEED,
+) -> tuple[Path, int]:
+    """Write a slow model whose batch-1 call takes about ``target_ms`` here.
+
+    Timing uses in-memory probes on onnxruntime's CPUExecutionProvider with
+    ``intra_op_num_threads=threads`` and ``inter_op_num_threads=1``, median of a few runs
+    each: a shallow probe and a deeper one (sized towards the target, capped at ~5 ms
+    per call) give per-layer cost and fixed overhead; ``layers`` (at least 1) then solves
+    ``overhead + layers * per_layer = target``. If that estimate is still cheap to time
+    (at most 3000 layers) it is measured once more and corrected. Returns
+    ``(path, layers)``; the file is ``make_slow(path, layers=layers, width=width,
+    seed=seed)``.
+    """
+    if target_ms <= 0:
+        raise ValueError(f"target_ms must be > 0, got {target_ms}")
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    target_s = target_ms / 1000.0
+
+    # Probes are at least one full weight pool deep so they share the final model's
+    # working set; the difference between two depths cancels the fixed per-call overhead.
+    small = SLOW_DISTINCT_WEIGHTS
+    t_small = _time_slow(small, width, seed, threads, runs=15, warmup=3)
+    # Per-layer cost drifts with depth (more intermediate buffers), so the second probe
+    # is made as deep as the target needs, within the cost cap.
+    rough = t_small / small
+    large = round(min(target_s, _PROBE_MAX_S) / rough)
+    large = min(max(large, 4 * small), _PROBE_MAX_LAYERS)
+    t_large = _time_slow(large, width, seed, threads, runs=_runs_for(large * rough), warmup=2)
+
+    # Timer noise can make the difference non-positive on a tiny width; fall back to the
+    # average so the division below stays meaningful.
+    per_layer = (t_large - t_small) / (large - small)
+    if per_layer <= 0:
+        per_layer = t_large / large
+    overhead = max(0.0, t_small - small * per_layer)
+    layers = max(1, round((target_s - overhead) / per_layer))
+
+    # A direct measurement of the estimate removes most of the remaining depth bias.
+    if layers <= _PROBE_MAX_LAYERS and abs(layers - large) > 0.1 * large:
+        measured = _time_slow(layers, width, seed, threads, runs=_runs_for(target_s), warmup=1)
+        effective = (measured - overhead) / layers
+        if effective > 0:
+            layers = max(1, round((target_s - overhead) / effective))
+    return make_slow(path, layers=layers, width=width, seed=seed), layers
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class InputMaker(Protocol):
+    """Builds a valid feed for one model from ``(rng, batch, height, width)``."""
+
+    def __call__(
+        self, rng: np.random.Generator, batch: int, height: int, width: int
+    ) -> dict[str, np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One builtin model: how to write it, its file name, and how to feed it.
+
+    Instances are callable as ``spec(path) -> Path``, so :data:`BUILTIN_MODELS` can be
+    used as a plain ``name -> factory`` mapping.
+    """
+
+    name: str
+    factory: Callable[[Path], Path]
+    inputs: InputMaker
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.onnx"
+
+    def __call__(self, path: PathLike) -> Path:
+        return self.factory(Path(path))
+
+
+def _classifier_inputs(
+    rng: np.random.Generator, batch: int, height: int, width: int
+) -> dict[str, np.ndarray]:
+    # The classifier's spatial size is fixed; height/width only apply to the detector.
+    shape = (batch, 3, CLASSIFIER_SIZE, CLASSIFIER_SIZE)
+    return {"images": rng.standard_normal(shape).astype(np.float32)}
+
+
+def _detector_inputs(
+    rng: np.random.Generator, batch: int, height: int, width: int
+) -> dict[str, np.ndarray]:
+    return {"images": rng.standard_normal((batch, 3, height, width)).astype(np.float32)}
+
+
+def _stateful_inputs(
+    rng: np.random.Generator, batch: int, height: int, width: int
+) -> dict[str, np.ndarray]:
+    if batch != 1:
+        raise ValueError("the stateful model cannot be batched; use batch=1")
+    return {
+        "x": np.asarray(rng.standard_normal(), dtype=np.float32),
+        "state": rng.standard_normal(STATE_SHAPE).astype(np.float32),
+    }
+
+
+def _slow_inputs(
+    rng: np.random.Generator, batch: int, height: int, width: int
+) -> dict[str, np.ndarray]:
+    # Matches the registry's slow model (default width), not the image width argument.
+    return {"x": rng.standard_normal((batch, SLOW_WIDTH)).astype(np.float32)}
+
+
+#: Builtin models by name. Adding a generator takes one entry: name, factory, inputs.
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("classifier", make_classifier, _classifier_inputs),
+        ModelSpec("detector", make_detector, _detector_inputs),
+        ModelSpec("stateful", make_stateful, _stateful_inputs),
+        ModelSpec("slow", make_slow, _slow_inputs),
+    )
+}
+
+
+def make_all(
+    directory: PathLike, *, progress: Callable[[str, Path], None] | None = None
+) -> dict[str, Path]:
+    """Write every builtin model as ``<directory>/<name>.onnx`` and return name -> path.
+
+    ``directory`` is created if missing; ``progress(name, path)`` is called after each
+    model is written.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Path] = {}
+    for name, spec in BUILTIN_MODELS.items():
+        written[name] = spec(root / spec.filename)
+        if progress is not None:
+            progress(name, written[name])
+    return written
+
+
+def random_inputs(
+    model_name: str,
+    batch: int = 1,
+    *,
+    seed: int = DEFAULT_SEED,
+    height: int = 32,
+    width: int = 32,
+) -> dict[str, np.ndarray]:
+    """Return a valid, deterministic input feed for the builtin model ``model_name``.
+
+    ``batch`` is the leading dim (must be 1 for ``stateful``); ``height``/``width``
+    only affect ``detector``. ``slow`` inputs use the default width (256).
+    """
+    spec = BUILTIN_MODELS.get(model_name)
+    if spec is None:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise ValueError(f"unknown builtin model {model_name!r}; known: {known}")
+    if batch < 1 or height < 1 or width < 1:
+        raise ValueError("batch, height and width must all be >= 1")
+    return spec.inputs(np.random.default_rng(seed), batch, height, width)
+
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "IR_VERSION",
+    "OPSET",
+    "InputMaker",
+    "ModelSpec",
+    "calibrate_slow",
+    "make_all",
+    "make_classifier",
+    "make_detector",
+    "make_slow",
+    "make_stateful",
+    "random_inputs",
+]
