@@ -62,20 +62,20 @@ class ModelManager:
         """Load every model once: read its signature, warm it up, measure its cost per
         batch size, and keep it resident while the budget allows (in config order)."""
         for name in self._configs:
-            engine = self._load(name)
+            # Probing may briefly exceed the budget by one model: residents stay put.
+            engine = self._load(name, evict=False)
             info = self._info[name]
             if progress:
                 progress(f"{name}: loaded in {info.load_s * 1000:.0f} ms")
             if info.config.warmup:
                 info.costs_s = measure_costs(engine, info.config)
-                params = info.config.batching
-                info.batch_limit = (
-                    batch_limit(info.costs_s, params.max_batch_size, params.min_gain)
-                    if params.only_if_faster and info.signature.batchable
-                    else params.max_batch_size
-                )
+            params = info.config.batching
             if not info.signature.batchable:
                 info.batch_limit = 1
+            elif params.only_if_faster:
+                info.batch_limit = batch_limit(info.costs_s, params.max_batch_size, params.min_gain)
+            else:
+                info.batch_limit = params.max_batch_size
             if sum(self._info[m].memory_mb for m in self._resident) > self._budget_mb:
                 self.unload(name)
 
@@ -114,7 +114,7 @@ class ModelManager:
         for name in list(self._resident):
             self.unload(name)
 
-    def _load(self, name: str) -> Engine:
+    def _load(self, name: str, *, evict: bool = True) -> Engine:
         config = self._configs.get(name)
         if config is None:
             self.info(name)  # raises ModelNotFound with the list of known models
@@ -126,7 +126,8 @@ class ModelManager:
                 f"budget of {self._budget_mb:.0f} MB; raise memory_budget_mb or memory_mb"
             )
         while (
-            self._resident
+            evict
+            and self._resident
             and sum(self._info[m].memory_mb for m in self._resident) + need > self._budget_mb
         ):
             self.unload(next(iter(self._resident)))

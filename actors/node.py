@@ -12,7 +12,7 @@ import contextlib
 import resource
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -396,7 +396,9 @@ class NodeRuntime:
         )
 
 
-def _forward(target: asyncio.Future[Reply], request_id: str):  # type: ignore[no-untyped-def]
+def _forward(
+    target: asyncio.Future[Reply], request_id: str
+) -> Callable[[asyncio.Future[Reply]], None]:
     """Give a superseded caller the answer of the request that replaced it."""
 
     def copy(source: asyncio.Future[Reply]) -> None:

@@ -137,8 +137,8 @@ class LocalScheduler:
             return self._refuse(req, "node is draining and takes no new work", retry=0.0)
         if req.deadline is not None and req.deadline <= now:
             req.move(S.EXPIRED)
-            err = DeadlineExceeded("deadline had passed on arrival", request_id=req.id)
-            return Admission(False, (Outcome(req, S.EXPIRED, err),))
+            late = DeadlineExceeded("deadline had passed on arrival", request_id=req.id)
+            return Admission(False, (Outcome(req, S.EXPIRED, late),))
         rank = self._order.rank(req.priority)
         dup = self._keys.get((req.model, req.key)) if req.key is not None else None
         load = QueueLoad(
@@ -160,12 +160,12 @@ class LocalScheduler:
         for victim_id in decision.evict:
             victim = self._queued[victim_id]
             self._remove(victim, S.EVICTED)
-            err = Evicted(
+            evicted = Evicted(
                 f"evicted from a full queue by a priority-{req.priority} request; "
                 "retry later or at a higher priority",
                 request_id=victim.id,
             )
-            settled.append(Outcome(victim, S.EVICTED, err))
+            settled.append(Outcome(victim, S.EVICTED, evicted))
         req.seq = self._seq
         self._seq += 1
         req.move(S.QUEUED)

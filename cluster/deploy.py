@@ -40,7 +40,7 @@ def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[
     handles: dict[str, ActorHandle] = {}
     specs: list[NodeSpec] = config.node_specs()
     for spec in specs:
-        handles[spec.name] = remote_node.options(  # type: ignore[attr-defined]
+        handles[spec.name] = remote_node.options(
             name=actor_name(config.fleet.name, spec.name),
             namespace=NAMESPACE,
             num_cpus=spec.num_cpus,

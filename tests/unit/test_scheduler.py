@@ -244,7 +244,12 @@ def test_failing_batch_is_split_so_only_the_bad_request_fails():
 
 @pytest.mark.parametrize(
     ("running", "arrival", "gap", "enabled", "preempt"),
-    [(3, 10, 5, True, True), (3, 7, 5, True, False), (0, 7, 5, True, True), (3, 10, 5, False, False)],
+    [
+        (3, 10, 5, True, True),
+        (3, 7, 5, True, False),
+        (0, 7, 5, True, True),
+        (3, 10, 5, False, False),
+    ],
 )
 def test_preemption_gap_rule(running, arrival, gap, enabled, preempt):
     h = Harness(gap=gap, preempt=enabled)

@@ -1,0 +1,252 @@
+"""The node runtime (asyncio loop + engine thread) with fake engines, without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from actors.node import NodeRuntime
+from edgefleet.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    EdgeFleetError,
+    EngineError,
+    InvalidInput,
+    ModelNotFound,
+    Rejected,
+    Superseded,
+)
+from edgefleet.request import InferRequest
+from tests.fakes import FakeLoader, fake_spec, x
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def started(spec=None, **engines):
+    loader = FakeLoader(**engines)
+    node = NodeRuntime(spec or fake_spec(), loader=loader)
+    await node.start()
+    return node, loader
+
+
+def req(model="m", value=1.0, priority=3, **kw):
+    return InferRequest(model=model, inputs=x(value), priority=priority, **kw)
+
+
+def test_results_and_typed_errors_reach_callers():
+    async def main():
+        node, _ = await started()
+        good = await node.infer(req(value=2.0))
+        np.testing.assert_array_equal(good.unwrap()["y"], x(4.0)["x"])
+        bad = await node.infer(InferRequest(model="m", inputs={"x": np.zeros((1, 5), np.float32)}))
+        assert isinstance(bad.error, InvalidInput) and "x" in str(bad.error)
+        missing = await node.infer(req(model="nope"))
+        assert isinstance(missing.error, ModelNotFound)
+        failed = await node.infer(req(value=-1.0))
+        assert isinstance(failed.error, EngineError)
+        await node.stop()
+
+    run(main())
+
+
+def test_batch_failure_fails_only_the_bad_request():
+    batching = {"window_ms": 50, "max_batch_size": 8, "only_if_faster": False}
+    spec = fake_spec({"m": {"batching": batching}})
+
+    async def main():
+        node, loader = await started(spec)
+        warmup_calls = len(loader.engines["m"].calls)
+        values = [1.0, 2.0, -1.0, 3.0]
+        replies = await asyncio.gather(*(node.infer(req(value=v)) for v in values))
+        errors = [type(r.error).__name__ if r.error else None for r in replies]
+        assert errors == [None, None, "EngineError", None]
+        assert loader.engines["m"].calls[warmup_calls] == 4  # they were batched first
+        await node.stop()
+
+    run(main())
+
+
+def test_dedup_follow_gives_the_older_caller_the_newer_result():
+    spec = fake_spec({"m": {"dedup": "follow"}, "b": {}})
+
+    async def main():
+        node, _ = await started(spec, b={"cost_s": 0.2})
+        blocker = asyncio.create_task(node.infer(req(model="b")))
+        await asyncio.sleep(0.05)
+        old = asyncio.create_task(node.infer(req(value=1.0, key="frame", id="old")))
+        await asyncio.sleep(0)
+        new = asyncio.create_task(node.infer(req(value=5.0, key="frame", id="new")))
+        r_old, r_new, _ = await asyncio.gather(old, new, blocker)
+        assert r_old.request_id == "old" and r_new.request_id == "new"
+        np.testing.assert_array_equal(r_old.unwrap()["y"], r_new.unwrap()["y"])
+        assert node.status().counters["superseded"] == 1
+        await node.stop()
+
+    run(main())
+
+
+def test_dedup_supersede_mode_raises_superseded():
+    async def main():
+        node, _ = await started(fake_spec({"m": {}, "b": {}}), b={"cost_s": 0.2})
+        blocker = asyncio.create_task(node.infer(req(model="b")))
+        await asyncio.sleep(0.05)
+        old = asyncio.create_task(node.infer(req(key="k")))
+        await asyncio.sleep(0)
+        new = asyncio.create_task(node.infer(req(key="k")))
+        r_old, r_new, _ = await asyncio.gather(old, new, blocker)
+        assert isinstance(r_old.error, Superseded) and r_new.error is None
+        await node.stop()
+
+    run(main())
+
+
+def test_preemption_aborts_and_requeues_background():
+    async def main():
+        node, loader = await started(m={"cost_s": 0.3})
+        bg = asyncio.create_task(node.infer(req(priority=3, id="bg")))
+        await asyncio.sleep(0.05)
+        fg = asyncio.create_task(node.infer(req(priority=10, id="fg")))
+        done, _ = await asyncio.wait({bg, fg}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {fg}, "the foreground request must finish first"
+        r_bg = await bg
+        assert r_bg.error is None  # aborted, requeued, then completed
+        counters = node.status().counters
+        assert counters["preempted"] == 1 and counters["completed"] == 2
+        await node.stop()
+
+    run(main())
+
+
+def test_small_priority_gap_does_not_preempt():
+    async def main():
+        node, _ = await started(m={"cost_s": 0.2})
+        bg = asyncio.create_task(node.infer(req(priority=3)))
+        await asyncio.sleep(0.05)
+        inline = asyncio.create_task(node.infer(req(priority=7)))
+        done, _ = await asyncio.wait({bg, inline}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {bg}
+        await inline
+        assert "preempted" not in node.status().counters
+        await node.stop()
+
+    run(main())
+
+
+def test_deadline_fails_while_engine_busy_without_running():
+    async def main():
+        node, loader = await started(fake_spec({"m": {}, "b": {}}), b={"cost_s": 0.4})
+        blocker = asyncio.create_task(node.infer(req(model="b")))
+        await asyncio.sleep(0.05)
+        late = await node.infer(
+            req(priority=3, deadline_unix=InferRequest.deadline_from_timeout(0.05))
+        )
+        assert isinstance(late.error, DeadlineExceeded)
+        assert not blocker.done(), "the deadline fired before the engine was free"
+        calls = len(loader.engines["m"].calls)
+        await blocker
+        assert len(loader.engines["m"].calls) == calls
+        await node.stop()
+
+    run(main())
+
+
+def test_cancel_queued_and_running():
+    async def main():
+        node, _ = await started(m={"cost_s": 5.0})
+        running = asyncio.create_task(node.infer(req(id="run")))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(node.infer(req(id="q")))
+        await asyncio.sleep(0)
+        assert node.cancel("q")
+        assert node.cancel("run")
+        r_run, r_q = await asyncio.gather(running, queued)
+        assert isinstance(r_run.error, Cancelled) and isinstance(r_q.error, Cancelled)
+        assert not node.cancel("nope")
+        await node.stop()
+
+    run(main())
+
+
+def test_drain_finishes_queued_work_then_refuses():
+    async def main():
+        node, _ = await started(m={"cost_s": 0.02})
+        tasks = [asyncio.create_task(node.infer(req(value=i + 1))) for i in range(5)]
+        await asyncio.sleep(0)
+        status = await node.drain()
+        assert status.state == "drained" and status.queue_length == 0
+        assert status.counters["completed"] == 5
+        assert all(r.error is None for r in await asyncio.gather(*tasks))
+        refused = await node.infer(req())
+        assert isinstance(refused.error, Rejected) and "draining" in str(refused.error)
+        await node.stop()
+
+    run(main())
+
+
+def test_model_switch_within_memory_budget():
+    spec = fake_spec({"a": {"memory_mb": 60}, "b": {"memory_mb": 60}}, budget_mb=100)
+
+    async def main():
+        node, loader = await started(spec)
+        assert [m.name for m in node.status().models if m.loaded] == ["a"]
+        r = await node.infer(req(model="b", value=3.0))
+        assert r.error is None
+        assert [m.name for m in node.status().models if m.loaded] == ["b"]
+        assert loader.engines["a"].closed
+        status = await node.switch_model("a")
+        assert [m.name for m in status.models if m.loaded] == ["a"]
+        assert loader.loads == ["a", "b", "b", "a"]
+        with pytest.raises(ModelNotFound):
+            await node.switch_model("zzz")
+        await node.stop()
+
+    run(main())
+
+
+def test_requests_arriving_during_a_switch_wait_and_succeed():
+    spec = fake_spec({"a": {"memory_mb": 60}, "b": {"memory_mb": 60}}, budget_mb=100)
+
+    async def main():
+        node, _ = await started(spec)
+        switch = asyncio.create_task(node.switch_model("b"))
+        replies = await asyncio.gather(*(node.infer(req(model="a")) for _ in range(3)))
+        await switch
+        assert all(r.error is None for r in replies)
+        await node.stop()
+
+    run(main())
+
+
+def test_flood_every_request_answered_exactly_once():
+    async def main():
+        node, _ = await started(fake_spec(capacity=16), m={"cost_s": 0.001})
+        priorities = [i % 11 for i in range(2000)]
+        replies = await asyncio.gather(
+            *(node.infer(req(priority=p, id=f"r{i}")) for i, p in enumerate(priorities))
+        )
+        assert sorted(r.request_id for r in replies) == sorted(f"r{i}" for i in range(2000))
+        for r in replies:
+            assert (r.outputs is None) != (r.error is None)
+            assert r.error is None or isinstance(r.error, EdgeFleetError)
+        c = node.status().counters
+        assert c["completed"] + c.get("rejected", 0) + c.get("evicted", 0) == 2000
+        assert c["completed"] >= 16
+        await node.stop()
+
+    run(main())
+
+
+def test_stop_cancels_queued_callers():
+    async def main():
+        node, _ = await started(m={"cost_s": 5.0})
+        tasks = [asyncio.create_task(node.infer(req())) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        await node.stop()
+        replies = await asyncio.gather(*tasks)
+        assert all(isinstance(r.error, Cancelled) for r in replies)
+
+    run(main())
