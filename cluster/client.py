@@ -144,6 +144,15 @@ class FleetClient:
         assert reply is not None
         return reply
 
+    def submit(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> ray.ObjectRef:
+        """Send one request without waiting; returns a Ray reference to its :class:`Reply`.
+
+        For pipelining many requests from one process (``ray.wait`` / ``ray.get`` on the
+        references). No spill: the request goes to one node, which may refuse it.
+        """
+        request, candidates = self._prepare(model, inputs, **kw)
+        return self._nodes[candidates[0]].infer.remote(request)
+
     async def infer_async(
         self,
         model: str,
