@@ -1,0 +1,58 @@
+"""Shared fixtures: generated models (never downloaded) and one Ray cluster per session."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgefleet.modelgen import make_all
+
+_fleet_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("models")
+    make_all(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    """One embedded Ray cluster on loopback for every integration test."""
+    import ray
+
+    ray.init(
+        address="local",
+        namespace="edgefleet",
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        logging_level=logging.WARNING,
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def make_fleet(ray_session: None, models_dir: Path) -> Iterator[Any]:
+    """Deploy a fleet from a config dict on the session cluster; torn down after the test."""
+    from cluster.client import FleetClient
+    from edgefleet.config import parse_config
+
+    clients: list[FleetClient] = []
+
+    def make(config: dict[str, Any]) -> FleetClient:
+        config = {"fleet": {"name": f"test-{next(_fleet_ids)}"}, **config}
+        client = FleetClient.local(parse_config(config, models_dir))
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()

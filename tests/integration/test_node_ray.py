@@ -1,0 +1,208 @@
+"""Node actors on a real Ray cluster serving generated ONNX models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import ray
+
+from edgefleet.errors import (
+    DeadlineExceeded,
+    EdgeFleetError,
+    InvalidInput,
+    ModelNotFound,
+    Rejected,
+)
+from edgefleet.modelgen import calibrate_slow, random_inputs
+
+pytestmark = pytest.mark.integration
+
+
+def ort_run(models_dir, name, inputs):
+    session = ort.InferenceSession(str(models_dir / f"{name}.onnx"))
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, inputs), strict=True))
+
+
+def test_batched_results_equal_direct_onnx_runtime(make_fleet, models_dir):
+    batching = {"window_ms": 30, "max_batch_size": 8, "only_if_faster": False}
+    fleet = make_fleet(
+        {
+            "models": {
+                "classifier": {"path": "classifier.onnx", "batching": batching},
+                "detector": {"path": "detector.onnx", "batching": batching},
+            }
+        }
+    )
+    cases = [("classifier", random_inputs("classifier", seed=i)) for i in range(12)]
+    cases += [
+        ("detector", random_inputs("detector", seed=i, height=16 + 8 * (i % 3), width=24))
+        for i in range(9)
+    ]
+    refs = [fleet.submit(m, inp, priority=i % 11) for i, (m, inp) in enumerate(cases)]
+    replies = ray.get(refs, timeout=60)
+    assert max(r.batch_size for r in replies) > 1, "requests should have been batched"
+    for (model, inputs), reply in zip(cases, replies, strict=True):
+        expected = ort_run(models_dir, model, inputs)
+        for name, value in reply.unwrap().items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_unbatchable_model_under_concurrent_requests(make_fleet, models_dir):
+    fleet = make_fleet({"models": {"stateful": {"path": "stateful.onnx"}}})
+    rng = np.random.default_rng(7)
+    cases = [
+        {
+            "x": np.asarray(rng.standard_normal(), dtype=np.float32),
+            "state": rng.standard_normal((2, 1, 16)).astype(np.float32),
+        }
+        for _ in range(40)
+    ]
+    replies = ray.get([fleet.submit("stateful", c) for c in cases], timeout=60)
+    assert all(r.batch_size == 1 for r in replies)
+    for case, reply in zip(cases, replies, strict=True):
+        expected = ort_run(models_dir, "stateful", case)
+        out = reply.unwrap()
+        np.testing.assert_allclose(out["new_state"], expected["new_state"], rtol=1e-5)
+        np.testing.assert_allclose(out["y"], expected["y"], rtol=1e-5)
+
+
+def test_bad_inputs_fail_alone_while_good_requests_succeed(make_fleet):
+    fleet = make_fleet(
+        {
+            "models": {
+                "classifier": {
+                    "path": "classifier.onnx",
+                    "max_input_bytes": 100_000,
+                    "batching": {"window_ms": 20, "max_batch_size": 8, "only_if_faster": False},
+                }
+            }
+        }
+    )
+    good = random_inputs("classifier")
+    bad = {
+        "wrong dtype": ({"images": good["images"].astype(np.float64)}, "float32 [N,3,32,32]"),
+        "wrong rank": ({"images": good["images"][0]}, "got float32 [3,32,32]"),
+        "unknown input": ({**good, "extra": good["images"]}, "unknown input 'extra'"),
+        "missing input": ({}, "missing input 'images'"),
+        "oversize": (
+            {"images": np.zeros((16, 3, 32, 32), np.float32)},
+            "the limit is 100000 bytes",
+        ),
+    }
+    refs = []
+    for i in range(20):
+        refs.append(("good", fleet.submit("classifier", good)))
+        name, (inputs, _) = list(bad.items())[i % len(bad)]
+        refs.append((name, fleet.submit("classifier", inputs)))
+    for name, ref in refs:
+        reply = ray.get(ref, timeout=60)
+        if name == "good":
+            assert reply.error is None
+        else:
+            assert isinstance(reply.error, InvalidInput), name
+            assert bad[name][1] in str(reply.error)
+    with pytest.raises(InvalidInput, match="unknown input"):
+        fleet.infer("classifier", {"pixels": good["images"]})
+    with pytest.raises(ModelNotFound):
+        fleet.infer("nope", good)
+    with pytest.raises(InvalidInput, match="priority"):
+        fleet.infer("classifier", good, priority="urgent")
+    assert fleet.status().totals["completed"] >= 20
+
+
+def test_flood_of_10000_requests_all_answered_memory_bounded(make_fleet):
+    fleet = make_fleet(
+        {
+            "models": {"slow": {"path": "slow.onnx"}},
+            "node_defaults": {"queue": {"capacity": 64}},
+        }
+    )
+    before = fleet.status().nodes[0]
+    inputs = random_inputs("slow")
+    refs = [fleet.submit("slow", inputs, priority=i % 11) for i in range(10_000)]
+    replies = ray.get(refs, timeout=300)
+    after = fleet.status().nodes[0]
+    kinds: dict[str, int] = {}
+    for reply in replies:
+        assert (reply.outputs is None) != (reply.error is None)
+        assert reply.error is None or isinstance(reply.error, EdgeFleetError)
+        kind = "ok" if reply.error is None else type(reply.error).__name__
+        kinds[kind] = kinds.get(kind, 0) + 1
+    assert len({r.request_id for r in replies}) == 10_000
+    assert set(kinds) <= {"ok", "Rejected", "Evicted"}
+    assert kinds["ok"] >= 64
+    growth = after.peak_rss_mb - before.rss_mb
+    print(f"\nflood: {kinds}; node peak RSS {after.peak_rss_mb:.0f} MB (+{growth:.0f} MB)")
+    assert growth < 300, f"node memory grew by {growth:.0f} MB under a bounded queue"
+    assert after.queue_length == 0
+
+
+def test_foreground_overtakes_background_backlog(make_fleet, models_dir):
+    calibrate_slow(models_dir / "heavy.onnx", 5.0)
+    fleet = make_fleet({"models": {"heavy": {"path": "heavy.onnx"}}})
+    inputs = random_inputs("slow")
+    backlog = [fleet.submit("heavy", inputs, priority="background") for _ in range(30)]
+    time.sleep(0.02)
+    fg = fleet.infer_reply("heavy", inputs, priority="foreground")
+    bg = ray.get(backlog, timeout=60)
+    assert fg.error is None and all(r.error is None for r in bg)
+    last_bg_wait = max(r.queue_s for r in bg)
+    # The foreground request waits for at most the call in progress, not the backlog.
+    assert fg.queue_s < 0.25 * last_bg_wait, (fg.queue_s, last_bg_wait)
+
+
+def test_deadline_and_rejection_reach_the_caller(make_fleet):
+    fleet = make_fleet(
+        {
+            "models": {"slow": {"path": "slow.onnx"}},
+            "node_defaults": {"queue": {"capacity": 2}},
+        }
+    )
+    inputs = random_inputs("slow")
+    with pytest.raises(DeadlineExceeded):
+        fleet.infer("slow", inputs, deadline_s=-1.0)
+    refs = [fleet.submit("slow", inputs, priority="foreground") for _ in range(50)]
+    errors = [r.error for r in ray.get(refs, timeout=60) if r.error is not None]
+    assert errors and all(isinstance(e, Rejected) for e in errors)
+    assert all(e.retry_after_s > 0 and "queue full" in str(e) for e in errors)
+
+
+def test_async_client_and_drain(make_fleet):
+    fleet = make_fleet({"models": {"classifier": {"path": "classifier.onnx"}}})
+    inputs = random_inputs("classifier")
+
+    async def many():
+        return await asyncio.gather(*(fleet.infer_async("classifier", inputs) for _ in range(10)))
+
+    with ThreadPoolExecutor(1) as pool:  # a fresh event loop, as a service would have
+        outs = pool.submit(asyncio.run, many()).result(timeout=60)
+    assert all(o["logits"].shape == (1, 10) for o in outs)
+    status = fleet.drain("edge-0")
+    assert status.state == "drained"
+    with pytest.raises(Rejected, match="draining"):
+        fleet.infer("classifier", inputs)
+
+
+def test_switch_model_on_a_real_node(make_fleet):
+    fleet = make_fleet(
+        {
+            "models": {
+                "classifier": {"path": "classifier.onnx", "memory_mb": 60},
+                "detector": {"path": "detector.onnx", "memory_mb": 60},
+            },
+            "node_defaults": {"memory_budget_mb": 100},
+        }
+    )
+    loaded = [m.name for m in fleet.status().nodes[0].models if m.loaded]
+    assert loaded == ["classifier"]
+    status = fleet.switch_model("edge-0", "detector")
+    assert [m.name for m in status.models if m.loaded] == ["detector"]
+    out = fleet.infer("classifier", random_inputs("classifier"))  # switches back on demand
+    assert out["logits"].shape == (1, 10)
+    assert fleet.status().nodes[0].counters["model_loads"] == 2
