@@ -13,7 +13,14 @@ from edgefleet.config import FleetConfig, NodeSpec
 
 NAMESPACE = "edgefleet"
 LOOPBACK = "127.0.0.1"
-NODE_MAX_CONCURRENCY = 4096  # concurrent infer() calls one node actor holds open
+
+
+def max_concurrency(spec: NodeSpec) -> int:
+    """Concurrent calls a node actor holds open: its queue plus headroom for arrivals
+    being admitted or refused. More would only hold memory for calls Ray can keep."""
+    return max(1024, spec.queue.capacity + 256)
+
+
 Progress = Callable[[str], None]
 
 
@@ -44,7 +51,7 @@ def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[
             name=actor_name(config.fleet.name, spec.name),
             namespace=NAMESPACE,
             num_cpus=spec.num_cpus,
-            max_concurrency=NODE_MAX_CONCURRENCY,
+            max_concurrency=max_concurrency(spec),
             max_restarts=0,
         ).remote(spec)
     pending = {h.start.remote(): name for name, h in handles.items()}

@@ -58,7 +58,10 @@ nodes:
             "models.a.batching.window_ms (line 4)",
         ),
         ("models:\n  a: {path: a.onnx, kind: llm}\n", "models.a.kind (line 2): Input should be"),
-        ("models:\n  a: {path: ../../etc/a.onnx}\n", "models.a.path (line 2): ../../etc/a.onnx is outside"),
+        (
+            "models:\n  a: {path: ../../etc/a.onnx}\n",
+            "models.a.path (line 2): ../../etc/a.onnx is outside",
+        ),
         ("models: {}\n", "at least one model"),
         ("priorities: {urgent: 11}\nmodels: {a: {path: a.onnx}}\n", "priorities (line 1)"),
         ("models: {a: {path: a.onnx}}\nnodes: [{name: n, models: [b]}]\n", "unknown model 'b'"),
