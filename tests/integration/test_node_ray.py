@@ -127,7 +127,7 @@ def test_flood_of_10000_requests_all_answered_memory_bounded(make_fleet):
     kinds: dict[str, int] = {}
     ids: set[str] = set()
     peaks = [fleet.status().nodes[0].rss_mb]
-    for wave in range(2):  # two waves of 5,000: the second must not grow the node further
+    for _ in range(2):  # two waves of 5,000: the second must not grow the node further
         refs = [fleet.submit("slow", inputs, priority=i % 11) for i in range(5_000)]
         for reply in ray.get(refs, timeout=300):
             assert (reply.outputs is None) != (reply.error is None)
@@ -140,9 +140,8 @@ def test_flood_of_10000_requests_all_answered_memory_bounded(make_fleet):
     assert len(ids) == 10_000 and sum(kinds.values()) == 10_000
     assert set(kinds) <= {"ok", "Rejected", "Evicted"}
     assert kinds["ok"] >= 128
-    print(
-        f"\nflood: {kinds}; node RSS idle {peaks[0]:.0f} MB, peak {peaks[1]:.0f} / {peaks[2]:.0f} MB"
-    )
+    idle, first, second = peaks
+    print(f"\nflood: {kinds}; node RSS idle {idle:.0f} MB, peak {first:.0f} / {second:.0f} MB")
     assert peaks[2] - peaks[1] < 50, f"node memory kept growing: {peaks}"
     assert after.queue_length == 0 and after.running is None
 
