@@ -23,7 +23,7 @@ from actors.models import Loader, ModelManager, load_onnx
 from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import NodeSpec
-from edgefleet.errors import EdgeFleetError, EngineError, Rejected
+from edgefleet.errors import EdgeFleetError, EngineError, InvalidInput, Rejected
 from edgefleet.request import InferRequest, Request, RequestState
 from policies import QUEUE_ORDERS, BatchParams, PreemptionParams, QueueLimits
 
@@ -143,7 +143,7 @@ class NodeRuntime:
         plan = self._sched.running
         if plan is not None:
             for r in plan.requests:
-                r.extra["cancel"] = True
+                r.cancel_requested = True
             self._settle(self._sched.finish(plan, aborted=True))
         self._state = "stopped"
         await asyncio.get_running_loop().run_in_executor(self._executor, self._models.close)
@@ -215,7 +215,7 @@ class NodeRuntime:
         )
         priority = request.priority
         if not 0 <= priority <= 10:
-            raise Rejected(f"priority must be 0-10, got {priority}")
+            raise InvalidInput(f"priority must be 0-10, got {priority}")
         now = self._clock.now()
         deadline = None
         if request.deadline_unix is not None:

@@ -239,7 +239,7 @@ class LocalScheduler:
         settled: list[Outcome] = []
         requeue: list[Request] = []
         for r in plan.requests:
-            if r.extra.get("cancel"):
+            if r.cancel_requested:
                 r.move(S.CANCELLED)
                 settled.append(Outcome(r, S.CANCELLED, Cancelled("cancelled", request_id=r.id)))
             elif aborted or (error is not None and len(plan.requests) > 1):
@@ -281,8 +281,8 @@ class LocalScheduler:
             return None, False
         for r in plan.requests:
             if r.id == request_id:
-                r.extra["cancel"] = True
-        return None, all(r.extra.get("cancel") for r in plan.requests)
+                r.cancel_requested = True
+        return None, all(r.cancel_requested for r in plan.requests)
 
     def expire(self, request_id: str) -> Outcome | None:
         """Fail a still-queued request whose deadline has passed (a timer fired)."""

@@ -7,7 +7,6 @@ import time
 import uuid
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -139,7 +138,7 @@ class Request:
     isolate: bool = False  # run alone: its last batch failed
     preemptions: int = 0
     started: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    cancel_requested: bool = False  # running when cancelled: drop its result
 
     def move(self, new: RequestState) -> None:
         if new not in TRANSITIONS.get(self.state, frozenset()):
