@@ -305,6 +305,7 @@ class NodeRuntime:
             inputs = [r.inputs for r in plan.requests]
             results = await loop.run_in_executor(self._executor, engine.run, inputs)
         except RunAborted:
+            self._counters["preemptions"] += 1
             self._counters["preempted"] += len(plan.requests)
             outcomes = self._sched.finish(plan, aborted=True)
         except EdgeFleetError as exc:

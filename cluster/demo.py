@@ -50,7 +50,7 @@ def default_streams() -> list[Stream]:
     return [
         Stream("chat-ui", "classifier", "foreground", rate_hz=8),
         Stream("camera", "detector", "inline", rate_hz=15, deadline_s=0.25, key="camera-0"),
-        Stream("batch-jobs", "slow", "background", in_flight=160),
+        Stream("batch-jobs", "heavy", "background", in_flight=160),
         Stream("indexer", "stateful", "offline", rate_hz=20),
     ]
 
@@ -70,7 +70,7 @@ def ensure_models(config: FleetConfig, out: Print) -> None:
 def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[str, ClassStats]:
     config = load_config(config_path)
     ensure_models(config, out)
-    inputs = {m: random_inputs(m) for m in ("classifier", "detector", "stateful", "slow")}
+    inputs = {s.model: random_inputs(s.model) for s in default_streams()}
     streams = default_streams()
     stats = {s.priority: ClassStats() for s in streams}
     ran_on: Counter[str] = Counter()
@@ -167,7 +167,8 @@ def report(
             f"{k} {totals.get(k, 0)}"
             for k in ("admitted", "completed", "rejected", "evicted", "superseded", "expired")
         )
-        + f", preempted runs {totals.get('preempted', 0)}"
+        + f"; {totals.get('preemptions', 0)} engine calls preempted"
+        + f" ({totals.get('preempted', 0)} requests requeued)"
     )
     lines.append("ran on: " + ", ".join(f"{n} {c}" for n, c in sorted(ran_on.items())))
     return "\n".join(lines)

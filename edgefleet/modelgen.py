@@ -11,6 +11,7 @@ Builtin models (see :data:`BUILTIN_MODELS`):
 * ``detector``   -- ``images[N,3,H,W] -> heatmap[N,5,H,W], scores[N,5]``
 * ``stateful``   -- ``x[], state[2,1,16] -> y[], new_state[2,1,16]`` (not batchable)
 * ``slow``       -- ``x[N,256] -> y[N,256]`` (tunable cost, see :func:`calibrate_slow`)
+* ``heavy``      -- the slow model deep enough to keep an engine busy (a few ms per call)
 """
 
 from __future__ import annotations
@@ -398,6 +399,16 @@ class ModelSpec:
         return self.factory(Path(path))
 
 
+HEAVY_LAYERS = 1500
+
+
+def make_heavy(path: PathLike, *, seed: int = DEFAULT_SEED) -> Path:
+    """The slow model made deep enough to cost a few milliseconds per call on a CPU
+    core (about 5 ms at batch 1 on the reference machine): background work that keeps
+    an engine busy. Signature as :func:`make_slow` with the default width."""
+    return make_slow(path, layers=HEAVY_LAYERS, seed=seed)
+
+
 def _classifier_inputs(
     rng: np.random.Generator, batch: int, height: int, width: int
 ) -> dict[str, np.ndarray]:
@@ -438,6 +449,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("detector", make_detector, _detector_inputs),
         ModelSpec("stateful", make_stateful, _stateful_inputs),
         ModelSpec("slow", make_slow, _slow_inputs),
+        ModelSpec("heavy", make_heavy, _slow_inputs),
     )
 }
 
@@ -492,6 +504,7 @@ __all__ = [
     "make_all",
     "make_classifier",
     "make_detector",
+    "make_heavy",
     "make_slow",
     "make_stateful",
     "random_inputs",

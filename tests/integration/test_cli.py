@@ -34,8 +34,14 @@ def test_models_make_writes_every_model(tmp_path):
     result = edgefleet("models", "make", str(tmp_path / "m"))
     assert result.returncode == 0, result.stderr
     names = sorted(p.name for p in (tmp_path / "m").glob("*.onnx"))
-    assert names == ["classifier.onnx", "detector.onnx", "slow.onnx", "stateful.onnx"]
-    assert "[4/4]" in result.stdout
+    assert names == [
+        "classifier.onnx",
+        "detector.onnx",
+        "heavy.onnx",
+        "slow.onnx",
+        "stateful.onnx",
+    ]
+    assert "[5/5]" in result.stdout
     bad = edgefleet("models", "make", str(tmp_path / "m"), "--only", "gpt5")
     assert bad.returncode == 2 and "unknown model" in bad.stderr
 

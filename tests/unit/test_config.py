@@ -23,7 +23,7 @@ def test_shipped_local_config_is_valid():
     specs = config.node_specs()
     assert [s.name for s in specs] == ["edge-0", "edge-1"]
     assert specs[0].models["detector"].batching.max_batch_size == 4
-    assert config.models["slow"].path == REPO / "configs" / "models" / "slow.onnx"
+    assert config.models["heavy"].path == REPO / "configs" / "models" / "heavy.onnx"
 
 
 def test_defaults_and_explicit_nodes(tmp_path):

@@ -278,9 +278,9 @@ def test_make_all_writes_everything_and_reports(tmp_path: Path) -> None:
 
     # Compare against the registry so adding a generator later does not break this test.
     expected = set(BUILTIN_MODELS)
-    assert {"classifier", "detector", "stateful", "slow"} <= expected
+    assert {"classifier", "detector", "stateful", "slow", "heavy"} == expected
     assert set(written) == expected
-    assert len(calls) == len(expected) == 4
+    assert len(calls) == len(expected) == 5
     assert {name for name, _ in calls} == expected
     for name, path in calls:
         assert path == written[name] == target / f"{name}.onnx"
