@@ -305,8 +305,10 @@ class NodeRuntime:
             inputs = [r.inputs for r in plan.requests]
             results = await loop.run_in_executor(self._executor, engine.run, inputs)
         except RunAborted:
-            self._counters["preemptions"] += 1
-            self._counters["preempted"] += len(plan.requests)
+            requeued = sum(not r.cancel_requested for r in plan.requests)
+            if requeued:  # aborted for a more urgent arrival, not (only) for a cancel
+                self._counters["preemptions"] += 1
+                self._counters["preempted"] += requeued
             outcomes = self._sched.finish(plan, aborted=True)
         except EdgeFleetError as exc:
             outcomes = self._sched.finish(plan, error=exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -64,10 +65,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    sys.path.insert(0, os.getcwd())  # the benchmarks live in the source checkout
     try:
         from bench.run import main as bench_main
     except ImportError:
-        _err("the benchmarks live in the source checkout (bench/); run from there")
+        _err("the benchmarks live in the source checkout (bench/); run from its top folder")
         return 2
     return bench_main(args.rest)
 
@@ -122,15 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="run the benchmarks and print the report (see bench/RESULTS.md)",
-        epilog="example: edgefleet bench --quick",
+        description="Run the benchmarks from the source checkout. Options go to bench.run: "
+        "--quick (a short smoke run), --only NAME ..., --out PATH.",
+        epilog="example: edgefleet bench --quick --out /tmp/results.md",
     )
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for bench.run")
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return int(args.func(args))
     except EdgeFleetError as exc:

@@ -15,10 +15,12 @@ from ray.actor import ActorHandle
 from actors.node import NodeStatus, Reply
 from cluster.deploy import deploy_nodes, start_local_ray, teardown
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import ModelNotFound, Rejected
+from edgefleet.errors import ModelNotFound, NodeLost, Rejected
 from edgefleet.request import InferRequest, new_request_id, resolve_priority
 
 Progress = Callable[[str], None]
+CONTROL_TIMEOUT_S = 30.0
+SWITCH_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class FleetClient:
         request, candidates = self._prepare(model, inputs, **kw)
         reply: Reply | None = None
         for node in candidates:
-            reply = ray.get(self._nodes[node].infer.remote(request))
+            (reply,) = _get([self._nodes[node].infer.remote(request)], None, "infer")
             if not isinstance(reply.error, Rejected):
                 return reply
         assert reply is not None
@@ -202,25 +204,40 @@ class FleetClient:
 
     # -------------------------------------------------------------------- control
 
-    def status(self) -> FleetStatus:
+    def status(self, timeout_s: float = CONTROL_TIMEOUT_S) -> FleetStatus:
         names = list(self._nodes)
-        snaps = ray.get([self._nodes[n].status.remote() for n in names])
+        snaps = _get([self._nodes[n].status.remote() for n in names], timeout_s, "status")
         return FleetStatus(self.config.fleet.name, tuple(snaps))
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""
-        found = ray.get([h.cancel.remote(request_id) for h in self._nodes.values()])
-        return any(found)
+        refs = [h.cancel.remote(request_id) for h in self._nodes.values()]
+        return any(_get(refs, timeout_s, "cancel"))
 
-    def switch_model(self, node: str, model: str) -> NodeStatus:
-        return ray.get(self._node(node).switch_model.remote(model))
+    def switch_model(
+        self, node: str, model: str, timeout_s: float = SWITCH_TIMEOUT_S
+    ) -> NodeStatus:
+        """Make ``model`` resident on ``node`` (the current call finishes first)."""
+        (status,) = _get([self._node(node).switch_model.remote(model)], timeout_s, "switch")
+        return status
 
-    def drain(self, node: str) -> NodeStatus:
+    def drain(self, node: str, timeout_s: float | None = None) -> NodeStatus:
         """Stop ``node`` taking new work and wait until its queue is empty."""
-        return ray.get(self._node(node).drain.remote())
+        (status,) = _get([self._node(node).drain.remote()], timeout_s, "drain")
+        return status
 
     def _node(self, name: str) -> ActorHandle:
         try:
             return self._nodes[name]
         except KeyError:
             raise KeyError(f"no node {name!r}; nodes: {', '.join(self._nodes)}") from None
+
+
+def _get(refs: list[ray.ObjectRef], timeout_s: float | None, what: str) -> list[Any]:
+    """``ray.get`` bounded in time; a node that died or does not answer is NodeLost."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise NodeLost(f"{what}: a node did not answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.RayActorError as exc:
+        raise NodeLost(f"{what}: a node died: {exc}") from None

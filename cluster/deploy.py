@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import ray
+from ray._private import ray_constants
 from ray.actor import ActorHandle
 
 from actors.node import NodeRuntime
@@ -28,17 +30,33 @@ def actor_name(fleet: str, node: str) -> str:
     return f"{fleet}/node/{node}"
 
 
-def start_local_ray(config: FleetConfig) -> None:
-    """Start a private Ray instance bound to loopback, with no dashboard."""
+def init_loopback_ray(*, num_cpus: int) -> None:
+    """Start a private Ray instance whose processes all listen on 127.0.0.1 only.
+
+    Ray replaces a loopback ``_node_ip_address`` with the machine's routable address
+    (and then binds on every interface) unless its multi-machine mode is off. The
+    embedded fleet never leaves this machine, so it turns that mode off: the processes
+    Ray spawns read the environment variable, this process the parsed constant.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(
         address="local",
         namespace=NAMESPACE,
-        num_cpus=config.local.num_cpus or max(2, len(config.node_specs())),
+        num_cpus=num_cpus,
         include_dashboard=False,
         _node_ip_address=LOOPBACK,
         logging_level=logging.WARNING,
-        log_to_driver=True,
     )
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(f"the embedded Ray came up on {node_ip}, not {LOOPBACK}")
+
+
+def start_local_ray(config: FleetConfig) -> None:
+    """The embedded default: a private Ray on loopback sized for the config's nodes."""
+    init_loopback_ray(num_cpus=config.local.num_cpus or max(2, len(config.node_specs())))
 
 
 def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[str, ActorHandle]:

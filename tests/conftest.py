@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,9 @@ def ray_session() -> Iterator[None]:
     """One embedded Ray cluster on loopback for every integration test."""
     import ray
 
-    ray.init(
-        address="local",
-        namespace="edgefleet",
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        logging_level=logging.WARNING,
-    )
+    from cluster.deploy import init_loopback_ray
+
+    init_loopback_ray(num_cpus=4)
     yield
     ray.shutdown()
 

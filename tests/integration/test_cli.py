@@ -66,3 +66,13 @@ def test_demo_runs_to_its_report(tmp_path):
     for cls in ("foreground", "inline", "background", "offline"):
         assert any(line.startswith(cls) for line in out.splitlines()), cls
     assert "ran on: edge-0" in out
+
+
+def test_bench_quick_smoke_run_prints_a_report(tmp_path):
+    out = tmp_path / "results.md"
+    result = edgefleet("bench", "--quick", "--only", "priority_latency", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = out.read_text()
+    assert report.startswith("# edgefleet benchmark results")
+    assert "Foreground latency under a background flood" in report
+    assert "| FIFO" in report and "| edgefleet" in report

@@ -209,3 +209,19 @@ def test_switch_model_on_a_real_node(make_fleet):
     out = fleet.infer("classifier", random_inputs("classifier"))  # switches back on demand
     assert out["logits"].shape == (1, 10)
     assert fleet.status().nodes[0].counters["model_loads"] == 2
+
+
+def test_embedded_ray_listens_on_loopback_only(make_fleet):
+    import psutil
+
+    make_fleet({"models": {"classifier": {"path": "classifier.onnx"}}})
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    listening = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        listening += [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
+    assert listening, "found no Ray process listening at all"
+    assert set(listening) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, set(listening)

@@ -1,0 +1,456 @@
+"""(a) The batching-window table: what each window costs in latency and buys in capacity.
+
+A batch-friendly model (width 512, so a batch-8 call costs about 2x a batch-1 call;
+deep enough for ~4 ms per batch-1 call, since a few layers would cost ~0.05 ms, far
+below what one request costs Ray and the node on this machine) is served by one node
+under five model entries that differ only in their batching window (0/5/15/30/100 ms;
+max batch 8; ``only_if_faster`` off so the window is honoured). The driver sends
+open-loop arrivals on a steady schedule (``submit`` at fixed intervals, never waiting
+for replies) at two rates, and measures each request end to end. Windows are measured
+in interleaved rounds so drift spreads over all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from bench.common import (
+    GET_TIMEOUT_S,
+    BenchModel,
+    ModelEntry,
+    RunContext,
+    Section,
+    Summary,
+    Target,
+    calm,
+    deployed,
+    fleet_config,
+    fmt,
+    log,
+    md_table,
+    median,
+    node_costs_ms,
+    raw_session,
+    slow_feed,
+)
+from cluster.client import FleetClient
+
+TITLE = "Batching window (a)"
+WINDOWS_MS: tuple[float, ...] = (0.0, 5.0, 15.0, 30.0, 100.0)
+MAX_BATCH = 8
+WIDTH = 512
+TARGET_COST_MS = 4.0  # batch-1 engine cost of the model
+REFERENCE_RATE = 25.0  # arrivals/s of the original table
+REFERENCE = {  # window ms -> (mean batch, added latency ms, throughput gain %), at 25 fps
+    5.0: (1.1, 2.5, 0.0),
+    15.0: (1.4, 7.5, 18.0),
+    30.0: (1.8, 15.0, 35.0),
+    100.0: (2.9, 50.0, 65.0),
+}
+BATCHING_PAYS_MAX = 0.95  # per-row cost at the largest batch over batch-1 cost
+WINDOW_SLACK_MS = 3.0  # a lone request is held for the window, give or take this
+
+
+def entry_name(window_ms: float) -> str:
+    return f"bw_w{window_ms:g}"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request as the client saw it, plus what its reply reported."""
+
+    latency_s: float
+    batch_size: int
+    service_s: float
+    queue_s: float
+    error: str | None  # the error's type name, None when the request succeeded
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """One open-loop run: the samples and how well the schedule was kept."""
+
+    samples: tuple[Sample, ...]
+    max_lag_s: float  # worst delay of a submit behind its scheduled time
+    lost: int  # requests with no reply by the end of the run (should be 0)
+    foreign_cores: float = 0.0  # CPU other processes used meanwhile
+    attempts: int = 1
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    window_ms: float
+    rate: float
+    samples: tuple[Sample, ...]
+    max_lag_s: float
+    lost: int
+    repeats: int  # runs measured again because the machine was disturbed
+    foreign_cores: float  # most CPU other processes used during a kept run
+
+    @property
+    def ok(self) -> list[Sample]:
+        return [s for s in self.samples if s.ok]
+
+    @property
+    def errors(self) -> int:
+        return len(self.samples) - len(self.ok)
+
+    @property
+    def latency_ms(self) -> Summary:
+        return Summary.of([s.latency_s * 1000 for s in self.ok])
+
+    @property
+    def engine_calls(self) -> float:
+        return sum(1.0 / max(1, s.batch_size) for s in self.ok)
+
+    @property
+    def mean_batch(self) -> float:
+        calls = self.engine_calls
+        return len(self.ok) / calls if calls else float("nan")
+
+    @property
+    def engine_ms_per_request(self) -> float:
+        """Engine time divided by requests: each call's ``service_s`` counted once."""
+        ok = self.ok
+        if not ok:
+            return float("nan")
+        return 1000 * sum(s.service_s / max(1, s.batch_size) for s in ok) / len(ok)
+
+
+def open_loop(
+    client: FleetClient,
+    model: str,
+    feed: dict[str, np.ndarray],
+    rate: float,
+    count: int,
+    *,
+    drain_s: float = GET_TIMEOUT_S,
+) -> Arrivals:
+    """Submit ``count`` requests at ``rate``/s on a fixed schedule; time each reply.
+
+    Between submits the driver waits on the outstanding replies (never past the next
+    submit time) and stamps each as it arrives. Bounded: the run stops ``drain_s``
+    after the last submit whatever is still outstanding.
+    """
+    interval = 1.0 / rate
+    sent: dict[ray.ObjectRef, float] = {}
+    samples: list[Sample] = []
+    max_lag = 0.0
+    i = 0
+    start = time.perf_counter() + 0.01
+    hard_stop = start + count * interval + drain_s
+    while i < count or sent:
+        now = time.perf_counter()
+        if now > hard_stop:
+            break
+        due = start + i * interval
+        if i < count and now >= due:
+            max_lag = max(max_lag, now - due)
+            sent[client.submit(model, feed, priority="foreground")] = time.perf_counter()
+            i += 1
+            continue
+        wait_s = (due - now) if i < count else (hard_stop - now)
+        if not sent:
+            time.sleep(max(0.0, wait_s))
+            continue
+        ready, rest = ray.wait(list(sent), num_returns=1, timeout=max(0.0, wait_s))
+        if not ready:
+            continue
+        done_at = time.perf_counter()
+        if rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        for ref, reply in zip(ready, ray.get(ready, timeout=GET_TIMEOUT_S), strict=True):
+            samples.append(
+                Sample(
+                    latency_s=done_at - sent.pop(ref),
+                    batch_size=reply.batch_size,
+                    service_s=reply.service_s,
+                    queue_s=reply.queue_s,
+                    error=None if reply.error is None else type(reply.error).__name__,
+                )
+            )
+    return Arrivals(tuple(samples), max_lag, len(sent))
+
+
+def _measure(
+    client: FleetClient, feed: dict[str, np.ndarray], rate: float, count: int, rounds: int
+) -> list[WindowResult]:
+    pooled: dict[float, list[Arrivals]] = {w: [] for w in WINDOWS_MS}
+    for r in range(rounds):
+        order = WINDOWS_MS if r % 2 == 0 else tuple(reversed(WINDOWS_MS))
+        for w in order:
+            label = f"{rate:g}/s window {w:g} ms round {r + 1}"
+
+            def one_run(model: str = entry_name(w)) -> Arrivals:
+                return open_loop(client, model, feed, rate, count)
+
+            c = calm(one_run, label)
+            run = replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)
+            pooled[w].append(run)
+            lat = Summary.of([s.latency_s * 1000 for s in run.samples if s.ok])
+            log(
+                f"  {rate:.0f}/s window {w:g} ms round {r + 1}/{rounds}: p50 {lat.p50:.1f} ms, "
+                f"p99 {lat.p99:.1f} ms, max submit lag {run.max_lag_s * 1000:.1f} ms"
+            )
+    return [
+        WindowResult(
+            window_ms=w,
+            rate=rate,
+            samples=tuple(s for run in runs for s in run.samples),
+            max_lag_s=max(run.max_lag_s for run in runs),
+            lost=sum(run.lost for run in runs),
+            repeats=sum(run.attempts - 1 for run in runs),
+            foreign_cores=max(run.foreign_cores for run in runs),
+        )
+        for w, runs in pooled.items()
+    ]
+
+
+def run(ctx: RunContext) -> Section:
+    model = ctx.models.calibrated(TARGET_COST_MS, width=WIDTH)
+    entries = [
+        ModelEntry(
+            entry_name(w), model.path, window_ms=w, max_batch_size=MAX_BATCH, only_if_faster=False
+        )
+        for w in WINDOWS_MS
+    ]
+    config = fleet_config("bench-batching", entries, model.path.parent)
+    feed = slow_feed(WIDTH)
+    rounds = ctx.count(2, 1)
+    hot = hot_costs_ms(model.path, WIDTH, MAX_BATCH)
+    tables: dict[float, list[WindowResult]] = {}
+    with deployed(config) as client:
+        costs = node_costs_ms(client.status(GET_TIMEOUT_S), entry_name(0.0))
+        batch1_ms = costs.get(1, TARGET_COST_MS)
+        high_rate = round(0.5 * 1000.0 / batch1_ms / 5) * 5  # half of batch-1 capacity
+        for _ in range(20):  # warm the path (actor, sessions) before timing anything
+            ray.get(client.submit(entry_name(0.0), feed), timeout=GET_TIMEOUT_S)
+        for rate, seconds in (
+            (REFERENCE_RATE, ctx.pick(4.0, 1.6)),
+            (high_rate, ctx.pick(2.0, 0.8)),
+        ):
+            count = max(20, round(rate * seconds))
+            log(f"batching window: {rate:g}/s, {count} requests x {rounds} round(s) per window")
+            tables[rate] = _measure(client, feed, rate, count, rounds)
+    return _section(tables, costs, hot, model, rounds)
+
+
+def hot_costs_ms(path: Path, width: int, max_rows: int, repeats: int = 25) -> dict[int, float]:
+    """Median ms of back-to-back calls of every batch size 1..max_rows, in-process.
+
+    The node measures only 1, 2, 4, 8 rows; odd sizes can cost more than the next
+    power of two (GEMM kernels), so the per-size table is measured here directly.
+    """
+    session = raw_session(path)
+    out: dict[int, float] = {}
+    for rows in range(1, max_rows + 1):
+        feed = slow_feed(width, rows=rows)
+        for _ in range(3):
+            session.run(None, feed)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            session.run(None, feed)
+            times.append(time.perf_counter() - t0)
+        out[rows] = 1000 * median(times)
+    return out
+
+
+def table_ms_per_request(result: WindowResult, costs: Mapping[int, float]) -> float:
+    """Engine ms per request had each call cost what ``costs`` says for its size."""
+    ok = result.ok
+    if not ok or any(s.batch_size not in costs for s in ok):
+        return float("nan")
+    return sum(costs[s.batch_size] / max(1, s.batch_size) for s in ok) / len(ok)
+
+
+def _table(results: list[WindowResult], costs: Mapping[int, float]) -> str:
+    base = results[0]
+    assert base.window_ms == 0.0
+    base_table = table_ms_per_request(base, costs)
+    rows = []
+    for r in results:
+        lat = r.latency_ms
+        gain = base.engine_ms_per_request / r.engine_ms_per_request - 1
+        table_gain = base_table / table_ms_per_request(r, costs) - 1
+        rows.append(
+            [
+                fmt(r.window_ms, 0),
+                len(r.ok),
+                fmt(r.mean_batch, 2),
+                fmt(lat.p50, 1),
+                fmt(lat.p99, 1),
+                fmt(lat.p50 - base.latency_ms.p50, 1, signed=True),
+                fmt(r.engine_ms_per_request, 2),
+                f"{gain * 100:+.0f}%",
+                f"{table_gain * 100:+.0f}%",
+            ]
+        )
+    return md_table(
+        [
+            "window ms",
+            "requests",
+            "mean batch",
+            "p50 ms",
+            "p99 ms",
+            "added p50 ms",
+            "engine ms / request",
+            "capacity vs window 0",
+            "same, by cost table",
+        ],
+        rows,
+    )
+
+
+def _section(
+    tables: dict[float, list[WindowResult]],
+    costs: Mapping[int, float],
+    hot: Mapping[int, float],
+    model: BenchModel,
+    rounds: int,
+) -> Section:
+    cost = dict(costs)
+    cost_table = md_table(
+        [
+            "batch rows",
+            "node warm-up ms / call",
+            "in-process ms / call",
+            "in-process ms / row",
+            "per-row vs batch 1",
+        ],
+        [
+            [
+                n,
+                fmt(cost[n], 2) if n in cost else "-",
+                fmt(ms, 2),
+                fmt(ms / n, 2),
+                f"{(ms / n) / hot[1] * 100:.0f}%",
+            ]
+            for n, ms in sorted(hot.items())
+        ],
+    )
+    largest = max(cost) if cost else 1
+    pays = (cost[largest] / largest) / cost[1] if 1 in cost else float("nan")
+    targets = [
+        Target(
+            f"batching pays on this model (per-row cost at batch {largest} / batch 1)",
+            pays,
+            "<=",
+            BATCHING_PAYS_MAX,
+        )
+    ]
+    parts = [
+        "What a call costs by batch size: the node's own warm-up measurement "
+        "(`NodeStatus.models[].cost_ms`, powers of two) and back-to-back calls on an "
+        "in-process session in this run (every size):",
+        "",
+        cost_table,
+    ]
+    all_lost = repeats = 0
+    worst_lag = foreign = 0.0
+    errors: Counter[str] = Counter()
+    for rate, results in tables.items():
+        parts += [
+            "",
+            f"**{rate:g} requests/s** (one every {1000 / rate:.0f} ms):",
+            "",
+            _table(results, hot),
+        ]
+        all_lost += sum(r.lost for r in results)
+        errors.update(s.error for r in results for s in r.samples if s.error is not None)
+        repeats += sum(r.repeats for r in results)
+        foreign = max([foreign, *(r.foreign_cores for r in results)])
+        worst_lag = max([worst_lag, *(r.max_lag_s for r in results)])
+    ref = tables.get(REFERENCE_RATE, [])
+    gap_ms = 1000 / REFERENCE_RATE
+    lone = [r for r in ref if 0 < r.window_ms < gap_ms]  # windows shorter than the gap
+    if ref and lone:
+        base_p50 = ref[0].latency_ms.p50
+        off = max(abs(r.latency_ms.p50 - base_p50 - r.window_ms) for r in lone)
+        targets.append(
+            Target(
+                f"{REFERENCE_RATE:g}/s, windows shorter than the {gap_ms:.0f} ms gap "
+                "between arrivals: the window is honoured (worst |added p50 - window|, ms)",
+                off,
+                "<=",
+                WINDOW_SLACK_MS,
+                digits=1,
+            )
+        )
+    ref_rows = [
+        [fmt(w, 0), fmt(b, 1), fmt(a, 1), f"+{g:.0f}%"] for w, (b, a, g) in REFERENCE.items()
+    ]
+    parts += [
+        "",
+        "Reference — the original table (25 fps), which these figures are compared with:",
+        "",
+        md_table(["window ms", "mean batch", "added latency ms", "throughput"], ref_rows),
+    ]
+    measured = (
+        f"One node serving a {model.describe()} (a few layers at width 512 would cost "
+        "~0.05 ms, far below the ~1 ms of CPU one request costs Ray and the node here, so "
+        "the depth is calibrated; width 512 keeps it batch-friendly), under five model "
+        "entries that differ only in the batching window "
+        f"({'/'.join(f'{w:g}' for w in WINDOWS_MS)} ms; max batch {MAX_BATCH}, "
+        "`only_if_faster: false` so the window is honoured). The driver submits "
+        "open-loop arrivals on a steady schedule (fixed intervals, never waiting for "
+        "replies) at 25/s (the original table's rate) and at about half the node's batch-1 "
+        "capacity, and stamps each reply as it arrives (client end-to-end latency). "
+        f"{rounds} interleaved round(s) per window, pooled. Mean batch = requests / engine "
+        "calls (each reply carries its call's batch size). Engine ms / request = each "
+        "call's `service_s` counted once, over requests. Capacity vs window 0 = engine ms "
+        "per request at window 0 / at window w, minus 1."
+    )
+    notes = [
+        "Reading the table: on a steady schedule a batch forms only when the window is "
+        "longer than the gap between arrivals or the engine is still busy. At "
+        f"{REFERENCE_RATE:g}/s (one every {gap_ms:.0f} ms) windows below the gap gave mean "
+        f"batches of {', '.join(fmt(r.mean_batch, 2) for r in lone) or 'n/a'}: a request "
+        "(nearly) always waits out the whole window alone, so the added latency is the "
+        "full window and the capacity gain nil. The original table's 1.1-1.8 batches "
+        "and half-window added latency fit irregular (camera-like) arrivals, which a "
+        "steady schedule does not reproduce; the higher rate shows the regime where "
+        "windows do pay.",
+        "Capacity vs window 0 is measured: each call's `service_s` is wall time on the "
+        "node's engine thread, which also stretches when the engine shares the CPUs with "
+        "the actor's loop and the driver (at window 0 a call starts while the request's "
+        "intake is still being processed), so it moves by about +-15% even where no batch "
+        "formed. 'Same, by cost table' prices every call of the run at the in-process "
+        "back-to-back cost for its batch size: the gain batching alone explains. Calls "
+        "after an idle gap run slower than back to back (cold caches), which is why the "
+        "measured engine ms / request sits above the table.",
+        f"Worst submit lag behind schedule: {worst_lag * 1000:.1f} ms; requests without "
+        f"a reply at the end: {all_lost}; failed replies: {sum(errors.values())}"
+        + (f" ({', '.join(f'{n} {k}' for k, n in errors.most_common())})" if errors else "")
+        + f". Runs measured again because other processes used more than 0.2 cores "
+        f"meanwhile: {repeats}; most CPU other processes used during a kept run: "
+        f"{foreign:.2f} cores.",
+    ]
+    dearer = [
+        f"{n} rows {hot[n]:.2f} ms vs {up} rows {hot[up]:.2f} ms"
+        for n in sorted(hot)
+        if (up := 1 << (n - 1).bit_length()) in hot and up != n and hot[n] > 1.1 * hot[up]
+    ]
+    if dearer:
+        notes.append(
+            "On this model some batch sizes cost over 10% more per call than the next power "
+            "of two ("
+            + "; ".join(dearer)
+            + "): `batching.pad_to: [2, 4, 8]` would run those batches padded, for less."
+        )
+    return Section(TITLE, measured, ["\n".join(parts)], targets, notes)
+
+
+__all__ = ["Arrivals", "Sample", "open_loop", "run"]

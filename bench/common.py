@@ -1,0 +1,577 @@
+"""Shared helpers of the benchmarks: statistics, Markdown, one embedded Ray, models, fleets.
+
+Importing this module before Ray matters: see :func:`_pin_ray_to_loopback`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+import numpy as np
+import onnxruntime as ort
+import ray
+
+from cluster.client import FleetClient, FleetStatus
+from cluster.deploy import init_loopback_ray
+from edgefleet.config import FleetConfig, parse_config
+from edgefleet.modelgen import calibrate_slow
+
+DISTURBED_CORES = 0.15  # other processes using more than this means noisy figures
+CALM_CORES = 0.2  # a measurement disturbed more than this is taken again (bounded)
+GET_TIMEOUT_S = 30.0  # no single reply may take longer than this; a hang is a failure
+
+_T0 = time.perf_counter()
+
+
+# ------------------------------------------------------------------------ progress
+
+
+def log(message: str) -> None:
+    """A progress line on stderr, stamped with seconds since the benchmarks started."""
+    print(f"[bench {time.perf_counter() - _T0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation (numpy's default)."""
+    if not values:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within 0-100, got {q}")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(values, 50)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Distribution of a sample (same unit as the sample)."""
+
+    n: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Summary:
+        if not values:
+            return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan)
+        return cls(
+            n=len(values),
+            mean=sum(values) / len(values),
+            p50=percentile(values, 50),
+            p90=percentile(values, 90),
+            p99=percentile(values, 99),
+            max=max(values),
+        )
+
+
+# ------------------------------------------------------------------------ Markdown
+
+
+def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub Markdown table; numbers are right-aligned, text left-aligned."""
+
+    def cell(value: object) -> str:
+        return str(value).replace("|", "\\|")
+
+    body = [[cell(v) for v in row] for row in rows]
+    numeric = []
+    for i in range(len(headers)):
+        filled = [row[i] for row in body if row[i].strip() not in _NEUTRAL]
+        numeric.append(bool(filled) and all(_looks_numeric(c) for c in filled))
+    widths = [max([len(h), 3, *(len(row[i]) for row in body)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = [
+            c.rjust(w) if num else c.ljust(w)
+            for c, w, num in zip(cells, widths, numeric, strict=True)
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = ["-" * (w - 1) + ":" if num else "-" * w for w, num in zip(widths, numeric, strict=True)]
+    return "\n".join([line(list(headers)), line(rule), *(line(row) for row in body)])
+
+
+_NEUTRAL = {"-", "n/a", ""}  # cells that do not decide a column's alignment
+
+
+def _looks_numeric(text: str) -> bool:
+    stripped = text.strip().rstrip("%x").replace(",", "").lstrip("+-")
+    try:
+        float(stripped)
+    except ValueError:
+        return False
+    return True
+
+
+def fmt(value: float, digits: int = 1, *, signed: bool = False) -> str:
+    if math.isnan(value):
+        return "n/a"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+# ---------------------------------------------------------------- report sections
+
+
+@dataclass(frozen=True)
+class Target:
+    """A figure checked against a threshold; ``passed`` is honest, misses are misses."""
+
+    label: str
+    value: float
+    op: Literal[">=", "<="]
+    threshold: float
+    digits: int = 2
+
+    @property
+    def passed(self) -> bool:
+        if math.isnan(self.value):
+            return False
+        return self.value >= self.threshold if self.op == ">=" else self.value <= self.threshold
+
+    def markdown(self) -> str:
+        verdict = "PASS" if self.passed else "MISS"
+        return (
+            f"- **{verdict}** {self.label}: {fmt(self.value, self.digits)} "
+            f"(target {self.op} {self.threshold:g})"
+        )
+
+
+@dataclass
+class Section:
+    """One scenario's part of the report."""
+
+    title: str
+    measured: str  # what was measured and how, one paragraph
+    tables: list[str] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str | None = None
+    cpu: CpuUse | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and all(t.passed for t in self.targets)
+
+    def markdown(self) -> str:
+        parts = [f"## {self.title}", "", self.measured, ""]
+        if self.error is not None:
+            parts += [
+                "**FAILED** — the scenario did not complete:",
+                "",
+                "```",
+                self.error,
+                "```",
+                "",
+            ]
+        for table in self.tables:
+            parts += [table, ""]
+        if self.targets:
+            parts += ["Targets:", "", *(t.markdown() for t in self.targets), ""]
+        for note in self.notes:
+            parts += [note, ""]
+        footer = f"_Scenario time: {self.seconds:.0f} s"
+        if self.cpu is not None:
+            footer += f"; {self.cpu.describe()}"
+            if self.cpu.foreign_cores > DISTURBED_CORES:
+                footer += " (**disturbed**: treat these figures with caution)"
+        parts.append(footer + "._")
+        return "\n".join(parts)
+
+
+# ------------------------------------------------------------------- environment
+
+
+@dataclass(frozen=True)
+class EnvFacts:
+    cpus: int
+    cpu_model: str
+    python: str
+    ray: str
+    onnxruntime: str
+    numpy: str
+    load_avg: tuple[float, float, float]
+
+    @classmethod
+    def collect(cls) -> EnvFacts:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return cls(
+            cpus=cpus or 1,
+            cpu_model=_cpu_model(),
+            python=platform.python_version(),
+            ray=ray.__version__,
+            onnxruntime=ort.__version__,
+            numpy=np.__version__,
+            load_avg=os.getloadavg(),
+        )
+
+    def line(self) -> str:
+        load = ", ".join(f"{x:.2f}" for x in self.load_avg)
+        return (
+            f"{self.cpus} CPUs ({self.cpu_model}); Python {self.python}, ray {self.ray}, "
+            f"onnxruntime {self.onnxruntime}, numpy {self.numpy}; load average at start {load}"
+        )
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for row in f:
+                if row.startswith("model name"):
+                    return row.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+# ------------------------------------------------------------- CPU disturbance
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Machine-wide busy CPU seconds, and those of this process and its descendants
+    (the embedded Ray: GCS, raylet, workers, node actors) at one instant."""
+
+    wall: float
+    busy_s: float
+    own_s: float
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """CPU used between two samples; ``foreign`` is what other processes took."""
+
+    wall_s: float
+    busy_s: float
+    own_s: float
+
+    @property
+    def foreign_cores(self) -> float:
+        """Average cores used by processes outside this benchmark (a disturbance)."""
+        if self.wall_s <= 0:
+            return 0.0
+        return max(0.0, self.busy_s - self.own_s) / self.wall_s
+
+    def describe(self) -> str:
+        return (
+            f"this benchmark used {self.own_s / max(self.wall_s, 1e-9):.2f} cores on average; "
+            f"other processes {self.foreign_cores:.2f} cores"
+        )
+
+
+def cpu_sample() -> CpuSample:
+    """Read /proc (Linux); elsewhere every figure is 0 and nothing is flagged."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return CpuSample(time.perf_counter(), 0.0, 0.0)
+    # user nice system idle iowait irq softirq steal ...: busy excludes idle and iowait
+    busy = sum(fields[:3]) + sum(fields[5:8])
+    return CpuSample(time.perf_counter(), busy / _CLK_TCK, _TREE.ticks() / _CLK_TCK)
+
+
+def cpu_since(start: CpuSample) -> CpuUse:
+    end = cpu_sample()
+    return CpuUse(end.wall - start.wall, end.busy_s - start.busy_s, end.own_s - start.own_s)
+
+
+class _TreeAccountant:
+    """CPU ticks used by this process and every descendant it ever had.
+
+    A killed Ray worker vanishes from /proc without its time reaching any parent's
+    ``cutime`` (Ray reaps its workers without accounting), so live processes are
+    sampled in the background and a dead one keeps the last ticks seen for it.
+    Processes are keyed by (pid, start time), so a reused pid is a new process.
+    """
+
+    PERIOD_S = 0.25
+
+    def __init__(self) -> None:
+        self._root = os.getpid()
+        self._seen: dict[tuple[int, int], int] = {}  # in-tree process -> last ticks
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def ticks(self) -> int:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="bench-cpu", daemon=True)
+            self._thread.start()
+        self._scan()
+        with self._lock:
+            return sum(self._seen.values())
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.PERIOD_S)
+            self._scan()
+
+    def _scan(self) -> None:
+        parent: dict[int, int] = {}
+        usage: dict[int, tuple[int, int]] = {}  # pid -> (start time, utime + stime)
+        try:
+            entries = os.listdir("/proc")
+        except OSError:
+            return
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    data = f.read()
+            except OSError:  # the process ended meanwhile
+                continue
+            rest = data[data.rfind(")") + 2 :].split()
+            pid = int(entry)
+            parent[pid] = int(rest[1])
+            usage[pid] = (int(rest[19]), int(rest[11]) + int(rest[12]))
+        with self._lock:
+            for pid, (start, used) in usage.items():
+                if self._in_tree(pid, parent):
+                    key = (pid, start)
+                    self._seen[key] = max(used, self._seen.get(key, 0))
+
+    def _in_tree(self, pid: int, parent: dict[int, int]) -> bool:
+        for _ in range(64):  # bounded walk up the process tree
+            if pid == self._root:
+                return True
+            pid = parent.get(pid, 0)
+            if pid <= 1:
+                return False
+        return False
+
+
+_TREE = _TreeAccountant()
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Calm(Generic[T]):
+    """A measurement and how much other processes disturbed it."""
+
+    value: T
+    foreign_cores: float
+    attempts: int
+
+
+def calm(
+    measure: Callable[[], T], label: str, *, attempts: int = 3, limit: float = CALM_CORES
+) -> Calm[T]:
+    """Run ``measure``; while other processes took more than ``limit`` cores meanwhile,
+    run it again (at most ``attempts`` times) and keep the least disturbed result."""
+    best: Calm[T] | None = None
+    tries = 0
+    for tries in range(1, attempts + 1):  # noqa: B007 - the count is reported
+        start = cpu_sample()
+        value = measure()
+        foreign = cpu_since(start).foreign_cores
+        if best is None or foreign < best.foreign_cores:
+            best = Calm(value, foreign, tries)
+        if foreign <= limit:
+            break
+        again = "measuring again" if tries < attempts else "keeping the least disturbed"
+        log(f"  {label}: other processes used {foreign:.2f} cores meanwhile; {again}")
+    assert best is not None
+    return Calm(best.value, best.foreign_cores, tries)
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+@contextlib.contextmanager
+def embedded_ray(num_cpus: int = 2) -> Iterator[None]:
+    """One embedded Ray bound to 127.0.0.1 for the whole run (reused if already up).
+
+    Fleets are then deployed on it one after another with :func:`deployed`; each
+    :class:`FleetClient` finds Ray running and leaves it up when it closes.
+    """
+    if ray.is_initialized():
+        yield
+        return
+    log("starting an embedded Ray on 127.0.0.1")
+    init_loopback_ray(num_cpus=num_cpus)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model entry of a benchmark fleet (several entries may share a file)."""
+
+    name: str
+    path: Path
+    window_ms: float = 0.0
+    max_batch_size: int = 1
+    only_if_faster: bool = True
+    threads: int = 1
+
+
+def fleet_config(
+    name: str,
+    models: Sequence[ModelEntry],
+    base_dir: Path,
+    *,
+    capacity: int = 64,
+    order: Literal["priority", "fifo"] = "priority",
+    preemption: bool = True,
+    min_priority_gap: int = 5,
+) -> FleetConfig:
+    """Build a FleetConfig the way a YAML file would (through ``parse_config``)."""
+    data: dict[str, Any] = {
+        "fleet": {"name": name},
+        "local": {"nodes": 1},
+        "models": {
+            m.name: {
+                "path": str(m.path),
+                "threads": m.threads,
+                "batching": {
+                    "window_ms": m.window_ms,
+                    "max_batch_size": m.max_batch_size,
+                    "only_if_faster": m.only_if_faster,
+                },
+            }
+            for m in models
+        },
+        "node_defaults": {
+            "queue": {"capacity": capacity},
+            "preemption": {"enabled": preemption, "min_priority_gap": min_priority_gap},
+            "order": order,
+        },
+    }
+    return parse_config(data, base_dir)
+
+
+@contextlib.contextmanager
+def deployed(config: FleetConfig) -> Iterator[FleetClient]:
+    """Deploy a fleet on the running Ray, yield its client, tear it down afterwards."""
+    t0 = time.perf_counter()
+    client = FleetClient.local(config, progress=lambda msg: log(f"  {msg}"))
+    log(f"fleet {config.fleet.name} up in {time.perf_counter() - t0:.1f} s")
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------------ models
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A generated model file and how it was made."""
+
+    path: Path
+    width: int
+    layers: int
+    target_ms: float  # the batch-1 cost it was calibrated to
+
+    def describe(self) -> str:
+        return (
+            f"slow MLP (`modelgen.calibrate_slow`), width {self.width}, {self.layers} layers, "
+            f"calibrated to ~{self.target_ms:g} ms per batch-1 call"
+        )
+
+
+class ModelFactory:
+    """Writes benchmark models into one temporary folder, each at most once per run."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._made: dict[tuple[str, int, float], BenchModel] = {}
+
+    def calibrated(self, target_ms: float, *, width: int = 256) -> BenchModel:
+        """A slow model whose batch-1 call takes about ``target_ms`` on this machine."""
+        key = ("cal", width, target_ms)
+        if key not in self._made:
+            t0 = time.perf_counter()
+            path, layers = calibrate_slow(
+                self.directory / f"slow_w{width}_{target_ms:g}ms.onnx", target_ms, width=width
+            )
+            self._made[key] = BenchModel(path, width, layers, target_ms)
+            log(
+                f"calibrated width-{width} model to {target_ms:g} ms: {layers} layers "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
+        return self._made[key]
+
+
+@contextlib.contextmanager
+def model_dir() -> Iterator[ModelFactory]:
+    with tempfile.TemporaryDirectory(prefix="edgefleet-bench-") as tmp:
+        yield ModelFactory(Path(tmp))
+
+
+def slow_feed(width: int, *, rows: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+    """A valid input for a slow model of ``width`` (float32 ``[rows, width]``)."""
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((rows, width)).astype(np.float32)}
+
+
+def raw_session(path: Path, threads: int = 1) -> ort.InferenceSession:
+    """An in-process session configured like a node's engine (sequential, 1 inter-op)."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def node_costs_ms(status: FleetStatus, model: str) -> Mapping[int, float]:
+    """The node's warm-up measurement of ``model``: engine ms per call, by batch rows."""
+    for node in status.nodes:
+        for m in node.models:
+            if m.name == model and m.cost_ms:
+                return dict(sorted(m.cost_ms.items()))
+    return {}
+
+
+# ------------------------------------------------------------------ run context
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every scenario gets: the mode and the shared model folder."""
+
+    quick: bool
+    models: ModelFactory
+
+    def pick(self, full: float, quick: float) -> float:
+        return quick if self.quick else full
+
+    def count(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
