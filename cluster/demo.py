@@ -19,6 +19,7 @@ import ray
 from actors.node import Reply
 from cluster.client import FleetClient
 from edgefleet.config import FleetConfig, load_config
+from edgefleet.errors import Rejected
 from edgefleet.modelgen import BUILTIN_MODELS, random_inputs
 
 Print = Callable[[str], None]
@@ -37,6 +38,7 @@ class Stream:
     key: str | None = None
     next_at: float = 0.0
     outstanding: int = 0
+    retry_at: list[float] = field(default_factory=list)  # refused slots, resent after retry_after
 
 
 @dataclass
@@ -86,7 +88,9 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
                 while s.rate_hz and s.next_at <= now:
                     s.next_at = (s.next_at or now) + 1.0 / s.rate_hz
                     _send(client, s, inputs, pending)
-                while s.in_flight and s.outstanding < s.in_flight:
+                if s.retry_at:
+                    s.retry_at = [t for t in s.retry_at if t > now]
+                while s.in_flight and s.outstanding + len(s.retry_at) < s.in_flight:
                     _send(client, s, inputs, pending)
             if not pending and not sending:
                 break
@@ -103,6 +107,9 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
                     ran_on[reply.node] += 1
                 else:
                     st.outcomes[type(reply.error).__name__] += 1
+                    if isinstance(reply.error, Rejected) and stream.in_flight:
+                        # A well-behaved client backs off for the hinted time.
+                        stream.retry_at.append(time.monotonic() + reply.error.retry_after_s)
             if now - last_report >= 2.0:
                 last_report = now
                 out(_progress_line(client, now - start, stats))

@@ -1,0 +1,41 @@
+"""Placement filters: nodes that cannot take a request at all."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from policies.placement.base import NodeView, PlacementRequest
+
+
+class ServesModel:
+    """The node is configured for the model."""
+
+    def keep(self, node: NodeView, request: PlacementRequest) -> bool:
+        return request.model in node.models
+
+
+class Healthy:
+    """The node reports, is not lost and is not draining."""
+
+    def keep(self, node: NodeView, request: PlacementRequest) -> bool:
+        return node.healthy and not node.draining
+
+
+class ShedBelowPriority:
+    """Keep headroom for urgent work: a request may only go to a node whose occupancy,
+    with it added, stays within the limit for its priority.
+
+    ``limits`` maps a priority to the largest occupancy (0-1] work of that priority or
+    lower may fill; e.g. {3: 0.75, 0: 0.5}: background may fill three quarters of a
+    queue and offline half, and foreground all of it.
+    """
+
+    def __init__(self, limits: Mapping[int, float]) -> None:
+        self.limits = dict(limits)
+
+    def limit(self, priority: int) -> float:
+        return min((v for p, v in self.limits.items() if p >= priority), default=1.0)
+
+    def keep(self, node: NodeView, request: PlacementRequest) -> bool:
+        after = (sum(node.work.values()) + 1) / max(1, node.capacity)
+        return after <= self.limit(request.priority)

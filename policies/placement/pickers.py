@@ -1,0 +1,56 @@
+"""Pickers: the order in which the router tries the surviving candidates."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+from policies.placement.base import NodeView
+
+
+def _by_cost(scored: Sequence[tuple[NodeView, float]]) -> list[NodeView]:
+    return [n for n, _ in sorted(scored, key=lambda s: (s[1], s[0].name))]
+
+
+class Best:
+    """Lowest cost first; ties by node name, so the order is deterministic."""
+
+    def order(self, scored: Sequence[tuple[NodeView, float]], rng: random.Random) -> list[NodeView]:
+        return _by_cost(scored)
+
+
+class PowerOfTwo:
+    """Sample two candidates, try the cheaper first, then the other, then the rest by
+    cost. Scoring two instead of all keeps large fleets cheap and avoids herding."""
+
+    def order(self, scored: Sequence[tuple[NodeView, float]], rng: random.Random) -> list[NodeView]:
+        if len(scored) <= 2:
+            return _by_cost(scored)
+        picked = rng.sample(range(len(scored)), 2)
+        first = _by_cost([scored[i] for i in picked])
+        rest = _by_cost([s for i, s in enumerate(scored) if i not in picked])
+        return first + rest
+
+
+class RoundRobin:
+    """Baseline: candidates in turn, ignoring load and priority."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def order(self, scored: Sequence[tuple[NodeView, float]], rng: random.Random) -> list[NodeView]:
+        nodes = sorted((n for n, _ in scored), key=lambda n: n.name)
+        if not nodes:
+            return []
+        k = next(self._turn) % len(nodes)
+        return nodes[k:] + nodes[:k]
+
+
+class Uniform:
+    """Baseline: a uniformly random order."""
+
+    def order(self, scored: Sequence[tuple[NodeView, float]], rng: random.Random) -> list[NodeView]:
+        nodes = [n for n, _ in scored]
+        rng.shuffle(nodes)
+        return nodes

@@ -1,0 +1,148 @@
+"""Placement policies: table-driven cases and one conformance suite over every policy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies.placement import (
+    PLACEMENT_POLICIES,
+    NodeView,
+    PlacementParams,
+    PlacementRequest,
+    ShedBelowPriority,
+    make_placement,
+)
+from policies.placement.filters import Healthy, ServesModel
+from policies.placement.pickers import Best, PowerOfTwo, RoundRobin
+from policies.placement.scorers import ExpectedCompletion, ModelLoad, SessionAffinity
+
+FG, BG, OFF = 10, 3, 0
+
+
+def node(name, work=None, **kw):
+    kw.setdefault("models", frozenset({"m"}))
+    kw.setdefault("loaded", frozenset({"m"}))
+    kw.setdefault("row_cost_s", {"m": 0.010})
+    return NodeView(name=name, work=work or {}, **kw)
+
+
+def names(nodes):
+    return [n.name for n in nodes]
+
+
+def test_foreground_goes_where_least_higher_priority_work_waits():
+    # a: 30 background requests queued (a longer queue); b: 5 foreground requests.
+    a = node("a", {BG: 30})
+    b = node("b", {FG: 5})
+    policy = make_placement("expected_completion")
+    assert names(policy.rank([a, b], PlacementRequest("m", FG), random.Random(0))) == ["a", "b"]
+    # ...while background work goes where less work of its priority or above waits.
+    assert names(policy.rank([a, b], PlacementRequest("m", BG), random.Random(0)))[0] == "b"
+
+
+@pytest.mark.parametrize(
+    ("view", "request_", "expected"),
+    [
+        (node("a", {BG: 2}), PlacementRequest("m", FG), 0.010),
+        (node("a", {BG: 2}), PlacementRequest("m", BG), 0.030),
+        (node("a", {FG: 1, BG: 2}, running_left_s=0.004), PlacementRequest("m", 7), 0.024),
+        (node("a", {}, row_cost_s={}), PlacementRequest("m", FG, rows=2), 0.010),  # default cost
+        (node("a", {}, row_cost_s={"x": 0.002}), PlacementRequest("m", FG), 0.002),  # other model
+    ],
+)
+def test_expected_completion_table(view, request_, expected):
+    assert ExpectedCompletion().cost(view, request_) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("view", "request_", "expected"),
+    [
+        (node("a"), PlacementRequest("m", FG), 0.0),
+        (node("a", loaded=frozenset(), load_cost_s={"m": 0.3}), PlacementRequest("m", FG), 0.3),
+        (node("a", loaded=frozenset()), PlacementRequest("m", FG), 1.0),
+    ],
+)
+def test_model_load_table(view, request_, expected):
+    assert ModelLoad().cost(view, request_) == expected
+
+
+@pytest.mark.parametrize(
+    ("sessions", "session", "expected"),
+    [(frozenset({"s1"}), "s1", 0.0), (frozenset({"s1"}), "s2", 0.5), (frozenset(), None, 0.0)],
+)
+def test_session_affinity_table(sessions, session, expected):
+    view = node("a", sessions=sessions)
+    assert SessionAffinity(0.5).cost(view, PlacementRequest("m", FG, session=session)) == expected
+
+
+@pytest.mark.parametrize(
+    ("flt", "view", "priority", "keep"),
+    [
+        (ServesModel(), node("a"), FG, True),
+        (ServesModel(), node("a", models=frozenset({"x"})), FG, False),
+        (Healthy(), node("a", healthy=False), FG, False),
+        (Healthy(), node("a", draining=True), FG, False),
+        # shedding: background may fill 3/4 of a queue, offline half, foreground all
+        (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 2}, capacity=4), BG, True),
+        (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), BG, False),
+        (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 1}, capacity=4), OFF, True),
+        (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 2}, capacity=4), OFF, False),
+        (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), FG, True),
+        (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), 5, True),
+    ],
+)
+def test_filters_table(flt, view, priority, keep):
+    assert flt.keep(view, PlacementRequest("m", priority)) is keep
+
+
+def test_pickers():
+    scored = [(node("c"), 3.0), (node("a"), 1.0), (node("b"), 1.0)]
+    assert names(Best().order(scored, random.Random(0))) == ["a", "b", "c"]
+    rr = RoundRobin()
+    firsts = [rr.order(scored, random.Random(0))[0].name for _ in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
+    p2 = PowerOfTwo()
+    big = [(node(f"n{i}"), float(i)) for i in range(10)]
+    order = names(p2.order(big, random.Random(3)))
+    assert sorted(order) == sorted(names(n for n, _ in big))
+    first_two = order[:2]
+    assert [n for n in order[2:]] == sorted(order[2:], key=lambda s: int(s[1:]))
+    assert int(first_two[0][1:]) < int(first_two[1][1:])
+    assert names(p2.order(big, random.Random(3))) == order  # seeded: reproducible
+
+
+@pytest.mark.parametrize("policy_name", sorted(PLACEMENT_POLICIES))
+def test_conformance_every_policy(policy_name):
+    """Every registered policy: returns only eligible nodes, each once; honours filters;
+    is deterministic for a seed; handles an empty fleet."""
+    rng_nodes = random.Random(42)
+    fleet = [
+        node(
+            f"n{i}",
+            {p: rng_nodes.randint(0, 10) for p in (FG, BG, OFF)},
+            capacity=64,
+            healthy=i != 3,
+            draining=i == 4,
+            models=frozenset({"m"} if i != 5 else {"x"}),
+            loaded=frozenset({"m"} if i % 2 else set()),
+        )
+        for i in range(8)
+    ]
+    eligible = {n.name for n in fleet if n.healthy and not n.draining and "m" in n.models}
+    for priority in (FG, 7, BG, OFF):
+        req = PlacementRequest("m", priority, session="s")
+        a = make_placement(policy_name, PlacementParams()).rank(fleet, req, random.Random(9))
+        b = make_placement(policy_name, PlacementParams()).rank(fleet, req, random.Random(9))
+        assert names(a) == names(b)
+        assert len(names(a)) == len(set(names(a)))
+        assert set(names(a)) <= eligible
+        if priority == FG:
+            assert set(names(a)) == eligible  # nothing is shed for foreground
+    assert make_placement(policy_name).rank([], PlacementRequest("m", FG), random.Random(0)) == []
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(ValueError, match="expected_completion"):
+        make_placement("fastest")
