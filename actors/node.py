@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import resource
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -28,6 +28,8 @@ from edgefleet.request import InferRequest, Request, RequestState
 from policies import QUEUE_ORDERS, BatchParams, PreemptionParams, QueueLimits
 
 S = RequestState
+RECENT_REPLIES = 1024  # answers kept to serve retries of the same request id...
+RECENT_BYTES = 32 * 1024 * 1024  # ...within this many bytes of outputs
 
 
 @dataclass(frozen=True)
@@ -112,11 +114,27 @@ class NodeRuntime:
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._starting: asyncio.Future[None] | None = None
+        self._recent: OrderedDict[str, Reply] = OrderedDict()  # answers to recent ids
+        self._recent_bytes = 0
 
     # --------------------------------------------------------------------- lifecycle
 
     async def start(self) -> NodeStatus:
-        """Load, warm up and measure every model, then start serving."""
+        """Load, warm up and measure every model, then start serving. Idempotent: a
+        router calls it again on a node Ray has restarted."""
+        if self._starting is not None:
+            await self._starting
+            return self.status()
+        loop = asyncio.get_running_loop()
+        self._starting = loop.create_future()
+        try:
+            await self._start()
+        finally:
+            self._starting.set_result(None)
+        return self.status()
+
+    async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._models.probe_all)
         for info in self._models.models():
@@ -129,7 +147,6 @@ class NodeRuntime:
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
         self._state = "serving"
-        return self.status()
 
     async def stop(self) -> NodeStatus:
         """Cancel queued work, abort the running call, unload models."""
@@ -173,11 +190,23 @@ class NodeRuntime:
 
     # ------------------------------------------------------------------------ intake
 
-    async def infer(self, request: InferRequest) -> Reply:
-        """Admit, queue and eventually answer one request."""
+    async def infer(
+        self, request: InferRequest, inputs: Mapping[str, np.ndarray] | None = None
+    ) -> Reply:
+        """Admit, queue and eventually answer one request.
+
+        ``inputs``, when given, replace ``request.inputs``: large inputs travel as a
+        Ray object reference that Ray resolves here, on the node, not on the way.
+        A retry with the id of a request in flight or recently answered gets the same
+        answer; the request does not run twice.
+        """
         existing = self._waiters.get(request.id)
-        if existing is not None:  # a retry of a request in flight: same answer, run once
+        if existing is not None:
             return await asyncio.shield(existing)
+        if request.id in self._recent:
+            return self._recent[request.id]
+        if inputs is not None:
+            request = replace(request, inputs=inputs)
         self._counters["received"] += 1
         try:
             req = self._make_request(request)
@@ -360,6 +389,17 @@ class NodeRuntime:
                 batch_size=len(plan.requests) if plan is not None else 0,
             )
             fut.set_result(reply)
+            self._remember(reply)
+
+    def _remember(self, reply: Reply) -> None:
+        size = sum(a.nbytes for a in (reply.outputs or {}).values())
+        if size > RECENT_BYTES // 4:
+            return  # too large to keep: a retry of it would run again (inference is idempotent)
+        self._recent[reply.request_id] = reply
+        self._recent_bytes += size
+        while len(self._recent) > RECENT_REPLIES or self._recent_bytes > RECENT_BYTES:
+            _, old = self._recent.popitem(last=False)
+            self._recent_bytes -= sum(a.nbytes for a in (old.outputs or {}).values())
 
     # --------------------------------------------------------------------- status
 

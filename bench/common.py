@@ -472,6 +472,9 @@ def fleet_config(
             "preemption": {"enabled": preemption, "min_priority_gap": min_priority_gap},
             "order": order,
         },
+        # These scenarios measure one node's scheduler: the router must not shed
+        # background work before the node's own queue is full.
+        "router": {"placement": {"shed": {}}},
     }
     return parse_config(data, base_dir)
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,25 +12,30 @@ import ray
 from ray.actor import ActorHandle
 
 from actors.node import NodeStatus, Reply
-from cluster.deploy import deploy_nodes, start_local_ray, teardown
+from cluster.deploy import deploy_nodes, deploy_router, router_name, start_local_ray, teardown
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import ModelNotFound, NodeLost, Rejected
+from edgefleet.errors import ModelNotFound, NodeLost
 from edgefleet.request import InferRequest, new_request_id, resolve_priority
 
 Progress = Callable[[str], None]
 CONTROL_TIMEOUT_S = 30.0
+LARGE_INPUT_BYTES = 1024 * 1024
 SWITCH_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
 class FleetStatus:
-    """A snapshot of every node; ``totals`` adds their counters up."""
+    """A snapshot of every node, which are healthy, and the router's counters
+    (received, completed, spilled, replaced, shed, nodes_lost, ...)."""
 
     fleet: str
     nodes: tuple[NodeStatus, ...]
+    healthy: dict[str, bool] = field(default_factory=dict)
+    router: dict[str, int] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, int]:
+        """Node counters added up over the fleet."""
         out: dict[str, int] = {}
         for node in self.nodes:
             for k, v in node.counters.items():
@@ -49,27 +53,26 @@ class FleetClient:
     """Send inference to a fleet and watch it.
 
     Use :meth:`local` to run a fleet inside an embedded Ray cluster on loopback.
-    Requests go to a node that serves the model and spill to the next one when a
-    node refuses; a request every node refuses raises :class:`Rejected`.
+    Requests go through the fleet's router, which places each on the node where it
+    would finish soonest at its priority and spills to the next when a node refuses;
+    a request every node refuses raises :class:`Rejected` with a retry-after hint.
     """
 
     def __init__(
         self,
         config: FleetConfig,
+        router: ActorHandle,
         nodes: Mapping[str, ActorHandle],
         *,
-        owns_nodes: bool = False,
+        owns_fleet: bool = False,
         owns_ray: bool = False,
     ) -> None:
         self.config = config
+        self._router = router
         self._nodes = dict(nodes)
-        self._owns_nodes = owns_nodes
+        self._owns_fleet = owns_fleet
         self._owns_ray = owns_ray
-        self._serving: dict[str, list[str]] = {}
-        for spec in config.node_specs():
-            for model in spec.models:
-                self._serving.setdefault(model, []).append(spec.name)
-        self._turn = itertools.count()
+        self._served = {m for spec in config.node_specs() for m in spec.models}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -94,18 +97,23 @@ class FleetClient:
             if progress:
                 progress("starting an embedded Ray cluster on 127.0.0.1")
             start_local_ray(cfg)
+        nodes: dict[str, ActorHandle] = {}
         try:
             nodes = deploy_nodes(cfg, progress)
+            router = deploy_router(cfg)
         except BaseException:
+            teardown(nodes)
             if owns_ray:
                 ray.shutdown()
             raise
-        return cls(cfg, nodes, owns_nodes=True, owns_ray=owns_ray)
+        if progress:
+            progress(f"router {router_name(cfg.fleet.name)} ready")
+        return cls(cfg, router, nodes, owns_fleet=True, owns_ray=owns_ray)
 
     def close(self) -> None:
         """Tear down what this client started (nodes, and Ray if it started it)."""
-        if self._owns_nodes and self._nodes:
-            teardown(self._nodes)
+        if self._owns_fleet and self._nodes:
+            teardown(self._nodes, self._router)
             self._nodes = {}
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
@@ -135,25 +143,42 @@ class FleetClient:
         ).unwrap()
 
     def infer_reply(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> Reply:
-        """Like :meth:`infer`, but returns the node's :class:`Reply` (outputs or error,
-        node, queue and service time, batch size) without raising."""
-        request, candidates = self._prepare(model, inputs, **kw)
-        reply: Reply | None = None
-        for node in candidates:
-            (reply,) = _get([self._nodes[node].infer.remote(request)], None, "infer")
-            if not isinstance(reply.error, Rejected):
-                return reply
-        assert reply is not None
+        """Like :meth:`infer`, but returns the :class:`Reply` (outputs or error, node,
+        queue and service time, batch size) without raising."""
+        (reply,) = _get([self.submit(model, inputs, **kw)], None, "infer")
         return reply
 
-    def submit(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> ray.ObjectRef:
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: str | int = "foreground",
+        deadline_s: float | None = None,
+        key: str | None = None,
+        request_id: str | None = None,
+    ) -> ray.ObjectRef:
         """Send one request without waiting; returns a Ray reference to its :class:`Reply`.
 
         For pipelining many requests from one process (``ray.wait`` / ``ray.get`` on the
-        references). No spill: the request goes to one node, which may refuse it.
+        references). Inputs larger than 1 MiB are put in Ray's object store once and
+        travel to the chosen node by reference, not through the router.
         """
-        request, candidates = self._prepare(model, inputs, **kw)
-        return self._nodes[candidates[0]].infer.remote(request)
+        if model not in self._served:
+            known = ", ".join(sorted(self._served)) or "none"
+            raise ModelNotFound(f"no node serves model {model!r}; the fleet serves: {known}")
+        request = InferRequest(
+            model=model,
+            inputs=inputs,
+            priority=resolve_priority(priority, self.config.priorities),
+            id=request_id or new_request_id(),
+            deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
+            key=key,
+        )
+        if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
+            ref = ray.put(dict(inputs))
+            return self._router.infer.remote(replace(request, inputs={}), [ref])
+        return self._router.infer.remote(request)
 
     async def infer_async(
         self,
@@ -166,53 +191,22 @@ class FleetClient:
         request_id: str | None = None,
     ) -> dict[str, np.ndarray]:
         """Awaitable :meth:`infer`, for asyncio services."""
-        request, candidates = self._prepare(
+        reply: Reply = await self.submit(
             model, inputs, priority=priority, deadline_s=deadline_s, key=key, request_id=request_id
         )
-        reply: Reply | None = None
-        for node in candidates:
-            reply = await self._nodes[node].infer.remote(request)
-            if not isinstance(reply.error, Rejected):
-                break
-        assert reply is not None
         return reply.unwrap()
-
-    def _prepare(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        priority: str | int = "foreground",
-        deadline_s: float | None = None,
-        key: str | None = None,
-        request_id: str | None = None,
-    ) -> tuple[InferRequest, list[str]]:
-        nodes = [n for n in self._serving.get(model, []) if n in self._nodes]
-        if not nodes:
-            known = ", ".join(sorted(self._serving)) or "none"
-            raise ModelNotFound(f"no node serves model {model!r}; the fleet serves: {known}")
-        start = next(self._turn) % len(nodes)
-        request = InferRequest(
-            model=model,
-            inputs=inputs,
-            priority=resolve_priority(priority, self.config.priorities),
-            id=request_id or new_request_id(),
-            deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
-            key=key,
-        )
-        return request, nodes[start:] + nodes[:start]
 
     # -------------------------------------------------------------------- control
 
     def status(self, timeout_s: float = CONTROL_TIMEOUT_S) -> FleetStatus:
-        names = list(self._nodes)
-        snaps = _get([self._nodes[n].status.remote() for n in names], timeout_s, "status")
-        return FleetStatus(self.config.fleet.name, tuple(snaps))
+        """Fresh reports from every reachable node, with the router's view."""
+        (rs,) = _get([self._router.status.remote()], timeout_s, "status")
+        return FleetStatus(rs.fleet, rs.nodes, rs.healthy, rs.counters)
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""
-        refs = [h.cancel.remote(request_id) for h in self._nodes.values()]
-        return any(_get(refs, timeout_s, "cancel"))
+        (found,) = _get([self._router.cancel.remote(request_id)], timeout_s, "cancel")
+        return bool(found)
 
     def switch_model(
         self, node: str, model: str, timeout_s: float = SWITCH_TIMEOUT_S

@@ -15,6 +15,8 @@ from edgefleet.config import FleetConfig, NodeSpec
 
 NAMESPACE = "edgefleet"
 LOOPBACK = "127.0.0.1"
+ROUTER_MAX_CONCURRENCY = 100_000  # requests one router holds open across the fleet
+START_TIMEOUT_S = 300.0
 
 
 def max_concurrency(spec: NodeSpec) -> int:
@@ -69,13 +71,16 @@ def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[
             name=actor_name(config.fleet.name, spec.name),
             namespace=NAMESPACE,
             num_cpus=spec.num_cpus,
+            resources=spec.resources or None,
             max_concurrency=max_concurrency(spec),
-            max_restarts=0,
+            max_restarts=-1,  # Ray brings a crashed node back; the router restarts its loop
         ).remote(spec)
     pending = {h.start.remote(): name for name, h in handles.items()}
     try:
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=START_TIMEOUT_S)
+            if not done:
+                raise RuntimeError(f"nodes did not start within {START_TIMEOUT_S:.0f} s")
             ray.get(done[0])
             name = pending.pop(done[0])
             if progress:
@@ -86,9 +91,37 @@ def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[
     return handles
 
 
-def teardown(handles: dict[str, ActorHandle], timeout_s: float = 10.0) -> None:
-    """Stop every node (cancelling queued work so callers hear of it), then kill it."""
+def router_name(fleet: str) -> str:
+    return f"{fleet}/router"
+
+
+def deploy_router(config: FleetConfig) -> ActorHandle:
+    """Create the fleet's router (named, detached, restarted by Ray) once its nodes exist."""
+    from cluster.router import RouterActor
+
+    router = (
+        ray.remote(RouterActor)
+        .options(
+            name=router_name(config.fleet.name),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            max_restarts=-1,
+            max_concurrency=ROUTER_MAX_CONCURRENCY,
+            num_cpus=config.router.num_cpus,
+        )
+        .remote(config)
+    )
+    ray.get(router.start.remote(), timeout=START_TIMEOUT_S)
+    return router
+
+
+def teardown(
+    handles: dict[str, ActorHandle], router: ActorHandle | None = None, timeout_s: float = 10.0
+) -> None:
+    """Stop the router, then every node (cancelling queued work so callers hear of it)."""
+    if router is not None:
+        ray.kill(router, no_restart=True)
     refs = [h.stop.remote() for h in handles.values()]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for h in handles.values():
-        ray.kill(h)
+        ray.kill(h, no_restart=True)

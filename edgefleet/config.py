@@ -94,6 +94,10 @@ class NodeConfig(_Strict):
     memory_budget_mb: float | None = Field(None, gt=0)
     order: Literal["priority", "fifo"] | None = None
     num_cpus: float | None = Field(None, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources the node actor needs: pins it to matching machines",
+    )
 
 
 class LocalConfig(_Strict):
@@ -103,6 +107,38 @@ class LocalConfig(_Strict):
 
 class FleetMeta(_Strict):
     name: str = Field("edgefleet", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class PlacementConfig(_Strict):
+    """How the router chooses a node (see policies/placement)."""
+
+    policy: Literal["expected_completion", "power_of_two", "round_robin", "random"] = (
+        "expected_completion"
+    )
+    load_weight: float = Field(1.0, ge=0, description="weight of the model-load cost")
+    affinity_penalty_s: float = Field(0.5, ge=0)
+    shed: dict[str, float] = Field(
+        default_factory=lambda: {"background": 0.75, "offline": 0.5},
+        description="priority class -> largest queue occupancy (0-1] that work of that "
+        "priority or lower may fill on a node; keeps headroom for urgent work",
+    )
+    seed: int = 0
+
+    @field_validator("shed")
+    @classmethod
+    def _fractions(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, frac in v.items():
+            if not 0 < frac <= 1:
+                raise ValueError(f"shed.{name} is {frac}; allowed: a fraction in (0, 1]")
+        return v
+
+
+class RouterConfig(_Strict):
+    placement: PlacementConfig = PlacementConfig()
+    max_attempts: int = Field(3, ge=1, le=64, description="nodes tried per request")
+    report_interval_s: float = Field(0.5, gt=0, le=60, description="node status polling")
+    lost_after_s: float = Field(3.0, gt=0, description="no report for this long: node lost")
+    num_cpus: float = Field(0, ge=0)
 
 
 class NodeSpec(_Strict):
@@ -116,6 +152,7 @@ class NodeSpec(_Strict):
     memory_budget_mb: float
     order: Literal["priority", "fifo"] = "priority"
     num_cpus: float = 0
+    resources: dict[str, float] = Field(default_factory=dict)
 
 
 class FleetConfig(_Strict):
@@ -128,6 +165,7 @@ class FleetConfig(_Strict):
     models: dict[str, ModelConfig]
     node_defaults: NodeDefaults = NodeDefaults()
     nodes: list[NodeConfig] = Field(default_factory=list)
+    router: RouterConfig = RouterConfig()
 
     @field_validator("priorities")
     @classmethod
@@ -141,6 +179,12 @@ class FleetConfig(_Strict):
     def _references(self) -> FleetConfig:
         if not self.models:
             raise ValueError("models: at least one model is required")
+        for name in self.router.placement.shed:
+            if name not in self.priorities:
+                known = ", ".join(self.priorities)
+                raise ValueError(
+                    f"router.placement.shed: unknown priority class {name!r}; known: {known}"
+                )
         seen: set[str] = set()
         for i, node in enumerate(self.nodes):
             if node.name in seen:
@@ -166,6 +210,7 @@ class FleetConfig(_Strict):
                 memory_budget_mb=n.memory_budget_mb or d.memory_budget_mb,
                 order=n.order or d.order,
                 num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
+                resources=dict(n.resources),
             )
             for n in nodes
         ]

@@ -37,5 +37,8 @@ class ShedBelowPriority:
         return min((v for p, v in self.limits.items() if p >= priority), default=1.0)
 
     def keep(self, node: NodeView, request: PlacementRequest) -> bool:
+        limit = self.limit(request.priority)
+        if limit >= 1.0:  # no headroom to keep: the node itself decides on admission
+            return True
         after = (sum(node.work.values()) + 1) / max(1, node.capacity)
-        return after <= self.limit(request.priority)
+        return after <= limit

@@ -250,3 +250,17 @@ def test_stop_cancels_queued_callers():
         assert all(isinstance(r.error, Cancelled) for r in replies)
 
     run(main())
+
+
+def test_retry_with_the_same_id_is_answered_once():
+    async def main():
+        node, loader = await started(m={"cost_s": 0.05})
+        first, again = await asyncio.gather(
+            node.infer(req(value=2.0, id="same")), node.infer(req(value=2.0, id="same"))
+        )
+        later = await node.infer(req(value=2.0, id="same"))
+        assert first is again and later is first
+        assert node.status().counters["completed"] == 1
+        await node.stop()
+
+    run(main())

@@ -91,6 +91,8 @@ def test_session_affinity_table(sessions, session, expected):
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 2}, capacity=4), OFF, False),
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), FG, True),
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), 5, True),
+        # no limit for foreground: even a node the router counts as full is left to decide
+        (ShedBelowPriority({3: 0.75}), node("a", {FG: 9}, capacity=4), FG, True),
     ],
 )
 def test_filters_table(flt, view, priority, keep):

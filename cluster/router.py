@@ -1,0 +1,350 @@
+"""The fleet router: places each request on a node, spills, sheds, re-places.
+
+One router per fleet, a named detached async Ray actor. It keeps, per node, the work
+it dispatched and has not seen finish (by priority) and the node's latest report.
+Placement is the pipeline in ``policies.placement``; the node stays the authority on
+admission. A request a node refuses or evicts is tried on the next candidate; a node
+that dies takes none of its requests with it: they are placed again elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import ray
+from ray.actor import ActorHandle
+
+from actors.node import NodeStatus, Reply
+from cluster.deploy import NAMESPACE, actor_name
+from edgefleet.clock import Clock, MonotonicClock
+from edgefleet.config import FleetConfig, NodeSpec
+from edgefleet.errors import EdgeFleetError, Evicted, ModelNotFound, NodeLost, Rejected
+from edgefleet.request import InferRequest
+from policies.placement import (
+    NodeView,
+    PlacementParams,
+    PlacementRequest,
+    ShedBelowPriority,
+    make_placement,
+)
+
+
+class NodeGone(Exception):
+    """The node's actor died or cannot be reached."""
+
+
+class NodeHandle(Protocol):
+    """How the router talks to one node (a Ray actor in production, a fake in tests)."""
+
+    async def infer(self, request: InferRequest, inputs: Any = None) -> Reply:
+        """MUST raise NodeGone when the node died; every other outcome is a Reply."""
+        ...
+
+    async def status(self) -> NodeStatus: ...
+
+    async def start(self) -> NodeStatus: ...
+
+    async def cancel(self, request_id: str) -> bool: ...
+
+
+@dataclass
+class NodeEntry:
+    spec: NodeSpec
+    handle: NodeHandle
+    healthy: bool = False
+    report: NodeStatus | None = None
+    reported_at: float = 0.0
+    work: dict[str, int] = field(default_factory=dict)  # request id -> priority
+
+    def view(self) -> NodeView:
+        by_priority: dict[int, int] = {}
+        for p in self.work.values():
+            by_priority[p] = by_priority.get(p, 0) + 1
+        report = self.report
+        row_cost: dict[str, float] = {}
+        load_cost: dict[str, float] = {}
+        loaded: frozenset[str] = frozenset(self.spec.models)
+        running_left = 0.0
+        draining = False
+        if report is not None:
+            loaded = frozenset(m.name for m in report.models if m.loaded)
+            draining = report.state in ("draining", "drained", "stopped")
+            for m in report.models:
+                ms = m.row_ms if m.row_ms is not None else m.cost_ms.get(1)
+                if ms is not None:
+                    row_cost[m.name] = ms / 1000
+            if report.running is not None:
+                expected = row_cost.get(report.running.model, 0.0) * len(report.running.request_ids)
+                running_left = max(0.0, expected - report.running.elapsed_s)
+        return NodeView(
+            name=self.spec.name,
+            models=frozenset(self.spec.models),
+            loaded=loaded,
+            healthy=self.healthy,
+            draining=draining,
+            capacity=self.spec.queue.capacity,
+            work=by_priority,
+            row_cost_s=row_cost,
+            load_cost_s=load_cost,
+            running_left_s=running_left,
+        )
+
+
+@dataclass(frozen=True)
+class RouterStatus:
+    fleet: str
+    nodes: tuple[NodeStatus, ...]
+    healthy: dict[str, bool]
+    counters: dict[str, int]
+
+
+class Router:
+    """Placement, spill, shed, re-placement and membership for one fleet."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        handles: Mapping[str, NodeHandle],
+        *,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        rc = config.router
+        pc = rc.placement
+        shed = {config.priorities[name]: frac for name, frac in pc.shed.items()}
+        params = PlacementParams(
+            load_weight=pc.load_weight, affinity_penalty_s=pc.affinity_penalty_s, shed=shed
+        )
+        self._placement = make_placement(pc.policy, params)
+        self._shed = ShedBelowPriority(shed)
+        self._rng = random.Random(pc.seed)
+        self._clock = clock or MonotonicClock()
+        self._nodes = {
+            spec.name: NodeEntry(spec, handles[spec.name]) for spec in config.node_specs()
+        }
+        self._counters: Counter[str] = Counter()
+        self._monitor: asyncio.Task[None] | None = None
+        self._started: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------------- membership
+
+    async def start(self) -> RouterStatus:
+        """Poll every node once, then keep polling in the background. Idempotent."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_future()
+            await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
+            self._monitor = asyncio.create_task(self._watch())
+            self._started.set_result(None)
+        await self._started
+        return self.status_now()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.router.report_interval_s)
+            await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
+
+    async def _poll(self, entry: NodeEntry) -> None:
+        timeout = self.config.router.lost_after_s
+        try:
+            report = await asyncio.wait_for(entry.handle.status(), timeout)
+            if report.state == "starting":  # restarted by Ray: bring it back into service
+                report = await asyncio.wait_for(entry.handle.start(), None)
+        except NodeGone:
+            self._lose(entry)
+            return
+        except TimeoutError:  # alive but silent: lost once it has been silent too long
+            if self._clock.now() - entry.reported_at >= timeout:
+                self._lose(entry)
+            return
+        if not entry.healthy:
+            self._counters["rejoined" if entry.report is not None else "joined"] += 1
+        entry.report, entry.reported_at, entry.healthy = report, self._clock.now(), True
+
+    def _lose(self, entry: NodeEntry) -> None:
+        if entry.healthy:
+            entry.healthy = False
+            self._counters["nodes_lost"] += 1
+
+    # -------------------------------------------------------------------- requests
+
+    async def infer(self, request: InferRequest, inputs: Any = None) -> Reply:
+        """Place ``request``; try candidates until one serves it; exactly one Reply.
+
+        ``inputs`` is an optional Ray object reference (in a list, so Ray passes it
+        through the router unresolved) holding the inputs of a large request.
+        """
+        self._counters["received"] += 1
+        preq = PlacementRequest(request.model, request.priority)
+        if not any(request.model in e.spec.models for e in self._nodes.values()):
+            served = sorted({m for e in self._nodes.values() for m in e.spec.models})
+            err = ModelNotFound(
+                f"no node serves model {request.model!r}; the fleet serves: {', '.join(served)}",
+                request_id=request.id,
+            )
+            return self._answer(Reply(request.id, "", error=err))
+        tried: set[str] = set()
+        refusals: list[Rejected] = []
+        evicted: Reply | None = None
+        attempts = 0
+        while attempts < self.config.router.max_attempts:
+            views = [e.view() for n, e in self._nodes.items() if n not in tried]
+            ranked = self._placement.rank(views, preq, self._rng)
+            if not ranked:
+                break
+            entry = self._nodes[ranked[0].name]
+            tried.add(entry.spec.name)
+            entry.work[request.id] = request.priority
+            try:
+                reply = await entry.handle.infer(request, inputs)
+            except NodeGone:
+                self._lose(entry)
+                self._counters["replaced"] += 1  # its node died: place it again
+                continue
+            finally:
+                entry.work.pop(request.id, None)
+            attempts += 1
+            if isinstance(reply.error, Rejected):
+                refusals.append(reply.error)
+                self._counters["spilled"] += 1
+                continue
+            if isinstance(reply.error, Evicted):
+                evicted = reply
+                self._counters["replaced"] += 1
+                continue
+            return self._answer(reply)
+        if evicted is not None:
+            return self._answer(evicted)
+        return self._answer(Reply(request.id, "", error=self._refusal(request, refusals, tried)))
+
+    def _refusal(
+        self, request: InferRequest, refusals: list[Rejected], tried: set[str]
+    ) -> EdgeFleetError:
+        if refusals:
+            return Rejected(
+                f"every node refused the request ({len(refusals)} tried): {refusals[-1]}",
+                retry_after_s=min(r.retry_after_s for r in refusals),
+                request_id=request.id,
+            )
+        serving = [e for e in self._nodes.values() if request.model in e.spec.models]
+        healthy = [e for e in serving if e.healthy and e.spec.name not in tried]
+        if not healthy:
+            return NodeLost(
+                f"no healthy node serves model {request.model!r} right now",
+                request_id=request.id,
+            )
+        limit = self._shed.limit(request.priority)
+        self._counters["shed"] += 1
+        return Rejected(
+            f"shed: every node serving {request.model!r} is over {limit:.0%} full, the share "
+            f"priority-{request.priority} work may use; capacity is kept for urgent work",
+            retry_after_s=self._drain_estimate(healthy),
+            request_id=request.id,
+        )
+
+    def _drain_estimate(self, entries: list[NodeEntry]) -> float:
+        def secs(e: NodeEntry) -> float:
+            view = e.view()
+            per = min(view.row_cost_s.values(), default=0.005)
+            return len(e.work) * per / 4 + view.running_left_s  # a quarter of the queue
+
+        return max(0.001, min(secs(e) for e in entries))
+
+    def _answer(self, reply: Reply) -> Reply:
+        kind = "completed" if reply.error is None else type(reply.error).__name__.lower()
+        self._counters[kind] += 1
+        return reply
+
+    async def cancel(self, request_id: str) -> bool:
+        results = await asyncio.gather(
+            *(e.handle.cancel(request_id) for e in self._nodes.values() if e.healthy),
+            return_exceptions=True,
+        )
+        return any(r is True for r in results)
+
+    # ----------------------------------------------------------------------- status
+
+    def status_now(self) -> RouterStatus:
+        return RouterStatus(
+            fleet=self.config.fleet.name,
+            nodes=tuple(e.report for e in self._nodes.values() if e.report is not None),
+            healthy={n: e.healthy for n, e in self._nodes.items()},
+            counters=dict(self._counters),
+        )
+
+    async def status(self) -> RouterStatus:
+        """Fresh reports from every reachable node, plus the router's counters."""
+        await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
+        return self.status_now()
+
+
+# ------------------------------------------------------------------------- on Ray
+
+
+class RayNode:
+    """A node actor found by name. After the actor dies it is looked up again on the
+    next call, so a node redeployed under the same name rejoins by itself."""
+
+    def __init__(self, name: str, namespace: str) -> None:
+        self._name = name
+        self._namespace = namespace
+        self._actor: ActorHandle | None = None
+
+    def _handle(self) -> ActorHandle:
+        if self._actor is None:
+            try:
+                self._actor = ray.get_actor(self._name, namespace=self._namespace)
+            except ValueError as exc:  # no such actor (yet, or any more)
+                raise NodeGone(str(exc)) from None
+        return self._actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._handle(), method).remote(*args)
+        except ray.exceptions.RayActorError as exc:
+            if isinstance(exc, ray.exceptions.ActorDiedError):
+                self._actor = None
+            raise NodeGone(str(exc)) from None
+
+    async def infer(self, request: InferRequest, inputs: Any = None) -> Reply:
+        # ``inputs`` is [ref]: passed on as a top-level argument, Ray resolves it on the node.
+        if inputs is None:
+            return await self._call("infer", request)
+        return await self._call("infer", request, inputs[0])
+
+    async def status(self) -> NodeStatus:
+        return await self._call("status")
+
+    async def start(self) -> NodeStatus:
+        return await self._call("start")
+
+    async def cancel(self, request_id: str) -> bool:
+        return bool(await self._call("cancel", request_id))
+
+
+class RouterActor:
+    """The router as a Ray actor: finds its fleet's node actors by name."""
+
+    def __init__(self, config: FleetConfig) -> None:
+        handles = {
+            spec.name: RayNode(actor_name(config.fleet.name, spec.name), NAMESPACE)
+            for spec in config.node_specs()
+        }
+        self._router = Router(config, handles)
+
+    async def start(self) -> RouterStatus:
+        return await self._router.start()
+
+    async def infer(self, request: InferRequest, inputs: Any = None) -> Reply:
+        await self._router.start()  # after a restart of the router itself
+        return await self._router.infer(request, inputs)
+
+    async def status(self) -> RouterStatus:
+        return await self._router.status()
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self._router.cancel(request_id)
