@@ -39,6 +39,7 @@ from policies.admission import retry_after
 
 S = RequestState
 DEFAULT_ROW_COST_S = 0.01  # until the first call of a model has been timed
+DRAIN_RETRY_S = 1.0  # a draining node will not take work again soon: try elsewhere
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ class LocalScheduler:
         """Queue ``req`` (state NEW), evicting or superseding others, or refuse it."""
         now = self._clock.now()
         if self.draining:
-            return self._refuse(req, "node is draining and takes no new work", retry=0.0)
+            return self._refuse(req, "node is draining and takes no new work", retry=DRAIN_RETRY_S)
         if req.deadline is not None and req.deadline <= now:
             req.move(S.EXPIRED)
             late = DeadlineExceeded("deadline had passed on arrival", request_id=req.id)

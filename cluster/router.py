@@ -227,7 +227,9 @@ class Router:
         if refusals:
             return Rejected(
                 f"every node refused the request ({len(refusals)} tried): {refusals[-1]}",
-                retry_after_s=min(r.retry_after_s for r in refusals),
+                retry_after_s=min(
+                    (r.retry_after_s for r in refusals if r.retry_after_s > 0), default=1.0
+                ),
                 request_id=request.id,
             )
         serving = [e for e in self._nodes.values() if request.model in e.spec.models]
