@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,6 +21,8 @@ from edgefleet.request import InferRequest, new_request_id, resolve_priority
 Progress = Callable[[str], None]
 CONTROL_TIMEOUT_S = 30.0
 LARGE_INPUT_BYTES = 1024 * 1024
+ROUTER_RETRIES = 3
+ROUTER_RETRY_S = 1.0
 SWITCH_TIMEOUT_S = 300.0
 
 
@@ -145,8 +148,18 @@ class FleetClient:
     def infer_reply(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> Reply:
         """Like :meth:`infer`, but returns the :class:`Reply` (outputs or error, node,
         queue and service time, batch size) without raising."""
-        (reply,) = _get([self.submit(model, inputs, **kw)], None, "infer")
-        return reply
+        kw.setdefault("request_id", new_request_id())
+        for attempt in range(ROUTER_RETRIES + 1):
+            try:
+                (reply,) = _get([self.submit(model, inputs, **kw)], None, "infer")
+                return reply
+            except NodeLost:
+                # The router died; Ray restarts it. The same id lets nodes answer a
+                # request that already ran instead of running it twice.
+                if attempt == ROUTER_RETRIES:
+                    raise
+                time.sleep(ROUTER_RETRY_S)
+        raise AssertionError("unreachable")
 
     def submit(
         self,

@@ -32,16 +32,21 @@ def actor_name(fleet: str, node: str) -> str:
     return f"{fleet}/node/{node}"
 
 
-def init_loopback_ray(*, num_cpus: int) -> None:
-    """Start a private Ray instance whose processes all listen on 127.0.0.1 only.
+def pin_loopback() -> None:
+    """Make Ray processes started from here on bind to 127.0.0.1 only.
 
     Ray replaces a loopback ``_node_ip_address`` with the machine's routable address
-    (and then binds on every interface) unless its multi-machine mode is off. The
-    embedded fleet never leaves this machine, so it turns that mode off: the processes
-    Ray spawns read the environment variable, this process the parsed constant.
+    (and then binds on every interface) unless its multi-machine mode is off. Only for
+    fleets that never leave this machine: the processes Ray spawns read the
+    environment variable, this process the parsed constant.
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def init_loopback_ray(*, num_cpus: int) -> None:
+    """Start a private Ray instance whose processes all listen on 127.0.0.1 only."""
+    pin_loopback()
     ray.init(
         address="local",
         namespace=NAMESPACE,
@@ -108,6 +113,7 @@ def deploy_router(config: FleetConfig) -> ActorHandle:
             max_restarts=-1,
             max_concurrency=ROUTER_MAX_CONCURRENCY,
             num_cpus=config.router.num_cpus,
+            resources=dict(config.router.resources) or None,
         )
         .remote(config)
     )

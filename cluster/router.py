@@ -72,6 +72,13 @@ class NodeEntry:
         running_left = 0.0
         draining = False
         if report is not None:
+            # Work others sent (another router, direct callers) shows in the node's report.
+            reported = dict(report.queued)
+            if report.running is not None:
+                p = report.running.priority
+                reported[p] = reported.get(p, 0) + len(report.running.request_ids)
+            for p, n in reported.items():
+                by_priority[p] = max(by_priority.get(p, 0), n)
             loaded = frozenset(m.name for m in report.models if m.loaded)
             draining = report.state in ("draining", "drained", "stopped")
             for m in report.models:

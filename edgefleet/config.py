@@ -139,6 +139,9 @@ class RouterConfig(_Strict):
     report_interval_s: float = Field(0.5, gt=0, le=60, description="node status polling")
     lost_after_s: float = Field(3.0, gt=0, description="no report for this long: node lost")
     num_cpus: float = Field(0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Ray custom resources: pins the router to a machine"
+    )
 
 
 class NodeSpec(_Strict):

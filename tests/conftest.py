@@ -22,15 +22,24 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_session() -> Iterator[None]:
-    """One embedded Ray cluster on loopback for every integration test."""
+def _shared_ray() -> Iterator[None]:
+    import ray
+
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def ray_session(_shared_ray: None) -> None:
+    """One embedded Ray cluster on loopback shared by the integration tests (started
+    again if a multi-node test shut it down to run its own)."""
     import ray
 
     from cluster.deploy import init_loopback_ray
 
-    init_loopback_ray(num_cpus=4)
-    yield
-    ray.shutdown()
+    if not ray.is_initialized():
+        init_loopback_ray(num_cpus=4)
 
 
 @pytest.fixture

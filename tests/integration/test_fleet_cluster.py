@@ -1,0 +1,179 @@
+"""The fleet on a real multi-raylet Ray cluster (one raylet per edge node, all on
+loopback): placement by priority, spill, reject, shed, node loss and rejoin."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from cluster.client import FleetClient
+from cluster.deploy import LOOPBACK, NAMESPACE, actor_name, pin_loopback
+from edgefleet.config import parse_config
+from edgefleet.errors import Rejected
+from edgefleet.modelgen import calibrate_slow, random_inputs
+
+pytestmark = pytest.mark.integration
+
+NODES = ["edge-0", "edge-1", "edge-2"]
+
+
+@pytest.fixture(scope="module")
+def cluster_fleet(models_dir):
+    pin_loopback()
+    if ray.is_initialized():
+        ray.shutdown()  # this module runs its own cluster; others restart the shared one
+    calibrate_slow(models_dir / "slow25.onnx", 25.0)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"head": 1},
+            "node_ip_address": LOOPBACK,
+            "include_dashboard": False,
+        },
+    )
+    raylets = {
+        name: cluster.add_node(num_cpus=1, resources={name: 1}, node_ip_address=LOOPBACK)
+        for name in NODES
+    }
+    cluster.wait_for_nodes()
+    cluster.connect(namespace=NAMESPACE)
+    config = parse_config(
+        {
+            "fleet": {"name": "cluster"},
+            "models": {"slow25": {"path": "slow25.onnx"}, "slow": {"path": "slow.onnx"}},
+            "node_defaults": {"queue": {"capacity": 16}},
+            "nodes": [{"name": n, "resources": {n: 0.5}} for n in NODES],
+            "router": {
+                "resources": {"head": 0.5},
+                "report_interval_s": 0.2,
+                "lost_after_s": 2.0,
+                "placement": {"shed": {"background": 0.75}},
+            },
+        },
+        models_dir,
+    )
+    client = FleetClient.local(config)
+    try:
+        yield cluster, raylets, client
+    finally:
+        client.close()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def node_actor(name):
+    return ray.get_actor(actor_name("cluster", name), namespace=NAMESPACE)
+
+
+def wait_idle(client, timeout=60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        status = client.status()
+        if all(n.queue_length == 0 and n.running is None for n in status.nodes):
+            return status
+        time.sleep(0.1)
+    raise AssertionError("fleet did not go idle")
+
+
+def test_nodes_are_on_their_own_raylets(cluster_fleet):
+    _, raylets, client = cluster_fleet
+    status = client.status()
+    assert sorted(n.name for n in status.nodes) == NODES
+    assert all(status.healthy.values())
+
+
+def test_foreground_goes_where_least_higher_priority_work_waits(cluster_fleet):
+    from edgefleet.request import InferRequest
+
+    _, _, client = cluster_fleet
+    feed = random_inputs("slow")
+    # edge-0: the longest queue, all background; edge-1/2: a few foreground requests.
+    sent = [node_actor("edge-0").infer.remote(InferRequest("slow25", feed, 3)) for _ in range(14)]
+    for name in ("edge-1", "edge-2"):
+        sent += [node_actor(name).infer.remote(InferRequest("slow25", feed, 10)) for _ in range(8)]
+    for _ in range(100):  # status() refreshes the router's reports from every node
+        queues = {n.name: n.queue_length for n in client.status().nodes}
+        if queues["edge-0"] >= 8 and queues["edge-1"] >= 3 and queues["edge-2"] >= 3:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"scene not set up: {queues}")
+    fg = client.infer_reply("slow25", feed, priority="foreground")
+    assert fg.error is None and fg.node == "edge-0", fg.node
+    bg = client.infer_reply("slow25", feed, priority="background")
+    assert bg.error is None and bg.node in ("edge-1", "edge-2"), bg.node
+    assert all(r.error is None for r in ray.get(sent, timeout=60))
+    wait_idle(client)
+
+
+def test_full_nodes_spill_then_reject_with_retry_after(cluster_fleet):
+    _, _, client = cluster_fleet
+    before = client.status().router.get("spilled", 0)
+    feed = random_inputs("slow")
+    refs = [client.submit("slow25", feed, priority="foreground") for _ in range(120)]
+    replies = ray.get(refs, timeout=120)
+    kinds = Counter("ok" if r.error is None else type(r.error).__name__ for r in replies)
+    assert set(kinds) == {"ok", "Rejected"}, kinds
+    assert kinds["ok"] >= 3 * 16  # every queue was used before anyone was refused
+    rejected = [r.error for r in replies if isinstance(r.error, Rejected)]
+    assert all("every node refused" in str(e) and e.retry_after_s > 0 for e in rejected)
+    assert client.status().router["spilled"] > before
+    assert Counter(r.node for r in replies if r.error is None).keys() == set(NODES)
+    wait_idle(client)
+
+
+def test_background_is_shed_before_foreground(cluster_fleet):
+    _, _, client = cluster_fleet
+    feed = random_inputs("slow")
+    bg = [client.submit("slow25", feed, priority="background") for _ in range(60)]
+    time.sleep(0.3)
+    fg = [client.submit("slow25", feed, priority="foreground") for _ in range(6)]
+    fg_replies = ray.get(fg, timeout=120)
+    bg_replies = ray.get(bg, timeout=120)
+    shed = [r.error for r in bg_replies if isinstance(r.error, Rejected) and "shed" in str(r.error)]
+    assert shed, "background should have been shed at 75% occupancy"
+    assert all(r.error is None for r in fg_replies), [r.error for r in fg_replies]
+    wait_idle(client)
+
+
+def test_killing_a_node_mid_load_loses_no_request(cluster_fleet):
+    cluster, raylets, client = cluster_fleet
+    feed = random_inputs("slow")
+    ids = [f"kill-{i}" for i in range(30)]  # fits in the two queues that remain
+    refs = [
+        client.submit("slow25", feed, priority=i % 11, request_id=rid) for i, rid in enumerate(ids)
+    ]
+    for _ in range(200):  # kill edge-1 while it holds queued work
+        if client.status().node("edge-1").queue_length >= 3:
+            break
+        time.sleep(0.005)
+    cluster.remove_node(raylets.pop("edge-1"), allow_graceful=False)
+    replies = ray.get(refs, timeout=180)
+    assert sorted(r.request_id for r in replies) == sorted(ids)  # one answer each
+    errors = [r.error for r in replies if r.error is not None]
+    assert not errors, errors[:3]
+    status = client.status()
+    # edge-1 held at least 3 queued requests when it died: each was placed again.
+    assert status.router["nodes_lost"] >= 1 and status.router["replaced"] >= 3
+    assert not status.healthy["edge-1"]
+
+
+def test_a_restarted_node_rejoins(cluster_fleet):
+    cluster, raylets, client = cluster_fleet
+    raylets["edge-1"] = cluster.add_node(
+        num_cpus=1, resources={"edge-1": 1}, node_ip_address=LOOPBACK
+    )
+    end = time.monotonic() + 90
+    while time.monotonic() < end and not client.status().healthy.get("edge-1"):
+        time.sleep(0.5)
+    status = client.status()
+    assert status.healthy["edge-1"], "edge-1 did not rejoin"
+    assert status.node("edge-1").state == "serving"
+    assert status.router.get("rejoined", 0) >= 1
+    reply = ray.get(node_actor("edge-1").status.remote(), timeout=30)
+    assert reply.name == "edge-1"
