@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from edgefleet.errors import EdgeFleetError
+from edgefleet.errors import EdgeFleetError, ModelNotFound
+
+if TYPE_CHECKING:
+    from cluster.client import FleetStatus
+    from edgefleet.config import FleetConfig
 
 DEFAULT_CONFIG = Path("configs/local.yaml")
 
@@ -54,6 +62,156 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_with_models(path: str) -> FleetConfig:
+    from edgefleet.config import load_config
+
+    config = load_config(path)
+    missing = [f"{n}: {m.path}" for n, m in config.models.items() if not m.path.is_file()]
+    if missing:
+        raise ModelNotFound(
+            "model files missing: " + "; ".join(missing) + " (built-in test models: "
+            "`edgefleet models make DIR`)"
+        )
+    return config
+
+
+def _connect(address: str | None, fleet: str) -> None:
+    from cluster.deploy import connect_ray
+
+    connect_ray(address, fleet)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.deploy import (
+        NAMESPACE,
+        deploy_nodes,
+        deploy_router,
+        router_name,
+        start_local_ray,
+    )
+    from cluster.deploy import teardown as stop_fleet
+
+    config = _load_with_models(args.config)
+    fleet = config.fleet.name
+    specs = config.node_specs()
+    if args.address:
+        _say(f"connecting to the Ray cluster at {args.address}")
+        _connect(args.address, fleet)
+    elif args.detach:
+        from cluster.head import start_head
+
+        address = start_head(fleet, config.local.num_cpus or max(2, len(specs)))
+        _say(f"started a Ray head on {address} (loopback only)")
+        _connect(address, fleet)
+    else:
+        _say("starting an embedded Ray cluster on 127.0.0.1")
+        start_local_ray(config)
+    nodes = deploy_nodes(config, _say, detached=args.detach)
+    deploy_router(config)
+    _say(f"fleet {fleet!r} is up: {len(nodes)} node(s), models {', '.join(config.models)}")
+    if args.detach:
+        _say(f"it keeps serving: `edgefleet status --fleet {fleet}`; stop it with")
+        _say(f"`edgefleet down --fleet {fleet}`")
+        return 0
+    from cluster.client import FleetClient
+
+    client = FleetClient.connect(fleet=fleet)
+    _say("serving until Ctrl-C")
+    try:
+        while True:
+            time.sleep(args.interval)
+            _say(status_line(client.status()))
+    except KeyboardInterrupt:
+        _say("stopping the fleet")
+    finally:
+        router = ray.get_actor(router_name(fleet), namespace=NAMESPACE)
+        stop_fleet(nodes, router)
+        ray.shutdown()
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.deploy import find_fleet, node_handles, teardown
+    from cluster.head import recorded_address, stop_head
+
+    started_head = recorded_address(args.fleet) is not None and not args.address
+    try:
+        _connect(args.address, args.fleet)
+        router, config = find_fleet(args.fleet)
+        teardown(node_handles(config), router)
+        _say(f"fleet {args.fleet!r} stopped ({len(config.node_specs())} node(s) and its router)")
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if started_head:
+            count = stop_head(args.fleet)
+            _say(f"stopped the Ray head `edgefleet up` started ({count} processes)")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from cluster.client import FleetClient
+
+    _connect(args.address, args.fleet)
+    client = FleetClient.connect(fleet=args.fleet)
+    while True:
+        status = client.status()
+        if args.json:
+            _say(json.dumps(status_dict(status), indent=2))
+        else:
+            _say(status_table(status))
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
+def status_dict(status: FleetStatus) -> dict[str, Any]:
+    return {
+        "fleet": status.fleet,
+        "router": status.router,
+        "totals": status.totals,
+        "nodes": [
+            {**dataclasses.asdict(n), "healthy": status.healthy.get(n.name, False)}
+            for n in status.nodes
+        ],
+    }
+
+
+def status_line(status: FleetStatus) -> str:
+    t, r = status.totals, status.router
+    queues = " ".join(f"{n.name}:{n.queue_length}" for n in status.nodes)
+    return (
+        f"completed {t.get('completed', 0)}  rejected {r.get('rejected', 0)}  "
+        f"evicted {t.get('evicted', 0)}  spilled {r.get('spilled', 0)}  "
+        f"re-placed {r.get('replaced', 0)}  queues {queues}"
+    )
+
+
+def status_table(status: FleetStatus) -> str:
+    lines = [f"fleet {status.fleet}", ""]
+    lines.append(
+        f"{'node':<12}{'health':<9}{'state':<10}{'queued by priority':<28}{'running':<22}models"
+    )
+    for n in status.nodes:
+        queued = " ".join(f"{p}:{c}" for p, c in sorted(n.queued.items(), reverse=True)) or "-"
+        running = "-"
+        if n.running is not None:
+            running = f"{n.running.model} x{len(n.running.request_ids)} p{n.running.priority}"
+        models = ", ".join(m.name + ("*" if m.loaded else "") for m in n.models)
+        health = "ok" if status.healthy.get(n.name) else "LOST"
+        lines.append(f"{n.name:<12}{health:<9}{n.state:<10}{queued:<28}{running:<22}{models}")
+    lost = [name for name, ok in status.healthy.items() if not ok]
+    for name in lost:
+        if all(n.name != name for n in status.nodes):
+            lines.append(f"{name:<12}{'LOST':<9}")
+    lines += ["", "(* = resident)", status_line(status)]
+    return "\n".join(lines)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from cluster.demo import run_demo
 
@@ -83,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
             """\
             examples:
               edgefleet demo                          # embedded fleet, mixed workload, report
+              edgefleet up configs/local.yaml --detach && edgefleet status --fleet local
               edgefleet models make configs/models    # generate the built-in test models
               edgefleet validate configs/local.yaml   # check a fleet file
               edgefleet bench --quick                 # benchmarks (from the source checkout)
@@ -109,6 +268,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("config", metavar="CONFIG")
     validate.set_defaults(func=cmd_validate)
+
+    up = sub.add_parser(
+        "up",
+        help="deploy a fleet: on a running Ray cluster (--address) or an embedded one",
+        epilog="examples:\n  edgefleet up configs/local.yaml            # serve until Ctrl-C\n"
+        "  edgefleet up configs/local.yaml --detach   # leave it serving (`edgefleet down`)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_argument("config", metavar="CONFIG")
+    up.add_argument("--address", help="Ray cluster address (default: start one on 127.0.0.1)")
+    up.add_argument("--detach", action="store_true", help="return and leave the fleet serving")
+    up.add_argument("--interval", type=float, default=2.0, help="seconds between status lines")
+    up.set_defaults(func=cmd_up)
+
+    for name, func, text in (
+        ("status", cmd_status, "show queues, running work, models and health of a fleet"),
+        ("down", cmd_down, "stop a fleet (and the Ray head `up --detach` started for it)"),
+    ):
+        p = sub.add_parser(name, help=text, epilog=f"example: edgefleet {name} --fleet local")
+        p.add_argument("--fleet", default="local", help="fleet name (default: %(default)s)")
+        p.add_argument("--address", help="Ray cluster address (default: the one `up` started)")
+        p.set_defaults(func=func)
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+            p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+            p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
 
     demo = sub.add_parser(
         "demo",

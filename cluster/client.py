@@ -13,7 +13,16 @@ import ray
 from ray.actor import ActorHandle
 
 from actors.node import NodeStatus, Reply
-from cluster.deploy import deploy_nodes, deploy_router, router_name, start_local_ray, teardown
+from cluster.deploy import (
+    connect_ray,
+    deploy_nodes,
+    deploy_router,
+    find_fleet,
+    node_handles,
+    router_name,
+    start_local_ray,
+    teardown,
+)
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import ModelNotFound, NodeLost
 from edgefleet.request import InferRequest, new_request_id, resolve_priority
@@ -112,6 +121,19 @@ class FleetClient:
         if progress:
             progress(f"router {router_name(cfg.fleet.name)} ready")
         return cls(cfg, router, nodes, owns_fleet=True, owns_ray=owns_ray)
+
+    @classmethod
+    def connect(cls, address: str = "auto", fleet: str = "edgefleet") -> FleetClient:
+        """Attach to a fleet running on a Ray cluster (e.g. from a dashboard process).
+
+        ``address`` is a Ray address; ``auto`` finds the head ``edgefleet up --detach``
+        started for ``fleet``, else ``RAY_ADDRESS`` or the cluster on this machine.
+        Closing this client leaves the fleet running.
+        """
+        if not ray.is_initialized():
+            connect_ray(address, fleet)
+        router, config = find_fleet(fleet)
+        return cls(config, router, node_handles(config))
 
     def close(self) -> None:
         """Tear down what this client started (nodes, and Ray if it started it)."""

@@ -11,10 +11,11 @@ from ray._private import ray_constants
 from ray.actor import ActorHandle
 
 from actors.node import NodeRuntime
+from cluster.head import LOOPBACK, recorded_address
 from edgefleet.config import FleetConfig, NodeSpec
+from edgefleet.errors import ModelNotFound
 
 NAMESPACE = "edgefleet"
-LOOPBACK = "127.0.0.1"
 ROUTER_MAX_CONCURRENCY = 100_000  # requests one router holds open across the fleet
 START_TIMEOUT_S = 300.0
 
@@ -44,6 +45,31 @@ def pin_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def connect_ray(address: str | None, fleet: str) -> None:
+    """Connect this process to the Ray cluster a fleet runs on.
+
+    ``address`` None or ``auto``: the head ``edgefleet up --detach`` started for
+    ``fleet`` when there is one (loopback, token authentication), else Ray's own
+    discovery (``RAY_ADDRESS``, then the cluster on this machine).
+    """
+    recorded = recorded_address(fleet)
+    if address in (None, "auto") and recorded is not None:
+        address = recorded
+    if address == recorded:
+        pin_loopback()
+        # Ray's own switch to token authentication, as ray.init uses for new clusters;
+        # the token is in ~/.ray/auth_token, written when the head started.
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
+    ray.init(
+        address=address or "auto",
+        namespace=NAMESPACE,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
+
+
 def init_loopback_ray(*, num_cpus: int) -> None:
     """Start a private Ray instance whose processes all listen on 127.0.0.1 only."""
     pin_loopback()
@@ -66,8 +92,11 @@ def start_local_ray(config: FleetConfig) -> None:
     init_loopback_ray(num_cpus=config.local.num_cpus or max(2, len(config.node_specs())))
 
 
-def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[str, ActorHandle]:
-    """Create and start one node actor per node spec; returns handles by node name."""
+def deploy_nodes(
+    config: FleetConfig, progress: Progress | None = None, *, detached: bool = False
+) -> dict[str, ActorHandle]:
+    """Create and start one node actor per node spec; returns handles by node name.
+    Detached nodes outlive the process that deployed them (``edgefleet up --detach``)."""
     remote_node = ray.remote(NodeRuntime)
     handles: dict[str, ActorHandle] = {}
     specs: list[NodeSpec] = config.node_specs()
@@ -79,6 +108,7 @@ def deploy_nodes(config: FleetConfig, progress: Progress | None = None) -> dict[
             resources=spec.resources or None,
             max_concurrency=max_concurrency(spec),
             max_restarts=-1,  # Ray brings a crashed node back; the router restarts its loop
+            lifetime="detached" if detached else None,
         ).remote(spec)
     pending = {h.start.remote(): name for name, h in handles.items()}
     try:
@@ -131,3 +161,21 @@ def teardown(
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for h in handles.values():
         ray.kill(h, no_restart=True)
+
+
+def find_fleet(fleet: str) -> tuple[ActorHandle, FleetConfig]:
+    """The router of a running fleet and the configuration it was deployed with."""
+    try:
+        router = ray.get_actor(router_name(fleet), namespace=NAMESPACE)
+    except ValueError:
+        raise ModelNotFound(
+            f"no fleet {fleet!r} is running on this Ray cluster; start one with `edgefleet up`"
+        ) from None
+    return router, ray.get(router.config.remote(), timeout=START_TIMEOUT_S)
+
+
+def node_handles(config: FleetConfig) -> dict[str, ActorHandle]:
+    return {
+        spec.name: ray.get_actor(actor_name(config.fleet.name, spec.name), namespace=NAMESPACE)
+        for spec in config.node_specs()
+    }

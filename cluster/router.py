@@ -348,6 +348,9 @@ class RouterActor:
     async def start(self) -> RouterStatus:
         return await self._router.start()
 
+    def config(self) -> FleetConfig:
+        return self._router.config
+
     async def infer(self, request: InferRequest, inputs: Any = None) -> Reply:
         await self._router.start()  # after a restart of the router itself
         return await self._router.infer(request, inputs)

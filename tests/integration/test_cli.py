@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -76,3 +78,72 @@ def test_bench_quick_smoke_run_prints_a_report(tmp_path):
     assert report.startswith("# edgefleet benchmark results")
     assert "Foreground latency under a background flood" in report
     assert "| FIFO" in report and "| edgefleet" in report
+
+
+def _fleet_processes(marker: str) -> list[int]:
+    """Every process whose command line or open files mention ``marker``."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in proc.info["cmdline"] or ()) or any(
+                marker in f.path for f in proc.open_files()
+            ):
+                pids.append(proc.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+def test_up_detach_status_client_down(tmp_path):
+    from cluster.head import head_dir
+
+    fleet = f"clitest{os.getpid()}"
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        f"fleet: {{name: {fleet}}}\nlocal: {{nodes: 2}}\n"
+        "models:\n  classifier: {path: models/classifier.onnx}\n"
+    )
+    assert (
+        edgefleet("models", "make", str(tmp_path / "models"), "--only", "classifier").returncode
+        == 0
+    )
+    try:
+        up = edgefleet("up", str(config), "--detach")
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert f"fleet '{fleet}' is up: 2 node(s)" in up.stdout
+
+        status = edgefleet("status", "--fleet", fleet, "--json")
+        assert status.returncode == 0, status.stderr[-3000:]
+        data = json.loads(status.stdout)
+        assert sorted(n["name"] for n in data["nodes"]) == ["edge-0", "edge-1"]
+        assert all(n["healthy"] for n in data["nodes"])
+
+        client = subprocess.run(
+            [sys.executable, "-c", CLIENT.format(fleet=fleet)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert client.returncode == 0, client.stderr[-3000:]
+        assert "logits (1, 10)" in client.stdout
+
+        table = edgefleet("status", "--fleet", fleet)
+        assert "edge-0" in table.stdout and "completed 1" in table.stdout
+    finally:
+        down = edgefleet("down", "--fleet", fleet)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert "stopped the Ray head" in down.stdout
+    assert _fleet_processes(str(head_dir(fleet))) == []
+
+
+CLIENT = """
+from edgefleet import FleetClient
+from edgefleet.modelgen import random_inputs
+
+client = FleetClient.connect(fleet="{fleet}")
+out = client.infer("classifier", random_inputs("classifier"), priority="inline")
+print("logits", out["logits"].shape)
+"""

@@ -1,0 +1,106 @@
+"""A Ray head on loopback that outlives the command which started it (``up --detach``).
+
+Each fleet's head gets its own Ray temporary folder, so ``down`` can stop exactly the
+processes ``up`` started, and nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+
+LOOPBACK = "127.0.0.1"
+
+
+def head_dir(fleet: str) -> Path:
+    # Short on purpose: Ray puts Unix sockets under it, and socket paths are limited.
+    return Path(tempfile.gettempdir()) / f"edgefleet-{fleet}"
+
+
+def _state_file(fleet: str) -> Path:
+    return head_dir(fleet) / "edgefleet.json"
+
+
+def recorded_address(fleet: str) -> str | None:
+    """The address of the head ``up --detach`` started for ``fleet``, if any."""
+    try:
+        return str(json.loads(_state_file(fleet).read_text())["address"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def start_head(fleet: str, num_cpus: int) -> str:
+    """Start a Ray head bound to 127.0.0.1 for ``fleet``; returns its address."""
+    directory = head_dir(fleet)
+    directory.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    ray_cli = Path(sys.executable).with_name("ray")
+    cmd = [
+        str(ray_cli),
+        "start",
+        "--head",
+        f"--port={port}",
+        f"--node-ip-address={LOOPBACK}",
+        "--include-dashboard=false",
+        f"--ray-client-server-port={_free_port()}",
+        f"--num-cpus={num_cpus}",
+        f"--temp-dir={directory}",
+        "--disable-usage-stats",
+    ]
+    # Loopback only, and token authentication on (the token lives in ~/.ray/auth_token;
+    # clients on this machine find it there once RAY_AUTH_MODE=token).
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise RuntimeError(f"could not start a Ray head: {result.stderr.strip()[-2000:]}")
+    address = f"{LOOPBACK}:{port}"
+    _state_file(fleet).write_text(json.dumps({"fleet": fleet, "address": address}))
+    return address
+
+
+def head_processes(fleet: str) -> list[psutil.Process]:
+    """Processes of the head ``up`` started for ``fleet``: those whose command line
+    names its folder or its address, and their descendants (agents and workers
+    rename themselves)."""
+    markers = [str(head_dir(fleet))]
+    address = recorded_address(fleet)
+    if address is not None:  # Ray's client server names only the head's address
+        markers.append(f"--address={address}")
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(m in part for part in proc.info["cmdline"] or () for m in markers):
+                found[proc.pid] = proc
+                found.update((c.pid, c) for c in proc.children(recursive=True))
+        except psutil.Error:
+            continue
+    return list(found.values())
+
+
+def stop_head(fleet: str, timeout_s: float = 15.0) -> int:
+    """Stop the processes of ``fleet``'s head; returns how many there were."""
+    procs = [p for p in head_processes(fleet) if p.pid != os.getpid()]
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+    _state_file(fleet).unlink(missing_ok=True)
+    return len(procs)
