@@ -170,7 +170,8 @@ class FleetClient:
     def infer_reply(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> Reply:
         """Like :meth:`infer`, but returns the :class:`Reply` (outputs or error, node,
         queue and service time, batch size) without raising."""
-        kw.setdefault("request_id", new_request_id())
+        if kw.get("request_id") is None:  # one id for every retry of this request
+            kw["request_id"] = new_request_id()
         for attempt in range(ROUTER_RETRIES + 1):
             try:
                 (reply,) = _get([self.submit(model, inputs, **kw)], None, "infer")
