@@ -225,3 +225,24 @@ def test_embedded_ray_listens_on_loopback_only(make_fleet):
         listening += [c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]
     assert listening, "found no Ray process listening at all"
     assert set(listening) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, set(listening)
+
+
+def test_router_restart_loses_no_request(make_fleet):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster.deploy import NAMESPACE, router_name
+
+    fleet = make_fleet({"models": {"heavy": {"path": "heavy.onnx"}}})
+    router = ray.get_actor(router_name(fleet.config.fleet.name), namespace=NAMESPACE)
+    inputs = random_inputs("heavy")
+    with ThreadPoolExecutor(8) as pool:
+        futures = [
+            pool.submit(fleet.infer_reply, "heavy", inputs, request_id=f"rr-{i}") for i in range(40)
+        ]
+        time.sleep(0.1)
+        ray.kill(router, no_restart=False)  # Ray restarts the detached router
+        replies = [f.result(timeout=120) for f in futures]
+    assert sorted(r.request_id for r in replies) == sorted(f"rr-{i}" for i in range(40))
+    assert all(r.error is None for r in replies), [r.error for r in replies if r.error][:3]
+    completed = fleet.status().totals["completed"]
+    assert completed == 40, f"{completed} engine completions for 40 requests: some ran twice"
