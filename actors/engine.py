@@ -93,13 +93,18 @@ class Engine(Protocol):
         """Validate inputs; MUST raise InvalidInput naming the input, expected and got."""
         ...
 
-    def run(self, batch: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    def run(
+        self, batch: Sequence[Mapping[str, np.ndarray]], stop: threading.Event | None = None
+    ) -> list[dict[str, np.ndarray]]:
         """Run requests together; one output dict per request, in order. MUST raise
-        RunAborted when ``abort`` interrupted it and EngineError on failure."""
+        RunAborted without running when ``stop`` is already set, RunAborted when
+        ``abort`` interrupted it, and EngineError on failure."""
         ...
 
     def abort(self) -> None:
-        """Interrupt the call in progress, from any thread; no effect when idle."""
+        """Interrupt the call in progress, from any thread; no effect when idle.
+        Callers set the call's ``stop`` event first, so a call that has not started
+        yet cannot miss the abort."""
         ...
 
     def close(self) -> None: ...
@@ -190,8 +195,7 @@ class OnnxEngine:
         )
         self._output_names = [o.name for o in self._sig.outputs]
         self._lock = threading.Lock()
-        self._options: ort.RunOptions | None = None
-        self._aborting = False
+        self._options: ort.RunOptions | None = None  # of the call in progress
 
     @property
     def signature(self) -> Signature:
@@ -200,11 +204,13 @@ class OnnxEngine:
     def check(self, inputs: Mapping[str, Any], max_bytes: int) -> InputInfo:
         return check_inputs(self._sig, self.name, inputs, max_bytes)
 
-    def run(self, batch: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    def run(
+        self, batch: Sequence[Mapping[str, np.ndarray]], stop: threading.Event | None = None
+    ) -> list[dict[str, np.ndarray]]:
         if len(batch) > 1 and not self._sig.batchable:
             raise EngineError(f"model {self.name!r} cannot batch; run its requests one by one")
         if len(batch) == 1 and not self._pad_to:
-            return [self._call(batch[0])]
+            return [self._call(batch[0], stop)]
         sizes = [int(b[self._sig.inputs[0].name].shape[0]) for b in batch]
         total = sum(sizes)
         padded = next((p for p in self._pad_to if p >= total), total)
@@ -214,7 +220,7 @@ class OnnxEngine:
             if padded > total:  # repeat the last row: zeros can upset normalisation layers
                 parts.append(np.repeat(parts[-1][-1:], padded - total, axis=0))
             feed[spec.name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-        out = self._call(feed)
+        out = self._call(feed, stop)
         results: list[dict[str, np.ndarray]] = []
         start = 0
         for n in sizes:
@@ -222,27 +228,28 @@ class OnnxEngine:
             start += n
         return results
 
-    def _call(self, feed: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _call(
+        self, feed: Mapping[str, np.ndarray], stop: threading.Event | None
+    ) -> dict[str, np.ndarray]:
         options = ort.RunOptions()
         with self._lock:
-            self._options, self._aborting = options, False
+            if stop is not None and stop.is_set():
+                raise RunAborted(self.name)
+            self._options = options
         try:
             values = self._session.run(self._output_names, dict(feed), options)
         except Exception as exc:
-            if self._aborting:
+            if options.terminate:
                 raise RunAborted(self.name) from None
             raise EngineError(f"model {self.name!r} failed: {exc}") from None
         finally:
             with self._lock:
                 self._options = None
-        if self._aborting:
-            raise RunAborted(self.name)
         return dict(zip(self._output_names, values, strict=True))
 
     def abort(self) -> None:
         with self._lock:
             if self._options is not None:
-                self._aborting = True
                 self._options.terminate = True
 
     def close(self) -> None:

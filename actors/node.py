@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import resource
+import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -111,6 +112,7 @@ class NodeRuntime:
         self._state = "starting"
         self._switching: str | None = None
         self._engine: Engine | None = None  # the engine running a call now
+        self._stop: threading.Event | None = None  # set to abort the call in progress
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -152,8 +154,7 @@ class NodeRuntime:
         """Cancel queued work, abort the running call, unload models."""
         self._sched.draining = True
         self._settle(self._sched.cancel_all(f"node {self.spec.name} stopped"))
-        if self._engine is not None:
-            self._engine.abort()
+        self._abort_running()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -223,8 +224,8 @@ class NodeRuntime:
             self._counters["admitted"] += 1
             assert self._wake is not None and self._idle is not None
             self._idle.clear()
-            if admission.preempt and self._engine is not None:
-                self._engine.abort()
+            if admission.preempt:
+                self._abort_running()
             if req.deadline is not None:
                 delay = max(0.0, req.deadline - self._clock.now())
                 self._timers[req.id] = loop.call_later(delay, self._expire, req.id)
@@ -268,10 +269,18 @@ class NodeRuntime:
         if outcome is not None:
             self._settle([outcome])
             return True
-        if abort and self._engine is not None:
-            self._engine.abort()
+        if abort:
+            self._abort_running()
         running = self._sched.running
         return running is not None and any(r.id == request_id for r in running.requests)
+
+    def _abort_running(self) -> None:
+        # The stop event first: a call the engine thread has not entered yet sees it
+        # and never starts; a call in progress is interrupted by abort().
+        if self._stop is not None:
+            self._stop.set()
+        if self._engine is not None:
+            self._engine.abort()
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)
@@ -328,11 +337,12 @@ class NodeRuntime:
         loop = asyncio.get_running_loop()
         results: list[dict[str, np.ndarray]] | None = None
         t0 = self._clock.now()
+        stop = self._stop = threading.Event()
         try:
             engine = await self._load(plan.model)
             self._engine = engine
             inputs = [r.inputs for r in plan.requests]
-            results = await loop.run_in_executor(self._executor, engine.run, inputs)
+            results = await loop.run_in_executor(self._executor, engine.run, inputs, stop)
         except RunAborted:
             requeued = sum(not r.cancel_requested for r in plan.requests)
             if requeued:  # aborted for a more urgent arrival, not (only) for a cancel
@@ -347,7 +357,7 @@ class NodeRuntime:
         else:
             outcomes = self._sched.finish(plan)
         finally:
-            self._engine = None
+            self._engine = self._stop = None
         service = self._clock.now() - t0
         self._counters["engine_calls"] += 1
         self._counters["batched_requests"] += len(plan.requests)

@@ -5,9 +5,10 @@ deep enough for ~4 ms per batch-1 call, since a few layers would cost ~0.05 ms, 
 below what one request costs Ray and the node on this machine) is served by one node
 under five model entries that differ only in their batching window (0/5/15/30/100 ms;
 max batch 8; ``only_if_faster`` off so the window is honoured). The driver sends
-open-loop arrivals on a steady schedule (``submit`` at fixed intervals, never waiting
-for replies) at two rates, and measures each request end to end. Windows are measured
-in interleaved rounds so drift spreads over all.
+open-loop arrivals straight to the node actor (bypassing the fleet's router) on a
+steady schedule (``submit`` at fixed intervals, never waiting for replies) at two
+rates, and measures each request end to end. Windows are measured in interleaved
+rounds so drift spreads over all.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
     ModelEntry,
+    Route,
     RunContext,
     Section,
     Summary,
@@ -37,10 +39,10 @@ from bench.common import (
     md_table,
     median,
     node_costs_ms,
+    only_node,
     raw_session,
     slow_feed,
 )
-from cluster.client import FleetClient
 
 TITLE = "Batching window (a)"
 WINDOWS_MS: tuple[float, ...] = (0.0, 5.0, 15.0, 30.0, 100.0)
@@ -129,7 +131,7 @@ class WindowResult:
 
 
 def open_loop(
-    client: FleetClient,
+    route: Route,
     model: str,
     feed: dict[str, np.ndarray],
     rate: float,
@@ -157,7 +159,7 @@ def open_loop(
         due = start + i * interval
         if i < count and now >= due:
             max_lag = max(max_lag, now - due)
-            sent[client.submit(model, feed, priority="foreground")] = time.perf_counter()
+            sent[route.submit(model, feed, priority="foreground")] = time.perf_counter()
             i += 1
             continue
         wait_s = (due - now) if i < count else (hard_stop - now)
@@ -185,7 +187,7 @@ def open_loop(
 
 
 def _measure(
-    client: FleetClient, feed: dict[str, np.ndarray], rate: float, count: int, rounds: int
+    route: Route, feed: dict[str, np.ndarray], rate: float, count: int, rounds: int
 ) -> list[WindowResult]:
     pooled: dict[float, list[Arrivals]] = {w: [] for w in WINDOWS_MS}
     for r in range(rounds):
@@ -194,7 +196,7 @@ def _measure(
             label = f"{rate:g}/s window {w:g} ms round {r + 1}"
 
             def one_run(model: str = entry_name(w)) -> Arrivals:
-                return open_loop(client, model, feed, rate, count)
+                return open_loop(route, model, feed, rate, count)
 
             c = calm(one_run, label)
             run = replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)
@@ -232,18 +234,19 @@ def run(ctx: RunContext) -> Section:
     hot = hot_costs_ms(model.path, WIDTH, MAX_BATCH)
     tables: dict[float, list[WindowResult]] = {}
     with deployed(config) as client:
+        route = only_node(client)  # straight to the node actor: the node is measured
         costs = node_costs_ms(client.status(GET_TIMEOUT_S), entry_name(0.0))
         batch1_ms = costs.get(1, TARGET_COST_MS)
         high_rate = round(0.5 * 1000.0 / batch1_ms / 5) * 5  # half of batch-1 capacity
         for _ in range(20):  # warm the path (actor, sessions) before timing anything
-            ray.get(client.submit(entry_name(0.0), feed), timeout=GET_TIMEOUT_S)
+            ray.get(route.submit(entry_name(0.0), feed), timeout=GET_TIMEOUT_S)
         for rate, seconds in (
             (REFERENCE_RATE, ctx.pick(4.0, 1.6)),
             (high_rate, ctx.pick(2.0, 0.8)),
         ):
             count = max(20, round(rate * seconds))
             log(f"batching window: {rate:g}/s, {count} requests x {rounds} round(s) per window")
-            tables[rate] = _measure(client, feed, rate, count, rounds)
+            tables[rate] = _measure(route, feed, rate, count, rounds)
     return _section(tables, costs, hot, model, rounds)
 
 
@@ -405,7 +408,8 @@ def _section(
         "entries that differ only in the batching window "
         f"({'/'.join(f'{w:g}' for w in WINDOWS_MS)} ms; max batch {MAX_BATCH}, "
         "`only_if_faster: false` so the window is honoured). The driver submits "
-        "open-loop arrivals on a steady schedule (fixed intervals, never waiting for "
+        "open-loop arrivals straight to the node actor (bypassing the fleet's router) "
+        "on a steady schedule (fixed intervals, never waiting for "
         "replies) at 25/s (the original table's rate) and at about half the node's batch-1 "
         "capacity, and stamps each reply as it arrives (client end-to-end latency). "
         f"{rounds} interleaved round(s) per window, pooled. Mean batch = requests / engine "

@@ -17,16 +17,18 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import onnxruntime as ort
 import ray
+from ray.actor import ActorHandle
 
 from cluster.client import FleetClient, FleetStatus
-from cluster.deploy import init_loopback_ray
+from cluster.deploy import NAMESPACE, actor_name, init_loopback_ray
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.modelgen import calibrate_slow
+from edgefleet.request import DEFAULT_PRIORITIES, InferRequest, new_request_id, resolve_priority
 
 DISTURBED_CORES = 0.15  # other processes using more than this means noisy figures
 CALM_CORES = 0.2  # a measurement disturbed more than this is taken again (bounded)
@@ -160,6 +162,42 @@ class Target:
         )
 
 
+def _footer(what: str, seconds: float, cpu: CpuUse | None) -> str:
+    footer = f"_{what} time: {seconds:.0f} s"
+    if cpu is not None:
+        footer += f"; {cpu.describe()}"
+        if cpu.foreign_cores > DISTURBED_CORES:
+            footer += " (**disturbed**: treat these figures with caution)"
+    return footer + "._"
+
+
+@dataclass
+class Part:
+    """A titled part of a section, for a scenario that measures several things; each
+    part has its own tables, targets and notes."""
+
+    title: str
+    measured: str
+    tables: list[str] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    cpu: CpuUse | None = None
+
+    def markdown(self) -> str:
+        parts = [f"### {self.title}", "", self.measured, ""]
+        for table in self.tables:
+            parts += [table, ""]
+        if self.targets:
+            parts += ["Targets:", "", *(t.markdown() for t in self.targets), ""]
+        else:
+            parts += ["No target: reported for information.", ""]
+        for note in self.notes:
+            parts += [note, ""]
+        parts.append(_footer("Part", self.seconds, self.cpu))
+        return "\n".join(parts)
+
+
 @dataclass
 class Section:
     """One scenario's part of the report."""
@@ -172,10 +210,16 @@ class Section:
     seconds: float = 0.0
     error: str | None = None
     cpu: CpuUse | None = None
+    parts: list[Part] = field(default_factory=list)
+
+    @property
+    def all_targets(self) -> list[Target]:
+        """The section's own targets, then those of its parts, in order."""
+        return [*self.targets, *(t for p in self.parts for t in p.targets)]
 
     @property
     def passed(self) -> bool:
-        return self.error is None and all(t.passed for t in self.targets)
+        return self.error is None and all(t.passed for t in self.all_targets)
 
     def markdown(self) -> str:
         parts = [f"## {self.title}", "", self.measured, ""]
@@ -188,18 +232,15 @@ class Section:
                 "```",
                 "",
             ]
+        for part in self.parts:
+            parts += [part.markdown(), ""]
         for table in self.tables:
             parts += [table, ""]
         if self.targets:
             parts += ["Targets:", "", *(t.markdown() for t in self.targets), ""]
         for note in self.notes:
             parts += [note, ""]
-        footer = f"_Scenario time: {self.seconds:.0f} s"
-        if self.cpu is not None:
-            footer += f"; {self.cpu.describe()}"
-            if self.cpu.foreign_cores > DISTURBED_CORES:
-                footer += " (**disturbed**: treat these figures with caution)"
-        parts.append(footer + "._")
+        parts.append(_footer("Scenario", self.seconds, self.cpu))
         return "\n".join(parts)
 
 
@@ -441,6 +482,9 @@ class ModelEntry:
     threads: int = 1
 
 
+NO_SHED: Mapping[str, Any] = {"placement": {"shed": {}}}
+
+
 def fleet_config(
     name: str,
     models: Sequence[ModelEntry],
@@ -450,11 +494,21 @@ def fleet_config(
     order: Literal["priority", "fifo"] = "priority",
     preemption: bool = True,
     min_priority_gap: int = 5,
+    nodes: int = 1,
+    node_list: Sequence[Mapping[str, Any]] | None = None,
+    router: Mapping[str, Any] | None = None,
 ) -> FleetConfig:
-    """Build a FleetConfig the way a YAML file would (through ``parse_config``)."""
+    """Build a FleetConfig the way a YAML file would (through ``parse_config``).
+
+    ``nodes`` identical nodes (``local.nodes``) unless ``node_list`` gives the
+    ``nodes:`` entries. ``router`` is the ``router:`` section; by default router
+    shedding is off (:data:`NO_SHED`): the node-level scenarios measure one node's
+    scheduler, and the router must not shed background work before the node's own
+    queue is full.
+    """
     data: dict[str, Any] = {
         "fleet": {"name": name},
-        "local": {"nodes": 1},
+        "local": {"nodes": nodes},
         "models": {
             m.name: {
                 "path": str(m.path),
@@ -472,10 +526,10 @@ def fleet_config(
             "preemption": {"enabled": preemption, "min_priority_gap": min_priority_gap},
             "order": order,
         },
-        # These scenarios measure one node's scheduler: the router must not shed
-        # background work before the node's own queue is full.
-        "router": {"placement": {"shed": {}}},
+        "router": dict(NO_SHED if router is None else router),
     }
+    if node_list is not None:
+        data["nodes"] = [dict(n) for n in node_list]
     return parse_config(data, base_dir)
 
 
@@ -488,7 +542,147 @@ def deployed(config: FleetConfig) -> Iterator[FleetClient]:
     try:
         yield client
     finally:
+        forget_nodes(config.fleet.name)
         client.close()
+
+
+# ------------------------------------------------------- straight to a node actor
+
+_NODE_ACTORS: dict[tuple[str, str], ActorHandle] = {}
+
+
+def node_names(client: FleetClient) -> list[str]:
+    """The fleet's node names, in config order (``edge-0``, ... for ``local.nodes``)."""
+    return [spec.name for spec in client.config.node_specs()]
+
+
+def node_actor(fleet: str, node: str) -> ActorHandle:
+    """The node actor of ``fleet``'s ``node``, found by name once and then cached (the
+    cache is dropped when :func:`deployed` tears the fleet down)."""
+    key = (fleet, node)
+    handle = _NODE_ACTORS.get(key)
+    if handle is None:
+        handle = ray.get_actor(actor_name(fleet, node), namespace=NAMESPACE)
+        _NODE_ACTORS[key] = handle
+    return handle
+
+
+def forget_nodes(fleet: str) -> None:
+    for key in [k for k in _NODE_ACTORS if k[0] == fleet]:
+        del _NODE_ACTORS[key]
+
+
+def _fleet_and_priorities(target: FleetClient | str) -> tuple[str, Mapping[str, int]]:
+    if isinstance(target, FleetClient):
+        return target.config.fleet.name, target.config.priorities
+    return target, DEFAULT_PRIORITIES
+
+
+def node_submit(
+    target: FleetClient | str,
+    node: str,
+    model: str,
+    inputs: Mapping[str, np.ndarray],
+    priority: str | int = "foreground",
+    request_id: str | None = None,
+    deadline_s: float | None = None,
+    key: str | None = None,
+) -> ray.ObjectRef:
+    """Send one request straight to a node actor, bypassing the fleet's router.
+
+    ``target`` is the fleet's client (its priority classes are used) or the fleet's
+    name (default classes). Returns a reference to the node's :class:`Reply`.
+    """
+    fleet, classes = _fleet_and_priorities(target)
+    request = InferRequest(
+        model=model,
+        inputs=inputs,
+        priority=resolve_priority(priority, classes),
+        id=request_id or new_request_id(),
+        deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
+        key=key,
+    )
+    return node_actor(fleet, node).infer.remote(request)
+
+
+def node_cancel(
+    target: FleetClient | str, node: str, request_id: str, timeout_s: float = GET_TIMEOUT_S
+) -> bool:
+    """Cancel a request on one node actor directly; True if the node had it."""
+    fleet, _ = _fleet_and_priorities(target)
+    return bool(ray.get(node_actor(fleet, node).cancel.remote(request_id), timeout=timeout_s))
+
+
+class Route(Protocol):
+    """Where a scenario sends its requests: one node actor, or the fleet's router."""
+
+    @property
+    def label(self) -> str: ...
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: str | int = "foreground",
+        request_id: str | None = None,
+    ) -> ray.ObjectRef: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class NodeRoute:
+    """Straight to one node actor (what the node-level scenarios measure)."""
+
+    client: FleetClient
+    node: str
+
+    @property
+    def label(self) -> str:
+        return f"node {self.node}"
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: str | int = "foreground",
+        request_id: str | None = None,
+    ) -> ray.ObjectRef:
+        return node_submit(self.client, self.node, model, inputs, priority, request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        return node_cancel(self.client, self.node, request_id)
+
+
+@dataclass(frozen=True)
+class RouterRoute:
+    """Through the fleet's router (``FleetClient.submit``)."""
+
+    client: FleetClient
+
+    @property
+    def label(self) -> str:
+        return "router"
+
+    def submit(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: str | int = "foreground",
+        request_id: str | None = None,
+    ) -> ray.ObjectRef:
+        return self.client.submit(model, inputs, priority=priority, request_id=request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.client.cancel(request_id, GET_TIMEOUT_S)
+
+
+def only_node(client: FleetClient) -> NodeRoute:
+    """A route to the first (in the node-level scenarios: the only) node of the fleet."""
+    return NodeRoute(client, node_names(client)[0])
 
 
 # ------------------------------------------------------------------------ models

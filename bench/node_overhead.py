@@ -2,7 +2,8 @@
 
 Raw: one in-process ``InferenceSession`` (1 intra-op thread, 1 inter-op, sequential)
 running batch-1 calls back to back. Node: one node actor, same model, threads 1; the
-driver keeps ``K`` requests in flight with ``FleetClient.submit`` and ``ray.wait`` and
+driver keeps ``K`` requests in flight straight to the node actor (``node_submit``:
+``infer.remote`` on the actor, bypassing the fleet's router) and ``ray.wait``, and
 counts completed replies. Raw and node alternate (raw, node, raw, node, ...) and the
 median of the per-pair ratios is reported, so drift of the machine cancels.
 
@@ -42,6 +43,8 @@ from bench.common import (
     md_table,
     median,
     node_costs_ms,
+    node_submit,
+    only_node,
     raw_session,
     slow_feed,
 )
@@ -233,9 +236,10 @@ def _measure_row(
     params: Params,
 ) -> RowResult:
     feed = slow_feed(row.bench_model.width)
+    node = only_node(client).node
 
-    def node_submit() -> ray.ObjectRef:
-        return client.submit(row.model, feed, priority="foreground")
+    def to_node() -> ray.ObjectRef:  # straight to the node actor, not through the router
+        return node_submit(client, node, row.model, feed, priority="foreground")
 
     def floor_submit() -> ray.ObjectRef:
         assert floor is not None
@@ -246,24 +250,25 @@ def _measure_row(
         base = None
         if floor is not None:
             base = actor_throughput(floor_submit, params.duration_s, params.in_flight)
-        node = actor_throughput(node_submit, params.duration_s, params.in_flight)
+        node = actor_throughput(to_node, params.duration_s, params.in_flight)
         return raw, base, node
 
     raw_throughput(session, feed, params.warmup_s)
     if floor is not None:
         actor_throughput(floor_submit, params.warmup_s, params.in_flight)
-    actor_throughput(node_submit, params.warmup_s, params.in_flight)
+    actor_throughput(to_node, params.warmup_s, params.in_flight)
     rounds: list[Round] = []
     for i in range(params.rounds):
         c = calm(one_round, f"{row.label} round {i + 1}")
-        raw, base, node = c.value
-        r = Round(raw, node, base, c.foreign_cores, c.attempts)
+        raw, base, node_tp = c.value
+        r = Round(raw, node_tp, base, c.foreign_cores, c.attempts)
         rounds.append(r)
         floor_text = f", Ray floor {base.rate:.0f}/s" if base else ""
         log(
             f"  {row.label} round {i + 1}/{params.rounds}: raw {raw.rate:.0f}/s{floor_text}, "
-            f"node {node.rate:.0f}/s (ratio {r.ratio:.2f}, mean batch {node.mean_batch:.2f}, "
-            f"engine busy {node.engine_busy * 100:.0f}%, errors {node.errors}, "
+            f"node {node_tp.rate:.0f}/s (ratio {r.ratio:.2f}, "
+            f"mean batch {node_tp.mean_batch:.2f}, "
+            f"engine busy {node_tp.engine_busy * 100:.0f}%, errors {node_tp.errors}, "
             f"other processes {c.foreign_cores:.2f} cores)"
         )
     costs = node_costs_ms(client.status(GET_TIMEOUT_S), row.model)
@@ -364,7 +369,8 @@ def _section(
         "on the same model in the same run. Raw: one in-process `InferenceSession` "
         "(intra-op 1, inter-op 1, sequential) calling batch-1 back to back. Node: one node "
         f"actor (threads 1); the driver keeps {params.in_flight} requests in flight "
-        "(`FleetClient.submit` + `ray.wait`) and counts completed replies. Measurements "
+        "straight to the node actor (`infer.remote` on it, bypassing the fleet's router; "
+        "`ray.wait`) and counts completed replies. Measurements "
         f"alternate raw, node, raw, node ... ({params.rounds} rounds of {params.duration_s:g} s "
         f"per measurement and row, after a {params.warmup_s:g} s warm-up); the ratio is the "
         "median of the per-round ratios. In the unbatched rows each round also measures a "

@@ -6,7 +6,9 @@ Model: a slow MLP calibrated to about 20 ms per call, batching off, queue capaci
 flood a background thread keeps ``capacity`` background requests (priority 3)
 outstanding, resubmitting each as its reply comes back, so the node is never idle
 and its queue never drains. Foreground requests (priority 10) go one at a time with
-a pause between them; the client measures each end to end.
+a pause between them; the client measures each end to end. Every request goes
+straight to the node actor (``NodeRoute``), bypassing the fleet's router: this
+scenario measures the node's scheduler (``bench.fleet`` measures it behind the router).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from bench.common import (
     BenchModel,
     Calm,
     ModelEntry,
+    NodeRoute,
+    Route,
     RunContext,
     Section,
     Summary,
@@ -35,6 +39,7 @@ from bench.common import (
     log,
     md_table,
     median,
+    only_node,
     slow_feed,
 )
 from cluster.client import FleetClient
@@ -85,18 +90,29 @@ class ForegroundRun:
 
 
 class Flood:
-    """A background thread keeping ``outstanding`` background requests in the node.
+    """A background thread keeping ``outstanding`` background requests outstanding on
+    ``route`` (one node actor, or the fleet's router).
 
     Each completed (or refused, or evicted) request is replaced by a new one; refused
-    ones after their ``retry_after_s`` (capped), so a full queue does not become a
-    busy loop. Every wait is bounded; :meth:`stop` joins with a timeout, then cancels
-    what is still outstanding so the node is idle for whatever is measured next.
+    ones after their ``retry_after_s`` (capped at ``max_retry_s``), so a full queue
+    does not become a busy loop. Every wait is bounded; :meth:`stop` joins with a
+    timeout, then cancels what is still outstanding so the node is idle for whatever is
+    measured next.
     """
 
     def __init__(
-        self, client: FleetClient, model: str, feed: dict[str, np.ndarray], outstanding: int
+        self,
+        route: Route,
+        model: str,
+        feed: dict[str, np.ndarray],
+        outstanding: int,
+        *,
+        priority: int = BACKGROUND,
+        max_retry_s: float = MAX_RETRY_S,
     ) -> None:
-        self._client = client
+        self._route = route
+        self._priority = priority
+        self._max_retry_s = max_retry_s
         self._model = model
         self._feed = feed
         self._outstanding = outstanding
@@ -126,7 +142,7 @@ class Flood:
             raise RuntimeError("the background flood thread did not stop")
         if self._pending:
             for rid in list(self._pending.values()):
-                self._client.cancel(rid, GET_TIMEOUT_S)
+                self._route.cancel(rid)
             refs = list(self._pending)
             ray.wait(refs, num_returns=len(refs), timeout=GET_TIMEOUT_S)
             self._pending.clear()
@@ -134,7 +150,7 @@ class Flood:
     def _submit(self) -> None:
         self.counts.submitted += 1
         rid = new_request_id()
-        ref = self._client.submit(self._model, self._feed, priority=BACKGROUND, request_id=rid)
+        ref = self._route.submit(self._model, self._feed, priority=self._priority, request_id=rid)
         self._pending[ref] = rid
 
     def _loop(self) -> None:
@@ -163,7 +179,7 @@ class Flood:
                         self._submit()
                     elif isinstance(reply.error, Rejected):
                         self.counts.rejected += 1
-                        delay = min(MAX_RETRY_S, max(0.002, reply.error.retry_after_s))
+                        delay = min(self._max_retry_s, max(0.002, reply.error.retry_after_s))
                         heapq.heappush(later, time.perf_counter() + delay)
                     elif isinstance(reply.error, Evicted):
                         self.counts.evicted += 1
@@ -176,9 +192,17 @@ class Flood:
 
 
 def foreground(
-    client: FleetClient, feed: dict[str, np.ndarray], count: int, label: str
+    route: Route,
+    feed: dict[str, np.ndarray],
+    count: int,
+    label: str,
+    *,
+    model: str = MODEL,
+    priority: int = FOREGROUND,
+    gap_s: float = GAP_S,
 ) -> ForegroundRun:
-    """``count`` foreground requests one at a time, ``GAP_S`` apart; refused ones retry.
+    """``count`` foreground requests one at a time on ``route``, ``gap_s`` apart;
+    refused ones retry after the reply's ``retry_after_s`` (capped).
 
     Latency runs from the first attempt to the reply, retries included.
     """
@@ -190,7 +214,8 @@ def foreground(
         t0 = time.perf_counter()
         give_up = t0 + GET_TIMEOUT_S
         while True:
-            reply = ray.get(client.submit(MODEL, feed, priority=FOREGROUND), timeout=GET_TIMEOUT_S)
+            ref = route.submit(model, feed, priority=priority)
+            reply = ray.get(ref, timeout=GET_TIMEOUT_S)
             if not isinstance(reply.error, Rejected) or time.perf_counter() > give_up:
                 break
             refused += 1
@@ -204,16 +229,18 @@ def foreground(
             errors += 1
         if (i + 1) % 10 == 0:
             log(f"  {label}: {i + 1}/{count} foreground requests, last {elapsed * 1000:.0f} ms")
-        time.sleep(GAP_S)
+        time.sleep(gap_s)
     return ForegroundRun(label, tuple(latencies), tuple(services), tuple(queues), refused, errors)
 
 
-def _wait_saturated(client: FleetClient, want_queued: int, timeout_s: float = 15.0) -> int:
-    """Wait (bounded) until the node's queue holds ``want_queued`` requests."""
+def _wait_saturated(
+    client: FleetClient, node: str, want_queued: int, timeout_s: float = 15.0
+) -> int:
+    """Wait (bounded) until ``node``'s queue holds ``want_queued`` requests."""
     deadline = time.perf_counter() + timeout_s
     queued = 0
     while time.perf_counter() < deadline:
-        queued = client.status(GET_TIMEOUT_S).nodes[0].queue_length
+        queued = client.status(GET_TIMEOUT_S).node(node).queue_length
         if queued >= want_queued:
             return queued
         time.sleep(0.05)
@@ -221,17 +248,17 @@ def _wait_saturated(client: FleetClient, want_queued: int, timeout_s: float = 15
 
 
 def _flooded(
-    client: FleetClient, feed: dict[str, np.ndarray], count: int, label: str
+    client: FleetClient, route: NodeRoute, feed: dict[str, np.ndarray], count: int, label: str
 ) -> ForegroundRun:
     before = client.status(GET_TIMEOUT_S).totals
-    with Flood(client, MODEL, feed, outstanding=CAPACITY) as flood:
-        queued = _wait_saturated(client, CAPACITY - 2)
+    with Flood(route, MODEL, feed, outstanding=CAPACITY) as flood:
+        queued = _wait_saturated(client, route.node, CAPACITY - 2)
         log(f"  {label}: flood running, {queued} queued")
         done0, t0 = flood.counts.completed, time.perf_counter()
-        fg = foreground(client, feed, count, label)
+        fg = foreground(route, feed, count, label)
         bg_rate = (flood.counts.completed - done0) / (time.perf_counter() - t0)
         snapshot = client.status(GET_TIMEOUT_S)  # before the flood's leftovers are cancelled
-        depth = snapshot.nodes[0].queue_length
+        depth = snapshot.node(route.node).queue_length
     if flood.error is not None:
         raise RuntimeError(f"flood thread failed: {flood.error!r}") from flood.error
     after = snapshot.totals
@@ -271,18 +298,22 @@ def run(ctx: RunContext) -> Section:
     )
     fifo = fleet_config("bench-fifo", entries, model.path.parent, capacity=CAPACITY, order="fifo")
     with deployed(prio) as client:
+        route = only_node(client)  # straight to the node actor: the node is measured
         for _ in range(5):
-            ray.get(client.submit(MODEL, feed), timeout=GET_TIMEOUT_S)
+            ray.get(route.submit(MODEL, feed), timeout=GET_TIMEOUT_S)
         log("priority latency: alone")
-        alone = _kept(calm(lambda: foreground(client, feed, n_fg, "alone"), "alone"))
+        alone = _kept(calm(lambda: foreground(route, feed, n_fg, "alone"), "alone"))
         log("priority latency: edgefleet (priority order, preemption gap 5) under flood")
-        edge = _kept(calm(lambda: _flooded(client, feed, n_fg, "edgefleet"), "edgefleet"))
+        edge = _kept(calm(lambda: _flooded(client, route, feed, n_fg, "edgefleet"), "edgefleet"))
     with deployed(fifo) as client:
+        route = only_node(client)
         for _ in range(5):
-            ray.get(client.submit(MODEL, feed), timeout=GET_TIMEOUT_S)
+            ray.get(route.submit(MODEL, feed), timeout=GET_TIMEOUT_S)
         log("priority latency: FIFO under flood")
         # Long, and its target has a wide margin: measured once, disturbance reported.
-        base = _kept(calm(lambda: _flooded(client, feed, n_fifo, "FIFO"), "FIFO", attempts=1))
+        base = _kept(
+            calm(lambda: _flooded(client, route, feed, n_fifo, "FIFO"), "FIFO", attempts=1)
+        )
     return _section(model, alone, edge, base)
 
 
@@ -349,7 +380,8 @@ def _section(
         "refuse it outright, which measures nothing; a refused foreground attempt would be "
         "retried and its latency counted from the first attempt). Foreground requests "
         f"(priority {FOREGROUND}) go one at a time, {GAP_S * 1000:.0f} ms apart, once the "
-        "queue is full; latency is client end to end."
+        "queue is full; latency is client end to end. Every request goes straight to the "
+        "node actor (`infer.remote` on it), bypassing the fleet's router."
     )
     notes = [
         f"Bound used for the first target: 1.5 x {alone.latency_ms.p99:.1f} ms + "
@@ -390,4 +422,4 @@ def _section(
     return Section(TITLE, measured, [table], targets, notes)
 
 
-__all__ = ["Flood", "ForegroundRun", "foreground", "run"]
+__all__ = ["Flood", "FloodCounts", "ForegroundRun", "foreground", "run"]

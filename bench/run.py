@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import batching_window, node_overhead, priority_latency
+from bench import batching_window, fleet, node_overhead, priority_latency
 from bench.common import (
     CpuUse,
     EnvFacts,
@@ -43,6 +43,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("node_overhead", node_overhead.run, node_overhead.TITLE),
     Scenario("batching_window", batching_window.run, batching_window.TITLE),
     Scenario("priority_latency", priority_latency.run, priority_latency.TITLE),
+    Scenario("fleet", fleet.run, fleet.TITLE),
 )
 
 
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run edgefleet's benchmarks and print a Markdown report.",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="short durations: a smoke run in about a minute"
+        "--quick", action="store_true", help="short durations: a smoke run in about two minutes"
     )
     parser.add_argument(
         "--only",
@@ -89,13 +90,14 @@ def _run_one(scenario: Scenario, ctx: RunContext) -> Section:
 def _verdict(section: Section) -> str:
     if section.error:
         return "did not run (error)"
-    if not section.targets:
+    targets = section.all_targets
+    if not targets:
         return "no targets"
-    missed = [t.label for t in section.targets if not t.passed]
-    met = len(section.targets) - len(missed)
+    missed = [t.label for t in targets if not t.passed]
+    met = len(targets) - len(missed)
     if not missed:
-        return f"PASS ({met}/{len(section.targets)} targets met)"
-    return f"MISS ({met}/{len(section.targets)} met; missed: {'; '.join(missed)})"
+        return f"PASS ({met}/{len(targets)} targets met)"
+    return f"MISS ({met}/{len(targets)} met; missed: {'; '.join(missed)})"
 
 
 def render(

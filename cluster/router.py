@@ -251,15 +251,19 @@ class Router:
         return Rejected(
             f"shed: every node serving {request.model!r} is over {limit:.0%} full, the share "
             f"priority-{request.priority} work may use; capacity is kept for urgent work",
-            retry_after_s=self._drain_estimate(healthy),
+            retry_after_s=self._below_limit_in(healthy, limit),
             request_id=request.id,
         )
 
-    def _drain_estimate(self, entries: list[NodeEntry]) -> float:
+    def _below_limit_in(self, entries: list[NodeEntry], limit: float) -> float:
+        """Seconds until the first of ``entries`` drains below ``limit`` occupancy: a
+        shed client that waits this long is not shed again at once."""
+
         def secs(e: NodeEntry) -> float:
             view = e.view()
-            per = min(view.row_cost_s.values(), default=0.005)
-            return len(e.work) * per / 4 + view.running_left_s  # a quarter of the queue
+            per_row = max(view.row_cost_s.values(), default=0.005)
+            excess = sum(view.work.values()) + 1 - int(limit * view.capacity)
+            return view.running_left_s + max(1, excess) * per_row
 
         return max(0.001, min(secs(e) for e in entries))
 

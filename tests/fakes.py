@@ -19,8 +19,8 @@ F32 = np.dtype(np.float32)
 class FakeEngine:
     """Doubles its input ``x``. A row whose first value is negative makes the call fail.
 
-    ``cost_s`` is real time spent per call (waiting on an event, so ``abort`` ends it
-    at once); keep it small.
+    ``cost_s`` is real time spent per call (waiting on the call's stop event, so an
+    abort ends it at once); keep it small.
     """
 
     def __init__(self, name: str, *, batchable: bool = True, cost_s: float = 0.0) -> None:
@@ -29,7 +29,6 @@ class FakeEngine:
         self._sig = Signature((TensorSpec("x", F32, shape),), (TensorSpec("y", F32, shape),))
         self.cost_s = cost_s
         self.calls: list[int] = []  # rows per call
-        self._abort = threading.Event()
         self.closed = False
 
     @property
@@ -39,9 +38,11 @@ class FakeEngine:
     def check(self, inputs: Mapping[str, Any], max_bytes: int) -> InputInfo:
         return check_inputs(self._sig, self.name, inputs, max_bytes)
 
-    def run(self, batch: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        self._abort.clear()
-        if self.cost_s and self._abort.wait(self.cost_s):
+    def run(
+        self, batch: Sequence[Mapping[str, np.ndarray]], stop: threading.Event | None = None
+    ) -> list[dict[str, np.ndarray]]:
+        stop = stop or threading.Event()
+        if stop.is_set() or (self.cost_s and stop.wait(self.cost_s)):
             raise RunAborted(self.name)
         x = [b["x"] for b in batch]
         self.calls.append(sum(a.shape[0] if a.ndim == 2 else 1 for a in x))
@@ -50,7 +51,7 @@ class FakeEngine:
         return [{"y": a * 2} for a in x]
 
     def abort(self) -> None:
-        self._abort.set()
+        pass  # the node sets the call's stop event, which ends the scripted wait
 
     def close(self) -> None:
         self.closed = True

@@ -110,3 +110,14 @@ def test_abort_interrupts_a_running_call(tmp_path):
         e.run([x])
     assert time.perf_counter() - t0 < full * 0.8
     assert e.run([x])[0]["y"].shape == (32, 512)  # usable again after an abort
+
+
+def test_a_stop_set_before_the_call_starts_is_not_missed(models_dir):
+    # A preemption can arrive after the node hands a call to the engine thread but
+    # before the thread enters ONNX Runtime: the call must not start at all.
+    e = engine(models_dir, "classifier")
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(RunAborted):
+        e.run([random_inputs("classifier")], stop)
+    assert e.run([random_inputs("classifier")], threading.Event())[0]["logits"].shape == (1, 10)

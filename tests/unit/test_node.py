@@ -264,3 +264,19 @@ def test_retry_with_the_same_id_is_answered_once():
         await node.stop()
 
     run(main())
+
+
+def test_preemption_requested_before_the_engine_starts_is_kept():
+    async def main():
+        node, loader = await started(m={"cost_s": 0.5})
+        bg = asyncio.create_task(node.infer(req(priority=3, id="bg")))
+        for _ in range(3):  # the loop takes the plan; the engine thread may not run yet
+            await asyncio.sleep(0)
+        fg = asyncio.create_task(node.infer(req(priority=10, id="fg")))
+        done, _ = await asyncio.wait({bg, fg}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {fg}
+        await bg
+        assert node.status().counters["preemptions"] == 1
+        await node.stop()
+
+    run(main())

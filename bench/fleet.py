@@ -1,0 +1,1306 @@
+"""The fleet behind its router: scaling, the router's latency, priorities, placement.
+
+Four parts, each measured side by side in one run on one embedded Ray:
+
+(a) Throughput at saturation of a 3-node fleet (a ~5 ms model, batching off) over the
+    sum of its nodes' single-node throughputs. Each node is driven alone, straight to
+    its actor with ``K`` requests in flight; then all three straight at once (no
+    router: the best this machine allows); then the fleet through the router with
+    ``3K`` in flight. Measurements alternate in rounds, so drift spreads over all.
+(b) The router's added latency: sequential, unloaded requests (a ~1 ms model) through
+    the router and straight to the node the router chose last, interleaved.
+(c) Foreground p99 across a 3-node fleet (a ~20 ms model, queue capacity 64) under a
+    background flood sent through the router, against foreground alone and against
+    a FIFO fleet (``order: fifo``, no shedding, round-robin placement).
+(d) The placement policies on one seeded open-loop trace (mixed priorities, a cheap
+    and a dear model, 4 nodes, one serving only the cheap model), replayed on a fresh
+    fleet per policy at about 80% of the fleet's measured capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import numpy as np
+import ray
+
+from actors.node import Reply
+from bench.common import (
+    GET_TIMEOUT_S,
+    BenchModel,
+    Calm,
+    ModelEntry,
+    Part,
+    RouterRoute,
+    RunContext,
+    Section,
+    Summary,
+    Target,
+    calm,
+    cpu_sample,
+    cpu_since,
+    deployed,
+    fleet_config,
+    fmt,
+    log,
+    md_table,
+    median,
+    node_names,
+    node_submit,
+    slow_feed,
+)
+from bench.priority_latency import FloodCounts, ForegroundRun, foreground
+from cluster.client import FleetClient
+from cluster.deploy import NAMESPACE, router_name
+from edgefleet.config import FleetConfig
+from edgefleet.errors import Evicted, Rejected
+from edgefleet.request import InferRequest, new_request_id
+
+TITLE = "Fleet behind the router (fleet)"
+
+Submit = Callable[[], ray.ObjectRef]
+
+# (a) scaling and (b) router latency: one 3-node fleet serving both models
+FLEET_NODES = 3
+SAT_MODEL = "slow5"
+SAT_COST_MS = 5.0
+LAT_MODEL = "slow1"
+LAT_COST_MS = 1.0
+IN_FLIGHT_PER_NODE = 32
+TARGET_SCALING = 0.85  # fleet / sum of single-node throughputs
+
+# (c) foreground under a background flood
+FLOOD_MODEL = "slow20"
+FLOOD_COST_MS = 20.0
+FLOOD_CAPACITY = 64
+FOREGROUND = 10
+BACKGROUND = 3
+FLOOD_MAX_RETRY_S = 1.0  # the router's retry hint is honoured, up to this
+TARGET_BOUND_RATIO = 1.0  # edgefleet p99 / (1.5 x alone p99 + one service time)
+TARGET_FIFO_RATIO = 8.0  # FIFO p99 / edgefleet p99
+
+# (d) placement policies on one trace
+POLICIES: tuple[str, ...] = ("expected_completion", "power_of_two", "round_robin", "random")
+CHEAP, DEAR = "cheap2", "dear10"
+CHEAP_COST_MS, DEAR_COST_MS = 2.0, 10.0
+CHEAP_SHARE = 0.5  # of the trace's requests
+PRIORITY_MIX: tuple[tuple[int, float], ...] = ((10, 0.10), (7, 0.20), (3, 0.50), (0, 0.20))
+LOAD = 0.8  # offered load over the measured fleet capacity
+TRACE_SEED = 20261129
+CHEAP_NODE = "edge-cheap"
+TRACE_NODES: tuple[Mapping[str, Any], ...] = (
+    {"name": CHEAP_NODE, "models": [CHEAP]},
+    {"name": "edge-1"},
+    {"name": "edge-2"},
+    {"name": "edge-3"},
+)
+CAPACITY_IN_FLIGHT_PER_NODE = 8
+
+
+# ===================================================================== closed loops
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What a closed loop completed in its window."""
+
+    completed: int
+    seconds: float
+    errors: int
+    by_node: Mapping[str, int]
+    engine_s: float  # sum of the replies' service_s (batching off: one call each)
+    cpu_s: float  # CPU this benchmark (driver, Ray, router, nodes) used in the window
+
+    @property
+    def rate(self) -> float:
+        return self.completed / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def engine_ms(self) -> float:
+        return 1000 * self.engine_s / self.completed if self.completed else math.nan
+
+    @property
+    def cores(self) -> float:
+        return self.cpu_s / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def cpu_ms(self) -> float:
+        """CPU milliseconds the whole benchmark spent per completed request."""
+        return 1000 * self.cpu_s / self.completed if self.completed else math.nan
+
+
+def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:
+    """Keep ``in_flight_each`` requests outstanding per submitter for ``seconds``; each
+    reply is replaced by a new request from the submitter that sent it. Replies after
+    the window are drained (bounded) but not counted."""
+    pending: dict[ray.ObjectRef, int] = {}
+    for i, submit in enumerate(submitters):
+        for _ in range(in_flight_each):
+            pending[submit()] = i
+    completed = errors = 0
+    engine_s = 0.0
+    by_node: Counter[str] = Counter()
+    cpu0 = cpu_sample()
+    start = time.perf_counter()
+    end = start + seconds
+    last_progress = start
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            break
+        if now - last_progress > GET_TIMEOUT_S:
+            raise TimeoutError(f"no reply for {GET_TIMEOUT_S:.0f} s")
+        refs = list(pending)
+        ready, rest = ray.wait(refs, num_returns=1, timeout=min(end - now, 1.0))
+        if not ready:
+            continue
+        if rest:  # everything else that is ready in the same sweep
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        last_progress = time.perf_counter()
+        if last_progress > end:  # the wait ran past the window: these do not count
+            break
+        replies: list[Reply] = ray.get(ready, timeout=GET_TIMEOUT_S)
+        for ref, reply in zip(ready, replies, strict=True):
+            who = pending.pop(ref)
+            if reply.error is None:
+                completed += 1
+                engine_s += reply.service_s
+                by_node[reply.node] += 1
+            else:
+                errors += 1
+            pending[submitters[who]()] = who
+    elapsed = min(time.perf_counter(), end) - start
+    cpu_s = cpu_since(cpu0).own_s * elapsed / max(elapsed, time.perf_counter() - start)
+    if pending:
+        ray.wait(list(pending), num_returns=len(pending), timeout=GET_TIMEOUT_S)
+    return Loop(completed, elapsed, errors, dict(by_node), engine_s, cpu_s)
+
+
+# ============================================================ (a) scaling at saturation
+
+
+@dataclass(frozen=True)
+class ScalingRound:
+    singles: Mapping[str, Loop]  # node -> driven alone, straight to its actor
+    direct_all: Loop  # every node at once, straight to the actors (no router)
+    fleet: Loop  # through the router
+    foreign_cores: float
+    attempts: int
+
+    @property
+    def single_sum(self) -> float:
+        return sum(loop.rate for loop in self.singles.values())
+
+    @property
+    def scaling(self) -> float:
+        return self.fleet.rate / self.single_sum
+
+    @property
+    def router_ratio(self) -> float:
+        return self.fleet.rate / self.direct_all.rate
+
+    @property
+    def machine_ratio(self) -> float:
+        return self.direct_all.rate / self.single_sum
+
+
+def _scaling_round(
+    client: FleetClient, feed: dict[str, np.ndarray], seconds: float, reverse: bool
+) -> tuple[dict[str, Loop], Loop, Loop]:
+    nodes = node_names(client)
+
+    def to_node(node: str) -> Submit:
+        return lambda: node_submit(client, node, SAT_MODEL, feed)
+
+    def via_router() -> ray.ObjectRef:
+        return client.submit(SAT_MODEL, feed)
+
+    every = [to_node(n) for n in nodes]
+    steps: list[tuple[str, Callable[[], Loop]]] = [
+        *((n, partial(closed_loop, [to_node(n)], IN_FLIGHT_PER_NODE, seconds)) for n in nodes),
+        ("direct", partial(closed_loop, every, IN_FLIGHT_PER_NODE, seconds)),
+        ("router", partial(closed_loop, [via_router], IN_FLIGHT_PER_NODE * len(nodes), seconds)),
+    ]
+    if reverse:
+        steps.reverse()
+    out = {name: step() for name, step in steps}
+    return {n: out[n] for n in nodes}, out["direct"], out["router"]
+
+
+def measure_scaling(
+    client: FleetClient, feed: dict[str, np.ndarray], seconds: float, rounds: int, warm_s: float
+) -> list[ScalingRound]:
+    _scaling_round(client, feed, warm_s, reverse=False)  # warm every path once
+    results: list[ScalingRound] = []
+    for i in range(rounds):
+        measure = partial(_scaling_round, client, feed, seconds, reverse=i % 2 == 1)
+        c = calm(measure, f"(a) round {i + 1}", attempts=2)
+        singles, direct, fleet = c.value
+        r = ScalingRound(singles, direct, fleet, c.foreign_cores, c.attempts)
+        results.append(r)
+        log(
+            f"  (a) round {i + 1}/{rounds}: singles "
+            + " + ".join(f"{x.rate:.0f}" for x in singles.values())
+            + f" = {r.single_sum:.0f}/s; all direct {direct.rate:.0f}/s; "
+            f"router {fleet.rate:.0f}/s (fleet / sum {r.scaling:.2f}, "
+            f"fleet / all direct {r.router_ratio:.2f}; other processes "
+            f"{c.foreign_cores:.2f} cores)"
+        )
+    return results
+
+
+def _scaling_part(
+    rounds: list[ScalingRound], nodes: list[str], model: BenchModel, seconds: float
+) -> Part:
+    def med(pick: Callable[[ScalingRound], float]) -> float:
+        return median([pick(r) for r in rounds])
+
+    def per_round(pick: Callable[[ScalingRound], float], digits: int = 0) -> str:
+        return " / ".join(fmt(pick(r), digits) for r in rounds)
+
+    def share(pick: Callable[[ScalingRound], Loop]) -> str:
+        total = Counter[str]()
+        for r in rounds:
+            total.update(pick(r).by_node)
+        n = sum(total.values())
+        return " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes) if n else "-"
+
+    def loop_row(label: str, pick: Callable[[ScalingRound], Loop], shares: bool) -> list[object]:
+        return [
+            label,
+            fmt(med(lambda r: pick(r).rate), 0),
+            per_round(lambda r: pick(r).rate),
+            fmt(med(lambda r: pick(r).engine_ms), 2),
+            fmt(med(lambda r: pick(r).cores), 2),
+            fmt(med(lambda r: pick(r).cpu_ms), 2),
+            share(pick) if shares else "-",
+        ]
+
+    def single(node: str) -> Callable[[ScalingRound], Loop]:
+        return lambda r: r.singles[node]
+
+    rows: list[list[object]] = [
+        loop_row(f"{node} alone, straight to its actor", single(node), False) for node in nodes
+    ]
+    rows.append(
+        [
+            "**sum of single-node throughputs** (one at a time)",
+            fmt(med(lambda r: r.single_sum), 0),
+            per_round(lambda r: r.single_sum),
+            "-",
+            "-",
+            "-",
+            "-",
+        ]
+    )
+    rows.append(
+        loop_row(
+            "all 3 nodes at once, straight to the actors (no router)",
+            lambda r: r.direct_all,
+            True,
+        )
+    )
+    rows.append(loop_row("**fleet through the router**", lambda r: r.fleet, True))
+    table = md_table(
+        [
+            "measurement",
+            "requests/s (median)",
+            "per round",
+            "engine ms / call",
+            "cores used",
+            "CPU ms / request",
+            "share per node (" + " · ".join(nodes) + ")",
+        ],
+        rows,
+    )
+    ratios = md_table(
+        ["ratio", "median", "per round"],
+        [
+            [
+                "**scaling** = fleet through the router / sum of single-node throughputs",
+                fmt(med(lambda r: r.scaling), 2),
+                per_round(lambda r: r.scaling, 2),
+            ],
+            [
+                "**router efficiency** = fleet through the router / all 3 nodes straight at once",
+                fmt(med(lambda r: r.router_ratio), 2),
+                per_round(lambda r: r.router_ratio, 2),
+            ],
+            [
+                "machine limit = all 3 nodes straight at once / sum of single-node",
+                fmt(med(lambda r: r.machine_ratio), 2),
+                per_round(lambda r: r.machine_ratio, 2),
+            ],
+        ],
+    )
+    errors = sum(x.errors for r in rounds for x in (*r.singles.values(), r.direct_all, r.fleet))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    alone_cpu_ms = median([x.cpu_ms for r in rounds for x in r.singles.values()])
+    alone_cores = median([x.cores for r in rounds for x in r.singles.values()])
+    repeats = sum(r.attempts - 1 for r in rounds)
+    foreign = max(r.foreign_cores for r in rounds)
+    measured = (
+        f"{FLEET_NODES} simulated nodes on one embedded Ray (`local: {{nodes: "
+        f"{FLEET_NODES}}}`), each serving a {model.describe()}, batching off. Closed loops "
+        f"of {seconds:g} s each: every node alone, straight to its actor with "
+        f"{IN_FLIGHT_PER_NODE} requests in flight (one node at a time, the others idle); "
+        f"all {FLEET_NODES} straight to their actors at once ({IN_FLIGHT_PER_NODE} in flight "
+        "each, no router); and the fleet through the router (`FleetClient.submit`, "
+        f"{IN_FLIGHT_PER_NODE * FLEET_NODES} in flight, default placement "
+        f"expected_completion). {len(rounds)} round(s), the order reversed every other "
+        "round; ratios are medians of per-round ratios."
+    )
+    notes = [
+        "Caveat: this machine has 2 cores and the fleet runs 3 engine threads (plus the "
+        "driver, the router and Ray). The sum of single-node throughputs is measured one "
+        "node at a time, each with the machine to itself, so it is not simultaneously "
+        "achievable here: three engines share two cores. The scaling ratio (the target) "
+        "therefore mixes the router's cost with the machine's limit. The **router "
+        "efficiency** ratio compares the fleet through the router with the best this "
+        "machine achieves with all three nodes busy at once (straight to the actors, no "
+        "router) and isolates what the router costs; the machine limit is the rest.",
+        "Engine ms / call is the mean `Reply.service_s`: it grows when engine threads "
+        "share the cores, which is where the machine limit shows. Cores used and CPU ms / "
+        "request count every process of this benchmark (driver, Ray, router, nodes).",
+        f"What the machine allows: one node alone already uses {alone_cores:.2f} of the "
+        f"{cpus} cores ({alone_cpu_ms:.1f} ms of CPU per request, for a "
+        f"{model.target_ms:g} ms model), so {cpus} cores cannot serve more than about "
+        f"{cpus * 1000 / alone_cpu_ms:.0f} requests/s at that cost: a scaling ratio of at "
+        f"most about {cpus * 1000 / alone_cpu_ms / med(lambda r: r.single_sum):.2f} on this "
+        "machine, whatever the router does.",
+        f"Failed replies: {errors}. Rounds measured again because other processes used "
+        f"more than 0.2 cores meanwhile: {repeats}; most CPU other processes used during a "
+        f"kept round: {foreign:.2f} cores.",
+    ]
+    target = Target(
+        "(a) fleet throughput / sum of single-node throughputs",
+        med(lambda r: r.scaling),
+        ">=",
+        TARGET_SCALING,
+    )
+    return Part(
+        "(a) Fleet throughput at saturation vs the sum of its nodes",
+        measured,
+        [table, ratios],
+        [target],
+        notes,
+    )
+
+
+# ================================================================ (b) router latency
+
+
+@dataclass(frozen=True)
+class LatencyRun:
+    router_s: tuple[float, ...]
+    direct_s: tuple[float, ...]
+    router_service_s: tuple[float, ...]
+    direct_service_s: tuple[float, ...]
+    nodes: Mapping[str, int]  # node the router chose -> requests
+    errors: int
+
+
+def measure_router_latency(
+    client: FleetClient, feed: dict[str, np.ndarray], pairs: int
+) -> LatencyRun:
+    """``pairs`` sequential pairs, one request through the router and one straight to
+    the node the router chose last, alternating which goes first."""
+    last = node_names(client)[0]
+    router: list[float] = []
+    direct: list[float] = []
+    router_svc: list[float] = []
+    direct_svc: list[float] = []
+    nodes: Counter[str] = Counter()
+    errors = 0
+    for i in range(pairs):
+        for via_router in (True, False) if i % 2 == 0 else (False, True):
+            t0 = time.perf_counter()
+            if via_router:
+                ref = client.submit(LAT_MODEL, feed)
+            else:
+                ref = node_submit(client, last, LAT_MODEL, feed)
+            reply: Reply = ray.get(ref, timeout=GET_TIMEOUT_S)
+            elapsed = time.perf_counter() - t0
+            if reply.error is not None:
+                errors += 1
+                continue
+            if via_router:
+                router.append(elapsed)
+                router_svc.append(reply.service_s)
+                nodes[reply.node] += 1
+                last = reply.node
+            else:
+                direct.append(elapsed)
+                direct_svc.append(reply.service_s)
+    return LatencyRun(
+        tuple(router), tuple(direct), tuple(router_svc), tuple(direct_svc), dict(nodes), errors
+    )
+
+
+def _latency_part(c: Calm[LatencyRun], model: BenchModel) -> Part:
+    run = c.value
+    direct = Summary.of([x * 1000 for x in run.direct_s])
+    router = Summary.of([x * 1000 for x in run.router_s])
+    d_svc = median([x * 1000 for x in run.direct_service_s])
+    r_svc = median([x * 1000 for x in run.router_service_s])
+    rows: list[list[object]] = [
+        [
+            "straight to the node actor",
+            direct.n,
+            fmt(direct.p50, 2),
+            fmt(direct.p99, 2),
+            fmt(direct.mean, 2),
+            fmt(d_svc, 2),
+        ],
+        [
+            "through the router",
+            router.n,
+            fmt(router.p50, 2),
+            fmt(router.p99, 2),
+            fmt(router.mean, 2),
+            fmt(r_svc, 2),
+        ],
+        [
+            "**router adds** (ms)",
+            "-",
+            fmt(router.p50 - direct.p50, 2, signed=True),
+            fmt(router.p99 - direct.p99, 2, signed=True),
+            fmt(router.mean - direct.mean, 2, signed=True),
+            "-",
+        ],
+        [
+            "router / direct",
+            "-",
+            f"{router.p50 / direct.p50:.2f}x",
+            f"{router.p99 / direct.p99:.2f}x",
+            f"{router.mean / direct.mean:.2f}x",
+            "-",
+        ],
+    ]
+    table = md_table(["path", "requests", "p50 ms", "p99 ms", "mean ms", "engine p50 ms"], rows)
+    measured = (
+        f"The 3-node fleet of (a), unloaded, serving a {model.describe()}. Sequential "
+        "requests (one outstanding at a time), in pairs: one through the router "
+        "(`FleetClient.submit`) and one straight to the node actor the router chose for "
+        "the previous routed request, so both paths hit the same node; which goes first "
+        "alternates every pair. Client end-to-end latency."
+    )
+    spread = ", ".join(f"{n} {k}" for n, k in sorted(run.nodes.items()))
+    notes = [
+        "The router is one more Ray actor call on the way in and on the way out (driver "
+        "-> router -> node -> router -> driver instead of driver -> node -> driver), plus "
+        "the placement decision; on this 2-core machine each hop is a process switch.",
+        f"Nodes the router chose: {spread}. Failed requests: {run.errors}. Other "
+        f"processes used {c.foreign_cores:.2f} cores during the kept measurement "
+        f"(attempts: {c.attempts}).",
+    ]
+    return Part("(b) Latency the router adds", measured, [table], [], notes)
+
+
+# =========================================================== (c) flood across the fleet
+
+
+def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float = 20.0) -> int:
+    """Wait (bounded) until every node's queue holds ``want_each`` requests."""
+    deadline = time.perf_counter() + timeout_s
+    least = 0
+    while time.perf_counter() < deadline:
+        least = min(n.queue_length for n in client.status(GET_TIMEOUT_S).nodes)
+        if least >= want_each:
+            return least
+        time.sleep(0.05)
+    raise TimeoutError(f"the flood filled the emptiest queue to {least}, wanted {want_each}")
+
+
+class FloodActor:
+    """The background flood as a client of its own (a Ray actor, so its work does not
+    share the measuring driver's interpreter): ``outstanding`` lanes, each sending one
+    background request through the router at a time and the next as soon as the reply
+    returns; after a refusal a lane waits the reply's ``retry_after_s`` (at most
+    ``max_retry_s``), after an eviction or another error 5 ms."""
+
+    def __init__(
+        self,
+        fleet: str,
+        model: str,
+        feed: dict[str, np.ndarray],
+        outstanding: int,
+        priority: int,
+        max_retry_s: float,
+    ) -> None:
+        self._router = ray.get_actor(router_name(fleet), namespace=NAMESPACE)
+        self._model = model
+        self._feed = feed
+        self._outstanding = outstanding
+        self._priority = priority
+        self._max_retry_s = max_retry_s
+        self._stopping: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._live: set[str] = set()  # request ids in flight
+        self._counts = FloodCounts()
+        self._error: str | None = None
+
+    async def start(self) -> None:
+        self._stopping = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._lane()) for _ in range(self._outstanding)]
+
+    async def _lane(self) -> None:
+        assert self._stopping is not None
+        stopping = self._stopping
+        try:
+            while not stopping.is_set():
+                rid = new_request_id()
+                request = InferRequest(self._model, self._feed, self._priority, rid)
+                self._live.add(rid)
+                self._counts.submitted += 1
+                try:
+                    reply: Reply = await self._router.infer.remote(request)
+                finally:
+                    self._live.discard(rid)
+                if stopping.is_set():
+                    return
+                delay = 0.005
+                if reply.error is None:
+                    self._counts.completed += 1
+                    continue
+                if isinstance(reply.error, Rejected):
+                    self._counts.rejected += 1
+                    delay = min(self._max_retry_s, max(0.002, reply.error.retry_after_s))
+                elif isinstance(reply.error, Evicted):
+                    self._counts.evicted += 1
+                else:
+                    self._counts.other_errors += 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stopping.wait(), delay)
+        except Exception as exc:  # reported by counts()/stop(); the lane ends
+            self._error = self._error or repr(exc)
+
+    def counts(self) -> tuple[FloodCounts, str | None]:
+        return replace(self._counts), self._error
+
+    async def stop(self, timeout_s: float) -> tuple[FloodCounts, str | None]:
+        """Stop every lane, cancel what is in flight (bounded); the counts so far."""
+        assert self._stopping is not None
+        self._stopping.set()
+        live = list(self._live)
+        if live:
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(self._router.cancel.remote(rid) for rid in live), return_exceptions=True
+                ),
+                timeout_s,
+            )
+        _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        return replace(self._counts), self._error
+
+
+@dataclass(frozen=True)
+class FleetFlood:
+    run: ForegroundRun
+    router: Mapping[str, int]  # router counter deltas over the flood
+    queues: tuple[int, ...]  # node queue lengths at the end
+    seconds: float = 0.0  # from the flood's start to the last foreground reply
+    foreign_cores: float = 0.0
+    attempts: int = 1
+
+
+def _fleet_flooded(
+    client: FleetClient, feed: dict[str, np.ndarray], count: int, label: str, bg_limit: float
+) -> FleetFlood:
+    route = RouterRoute(client)
+    nodes = len(node_names(client))
+    before = client.status(GET_TIMEOUT_S)
+    started = time.perf_counter()
+    flood = (
+        ray.remote(FloodActor)
+        .options(num_cpus=0)
+        .remote(
+            client.config.fleet.name,
+            FLOOD_MODEL,
+            feed,
+            nodes * FLOOD_CAPACITY,
+            BACKGROUND,
+            FLOOD_MAX_RETRY_S,
+        )
+    )
+    try:
+        ray.get(flood.start.remote(), timeout=GET_TIMEOUT_S)
+        want = max(1, int(bg_limit * FLOOD_CAPACITY) - 5)
+        least = _wait_fleet_saturated(client, want)
+        log(f"  {label}: flood running, at least {least} queued on every node")
+        counts0, _ = ray.get(flood.counts.remote(), timeout=GET_TIMEOUT_S)
+        t0 = time.perf_counter()
+        fg = foreground(route, feed, count, label, model=FLOOD_MODEL, priority=FOREGROUND)
+        counts1, _ = ray.get(flood.counts.remote(), timeout=GET_TIMEOUT_S)
+        bg_rate = (counts1.completed - counts0.completed) / (time.perf_counter() - t0)
+        after = client.status(GET_TIMEOUT_S)  # before the flood's leftovers are cancelled
+        seconds = time.perf_counter() - started
+    finally:
+        counts, error = ray.get(flood.stop.remote(GET_TIMEOUT_S), timeout=2 * GET_TIMEOUT_S)
+        ray.kill(flood)
+    if error is not None:
+        raise RuntimeError(f"the background flood failed: {error}")
+    counters = {k: v - before.totals.get(k, 0) for k, v in after.totals.items()}
+    router = {k: v - before.router.get(k, 0) for k, v in after.router.items()}
+    run = replace(fg, flood=counts1, bg_rate=bg_rate, counters=counters)
+    return FleetFlood(run, router, tuple(n.queue_length for n in after.nodes), seconds)
+
+
+def _kept(c: Calm[FleetFlood]) -> FleetFlood:
+    return replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)
+
+
+def _alone(client: FleetClient, feed: dict[str, np.ndarray], count: int) -> FleetFlood:
+    before = client.status(GET_TIMEOUT_S).router
+    run = foreground(
+        RouterRoute(client), feed, count, "alone", model=FLOOD_MODEL, priority=FOREGROUND
+    )
+    after = client.status(GET_TIMEOUT_S)
+    router = {k: v - before.get(k, 0) for k, v in after.router.items()}
+    return FleetFlood(run, router, tuple(n.queue_length for n in after.nodes))
+
+
+def background_limit(config: FleetConfig) -> float:
+    """The largest queue occupancy the router lets background work fill (1.0: no shedding)."""
+    shed = config.router.placement.shed
+    return min(
+        (f for name, f in shed.items() if config.priorities[name] >= BACKGROUND), default=1.0
+    )
+
+
+def measure_flood(
+    ctx: RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
+) -> tuple[FleetFlood, FleetFlood, FleetFlood]:
+    feed = slow_feed(model.width)
+    n_fg = ctx.count(40, 8)
+    n_fifo = ctx.count(10, 2)
+    bg_limit = background_limit(prio)
+    with deployed(prio) as client:
+        for _ in range(5):
+            ray.get(client.submit(FLOOD_MODEL, feed), timeout=GET_TIMEOUT_S)
+        log("(c) foreground alone, through the router")
+        alone = _kept(calm(lambda: _alone(client, feed, n_fg), "(c) alone", attempts=2))
+        log("(c) edgefleet fleet under a background flood")
+        edge = _kept(
+            calm(
+                lambda: _fleet_flooded(client, feed, n_fg, "edgefleet", bg_limit),
+                "(c) edgefleet",
+                attempts=2,
+            )
+        )
+    with deployed(fifo) as client:
+        for _ in range(5):
+            ray.get(client.submit(FLOOD_MODEL, feed), timeout=GET_TIMEOUT_S)
+        log("(c) FIFO fleet under a background flood")
+        # Long, and its target has a wide margin: measured once, disturbance reported.
+        base = _kept(
+            calm(lambda: _fleet_flooded(client, feed, n_fifo, "FIFO", 1.0), "(c) FIFO", attempts=1)
+        )
+    return alone, edge, base
+
+
+def _flood_part(
+    alone: FleetFlood, edge: FleetFlood, fifo: FleetFlood, model: BenchModel, bg_limit: float
+) -> Part:
+    service_ms = median([s * 1000 for s in alone.run.service_s])
+    bound = 1.5 * alone.run.latency_ms.p99 + service_ms
+    rows: list[list[object]] = []
+    labels = {
+        "alone": "alone (edgefleet fleet, no flood)",
+        "edgefleet": "edgefleet fleet under flood",
+        "FIFO": "FIFO fleet under flood",
+    }
+    for f in (alone, edge, fifo):
+        r = f.run
+        lat = r.latency_ms
+        flood = r.flood
+        rows.append(
+            [
+                labels.get(r.config, r.config),
+                lat.n,
+                fmt(lat.p50, 1),
+                fmt(lat.p99, 1),
+                fmt(lat.max, 1),
+                fmt(median([q * 1000 for q in r.queue_s]), 1),
+                fmt(median([s * 1000 for s in r.service_s]), 1),
+                r.refused,
+                "-" if flood is None else fmt(r.bg_rate, 1),
+                "-" if flood is None else r.counters.get("preempted", 0),
+                "-" if flood is None else f"{flood.rejected} / {flood.evicted}",
+                "-" if flood is None else " / ".join(str(q) for q in f.queues),
+            ]
+        )
+    table = md_table(
+        [
+            "configuration",
+            "fg requests",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "fg queue p50 ms",
+            "fg service p50 ms",
+            "fg refused",
+            "bg done/s",
+            "bg preempted",
+            "bg refused / evicted",
+            "queues at end",
+        ],
+        rows,
+    )
+    edge_p99 = edge.run.latency_ms.p99
+    targets = [
+        Target(
+            "(c) edgefleet fleet p99 / (1.5 x alone p99 + one service time)",
+            edge_p99 / bound,
+            "<=",
+            TARGET_BOUND_RATIO,
+        ),
+        Target(
+            "(c) FIFO fleet p99 / edgefleet fleet p99",
+            fifo.run.latency_ms.p99 / edge_p99,
+            ">=",
+            TARGET_FIFO_RATIO,
+            1,
+        ),
+    ]
+    nodes = FLEET_NODES
+    measured = (
+        f"{nodes} nodes, each serving a {model.describe()}, batching off, queue capacity "
+        f"{FLOOD_CAPACITY}; everything goes through the router. A background client (a Ray "
+        "actor of its own, so it does not share the measuring driver's interpreter) keeps "
+        f"{nodes * FLOOD_CAPACITY} background (priority {BACKGROUND}) requests outstanding, "
+        "the queues' full capacity, resubmitting each as its reply returns; a refused one "
+        "(a node's full queue, or the router shedding it) is resubmitted after the reply's "
+        f"`retry_after_s` hint (at most {FLOOD_MAX_RETRY_S:g} s). Foreground requests "
+        f"(priority {FOREGROUND}) go one "
+        "at a time, 100 ms apart, once every node's queue is full; latency is client end "
+        "to end, retries of a refused foreground request included. Configurations: alone "
+        "(the edgefleet fleet, no flood); edgefleet (priority order, preemption on with "
+        "gap 5, the router's default placement expected_completion and default shedding: "
+        f"background may fill {bg_limit:.0%} of a queue); FIFO (`node_defaults.order: "
+        "fifo`, `router.placement.shed: {}`, placement round_robin)."
+    )
+    notes = [
+        f"Bound used for the first target: 1.5 x {alone.run.latency_ms.p99:.1f} ms + "
+        f"{service_ms:.1f} ms (median service time alone) = {bound:.1f} ms.",
+        "Router counters over each flood (refused background requests come back as "
+        "`rejected`; `shed` counts those the router refused itself to keep headroom, "
+        "`spilled` those a node refused and the router tried elsewhere): "
+        + "; ".join(
+            f"{f.run.config}: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(f.router.items()) if v) or "none")
+            for f in (edge, fifo)
+        )
+        + ".",
+        "Node counters over each flood, added over the fleet: "
+        + "; ".join(
+            f"{f.run.config}: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(f.run.counters.items()) if v)
+            for f in (edge, fifo)
+        )
+        + f". Failed foreground requests: {sum(f.run.errors for f in (alone, edge, fifo))}.",
+        f"Refusal churn: on the edgefleet fleet the router refused "
+        f"{edge.router.get('rejected', 0) / max(edge.seconds, 1e-9):.0f} background requests/s "
+        f"(while completing {edge.router.get('completed', 0) / max(edge.seconds, 1e-9):.0f}/s):"
+        " the flood offers more than the "
+        f"{bg_limit:.0%} of each queue the router lets background work fill, and each refused "
+        "request comes back after the router's `retry_after_s` hint, one more round trip "
+        "through the router each time, on the same 2 cores as the foreground work.",
+        "Disturbance (CPU other processes used during the kept measurement; attempts): "
+        + "; ".join(
+            f"{f.run.config} {f.foreign_cores:.2f} cores, {f.attempts}" for f in (alone, edge, fifo)
+        )
+        + ". Alone and edgefleet: up to 2 attempts; FIFO: once, its margin is wide.",
+    ]
+    slowest = sorted(
+        zip(edge.run.latencies_s, edge.run.queue_s, edge.run.service_s, strict=True),
+        reverse=True,
+    )[:3]
+    if slowest:
+        notes.append(
+            "Where the edgefleet fleet's slowest foreground requests spent their time "
+            "(end to end = queued on the node + engine call + everything outside the node: "
+            "the router, Ray, the driver): "
+            + "; ".join(
+                f"{lat * 1000:.0f} ms = {q * 1000:.0f} + {svc * 1000:.0f} + "
+                f"{(lat - q - svc) * 1000:.0f}"
+                for lat, q, svc in slowest
+            )
+            + " ms."
+        )
+    alone_svc = service_ms
+    edge_svc = median([s * 1000 for s in edge.run.service_s])
+    if edge_svc > 1.2 * alone_svc:
+        notes.append(
+            f"A foreground call under the flood took {edge_svc:.1f} ms of engine time "
+            f"against {alone_svc:.1f} ms alone: the foreground request preempts the "
+            "background call on its own node only; the other nodes' background calls keep "
+            f"running, and {nodes} engine threads (plus the flood's client, the router and "
+            "Ray) share this machine's 2 cores, so the foreground call stretches. On "
+            "separate machines each node would have its own CPU; here that stretch, not "
+            "queueing (see fg queue p50), is what separates edgefleet from alone."
+        )
+    return Part(
+        "(c) Foreground p99 across the fleet under a background flood",
+        measured,
+        [table],
+        targets,
+        notes,
+    )
+
+
+# ========================================================= (d) placement on one trace
+
+
+@dataclass(frozen=True)
+class TraceItem:
+    at: float  # arrival, in mean inter-arrival gaps from the first
+    model: str
+    priority: int
+
+
+def make_trace(count: int, seed: int = TRACE_SEED) -> tuple[TraceItem, ...]:
+    """A deterministic trace: Poisson arrivals (in units of the mean gap), each request
+    a model (cheap with probability ``CHEAP_SHARE``) and a priority (``PRIORITY_MIX``)."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0, count)
+    at = np.cumsum(gaps) - gaps[0]
+    prios = rng.choice([p for p, _ in PRIORITY_MIX], size=count, p=[w for _, w in PRIORITY_MIX])
+    cheap = rng.random(count) < CHEAP_SHARE
+    return tuple(
+        TraceItem(float(a), CHEAP if c else DEAR, int(p))
+        for a, c, p in zip(at, cheap, prios, strict=True)
+    )
+
+
+@dataclass(frozen=True)
+class TraceSample:
+    item: TraceItem
+    latency_s: float
+    node: str
+    error: str | None  # the error's type name, None when completed
+    service_s: float
+
+
+@dataclass(frozen=True)
+class Replay:
+    policy: str
+    samples: tuple[TraceSample, ...]
+    max_lag_s: float
+    lost: int
+    seconds: float
+    router: Mapping[str, int] = field(default_factory=dict)
+    foreign_cores: float = 0.0
+    attempts: int = 1
+    capacity: float = math.nan  # the policy's closed-loop throughput on the mix
+
+    def latency_ms(self, priorities: Sequence[int] | None = None) -> Summary:
+        return Summary.of(
+            [
+                s.latency_s * 1000
+                for s in self.samples
+                if s.error is None and (priorities is None or s.item.priority in priorities)
+            ]
+        )
+
+    def count(self, error: str | None) -> int:
+        return sum(1 for s in self.samples if s.error == error)
+
+    def shares(self, nodes: Sequence[str]) -> dict[str, float]:
+        done = Counter(s.node for s in self.samples if s.error is None)
+        total = sum(done.values())
+        return {n: done[n] / total if total else math.nan for n in nodes}
+
+
+def replay(
+    client: FleetClient,
+    trace: Sequence[TraceItem],
+    rate: float,
+    feeds: Mapping[str, dict[str, np.ndarray]],
+    drain_s: float = GET_TIMEOUT_S,
+) -> Replay:
+    """Submit ``trace`` open loop (at its arrival times for ``rate``/s) through the
+    router, stamping each reply as it arrives. Bounded: stops ``drain_s`` after the last
+    arrival whatever is still outstanding."""
+    sent: dict[ray.ObjectRef, tuple[TraceItem, float]] = {}
+    samples: list[TraceSample] = []
+    max_lag = 0.0
+    i = 0
+    start = time.perf_counter() + 0.01
+    last_due = start + trace[-1].at / rate
+    hard_stop = last_due + drain_s
+    while i < len(trace) or sent:
+        now = time.perf_counter()
+        if now > hard_stop:
+            break
+        due = start + trace[i].at / rate if i < len(trace) else hard_stop
+        if i < len(trace) and now >= due:
+            max_lag = max(max_lag, now - due)
+            item = trace[i]
+            ref = client.submit(item.model, feeds[item.model], priority=item.priority)
+            sent[ref] = (item, time.perf_counter())
+            i += 1
+            continue
+        if not sent:
+            time.sleep(max(0.0, due - now))
+            continue
+        ready, rest = ray.wait(list(sent), num_returns=1, timeout=max(0.0, due - now))
+        if not ready:
+            continue
+        done_at = time.perf_counter()
+        if rest:
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
+        replies: list[Reply] = ray.get(ready, timeout=GET_TIMEOUT_S)
+        for ref, reply in zip(ready, replies, strict=True):
+            item, t0 = sent.pop(ref)
+            samples.append(
+                TraceSample(
+                    item,
+                    done_at - t0,
+                    reply.node,
+                    None if reply.error is None else type(reply.error).__name__,
+                    reply.service_s,
+                )
+            )
+    seconds = time.perf_counter() - start
+    return Replay("", tuple(samples), max_lag, len(sent), seconds)
+
+
+def _trace_config(name: str, models: Mapping[str, BenchModel], policy: str) -> FleetConfig:
+    entries = [ModelEntry(n, m.path) for n, m in models.items()]
+    return fleet_config(
+        name,
+        entries,
+        next(iter(models.values())).path.parent,
+        capacity=FLOOD_CAPACITY,
+        node_list=TRACE_NODES,
+        router={"placement": {"policy": policy, "seed": TRACE_SEED}},  # default shedding
+    )
+
+
+def _warm(client: FleetClient, feeds: Mapping[str, dict[str, np.ndarray]], calls: int) -> None:
+    """``calls`` requests per model on every node, straight to the actors, all nodes at
+    once: warms sessions and the nodes' observed per-row costs the router reads."""
+    refs = [
+        node_submit(client, spec.name, m, feeds[m])
+        for spec in client.config.node_specs()
+        for m in spec.models
+        for _ in range(calls)
+    ]
+    ray.get(refs, timeout=GET_TIMEOUT_S)
+
+
+def measure_capacity(
+    client: FleetClient, feeds: Mapping[str, dict[str, np.ndarray]], seconds: float
+) -> Loop:
+    """The fleet's throughput through the router at saturation on the trace's model mix
+    (all at foreground priority, so nothing is shed)."""
+    rng = np.random.default_rng(TRACE_SEED + 1)
+
+    def submit() -> ray.ObjectRef:
+        model = CHEAP if rng.random() < CHEAP_SHARE else DEAR
+        return client.submit(model, feeds[model])
+
+    nodes = len(client.config.node_specs())
+    return closed_loop([submit], CAPACITY_IN_FLIGHT_PER_NODE * nodes, seconds)
+
+
+def measure_placement(
+    ctx: RunContext, models: Mapping[str, BenchModel], trace: Sequence[TraceItem]
+) -> tuple[float, list[Replay]]:
+    """Replay ``trace`` once per policy, each on a fresh fleet treated alike: warm-up
+    straight to the nodes, a closed loop at saturation through the router (its
+    throughput is the policy's capacity on the mix), a pause, then the replay. The
+    first policy's capacity sets the replay rate for all."""
+    feeds = {n: slow_feed(m.width) for n, m in models.items()}
+    cap_s = ctx.pick(1.5, 0.8)
+    rate = math.nan
+    replays: list[Replay] = []
+    for policy in POLICIES:
+        with deployed(_trace_config(f"bench-trace-{policy}", models, policy)) as client:
+            _warm(client, feeds, 10)
+            cap = measure_capacity(client, feeds, cap_s)
+            if math.isnan(rate):
+                rate = LOAD * cap.rate
+                log(
+                    f"  (d) {policy} capacity on the mix {cap.rate:.0f}/s through the router; "
+                    f"every policy replays {len(trace)} requests at {rate:.0f}/s"
+                )
+            # The router polls every node on a status call: it starts the replay with
+            # fresh reports of idle nodes, not the saturated ones of the closed loop.
+            time.sleep(0.1)
+            idle = client.status(GET_TIMEOUT_S)
+            if any(n.queue_length or n.running for n in idle.nodes):
+                time.sleep(0.5)
+                client.status(GET_TIMEOUT_S)
+
+            def one(
+                client: FleetClient = client, policy: str = policy, rate: float = rate
+            ) -> Replay:
+                before = client.status(GET_TIMEOUT_S).router
+                r = replay(client, trace, rate, feeds)
+                after = client.status(GET_TIMEOUT_S).router
+                router = {k: v - before.get(k, 0) for k, v in after.items()}
+                return replace(r, policy=policy, router=router)
+
+            c = calm(one, f"(d) {policy}", attempts=2)
+            r = replace(
+                c.value, foreign_cores=c.foreign_cores, attempts=c.attempts, capacity=cap.rate
+            )
+        fg = r.latency_ms([10])
+        log(
+            f"  (d) {policy}: capacity {cap.rate:.0f}/s; fg p50 {fg.p50:.1f} ms p99 "
+            f"{fg.p99:.1f} ms; all p99 {r.latency_ms().p99:.1f} ms; completed "
+            f"{r.count(None)}, max lag {r.max_lag_s * 1000:.1f} ms"
+        )
+        replays.append(r)
+    return rate, replays
+
+
+def _placement_part(
+    replays: list[Replay],
+    rate: float,
+    trace: Sequence[TraceItem],
+    models: Mapping[str, BenchModel],
+) -> Part:
+    nodes = [str(n["name"]) for n in TRACE_NODES]
+    rows: list[list[object]] = []
+    for r in replays:
+        fg = r.latency_ms([10])
+        every = r.latency_ms()
+        other = len(r.samples) - r.count(None) - r.count("Rejected") - r.count("Evicted")
+        rows.append(
+            [
+                r.policy,
+                fmt(fg.p50, 1),
+                fmt(fg.p99, 1),
+                fmt(r.latency_ms([7]).p99, 1),
+                fmt(r.latency_ms([3]).p99, 1),
+                fmt(r.latency_ms([0]).p99, 1),
+                fmt(every.p50, 1),
+                fmt(every.p99, 1),
+                r.count(None),
+                r.count("Rejected"),
+                r.count("Evicted"),
+                other + r.lost,
+                fmt(r.capacity, 0),
+            ]
+        )
+    table = md_table(
+        [
+            "policy",
+            "fg p50 ms",
+            "fg p99 ms",
+            "prio 7 p99 ms",
+            "prio 3 p99 ms",
+            "prio 0 p99 ms",
+            "all p50 ms",
+            "all p99 ms",
+            "completed",
+            "rejected",
+            "evicted",
+            "other / lost",
+            "capacity req/s",
+        ],
+        rows,
+    )
+    share_rows: list[list[object]] = []
+    for r in replays:
+        shares = r.shares(nodes)
+        by_model = {
+            m: Counter(s.node for s in r.samples if s.error is None and s.item.model == m)
+            for m in (CHEAP, DEAR)
+        }
+        share_rows.append(
+            [
+                r.policy,
+                *(
+                    f"{shares[n] * 100:.0f}% ({by_model[CHEAP][n]} / {by_model[DEAR][n]})"
+                    for n in nodes
+                ),
+                ", ".join(f"{k} {v}" for k, v in sorted(r.router.items()) if v),
+            ]
+        )
+    share_table = md_table(
+        ["policy", *(f"{n} share (cheap / dear)" for n in nodes), "router counters"],
+        share_rows,
+    )
+    by = {r.policy: r for r in replays}
+    ec = by["expected_completion"].latency_ms([10]).p99
+    rr = by["round_robin"].latency_ms([10]).p99
+    targets = [
+        Target(
+            "(d) expected_completion fg p99 / round_robin fg p99",
+            ec / rr,
+            "<=",
+            1.0,
+        )
+    ]
+    mix = Counter((t.model, t.priority) for t in trace)
+    n_fg = sum(v for (_, p), v in mix.items() if p == 10)
+    span = trace[-1].at / rate
+    measured = (
+        f"4 nodes: {CHEAP_NODE} serves only {CHEAP} ({models[CHEAP].describe()}); "
+        f"edge-1..3 serve {CHEAP} and {DEAR} ({models[DEAR].describe()}); queue capacity "
+        f"{FLOOD_CAPACITY}, priority order, the router's default shedding. One seeded "
+        f"trace (seed {TRACE_SEED}) of {len(trace)} requests: Poisson arrivals, "
+        f"{CHEAP_SHARE:.0%} {CHEAP} / {1 - CHEAP_SHARE:.0%} {DEAR}, priorities "
+        + " / ".join(f"{p}" for p, _ in PRIORITY_MIX)
+        + " in proportions "
+        + " / ".join(f"{w:.0%}" for _, w in PRIORITY_MIX)
+        + f" ({n_fg} foreground requests in this trace). Each policy gets a fresh fleet, "
+        "treated alike: 10 calls per model per node straight to the actors (warm-up), then "
+        f"a closed loop through the router at saturation ({CAPACITY_IN_FLIGHT_PER_NODE} "
+        "in flight per node, the trace's model mix, all at foreground priority so nothing "
+        "is shed; its throughput is the capacity column), a status call so the router holds "
+        "fresh reports of the idle nodes, then the trace, replayed open loop through the "
+        "router. "
+        f"The rate is {LOAD:.0%} of the first policy's (expected_completion, the default) "
+        f"capacity: {rate:.0f} requests/s ({span:.1f} s of arrivals), the same for every "
+        "policy. Latency is client end to end; a refused or evicted request is not "
+        "retried."
+    )
+    notes = [
+        "Share = the node's share of completed requests; in brackets the completed "
+        f"{CHEAP} / {DEAR} requests it served.",
+        "Router counters over the replay: `spilled` = a node refused and the router tried "
+        "the next; `replaced` = evicted from a node and placed again; `shed` = refused "
+        "by the router to keep headroom for urgent work.",
+        "Reading p99 of the foreground: the trace has "
+        f"{n_fg} foreground requests, so the p99 is set by the slowest one or two.",
+        "Disturbance (CPU other processes used during the kept replay; attempts; worst "
+        "submit lag behind the trace): "
+        + "; ".join(
+            f"{r.policy} {r.foreign_cores:.2f} cores, {r.attempts}, {r.max_lag_s * 1000:.0f} ms"
+            for r in replays
+        )
+        + ". A replay disturbed by more than 0.2 cores is run once more on the same fleet.",
+    ]
+    if not targets[0].passed:
+        notes.append(
+            "Likely reasons expected_completion does not beat round_robin here (read from "
+            "the code, not measured separately): its scorer prices every request ahead at "
+            "the *incoming* request's per-row cost (`ExpectedCompletion.cost`; the view "
+            "counts work by priority, not by model), so with models 5x apart in cost a "
+            "queue of dear work looks short to a cheap request and the reverse; the call in "
+            "progress comes from the node's last report (polled every 0.5 s) and is not aged "
+            "(`NodeEntry.view`), while calls here last 2-25 ms; and a foreground request "
+            "does not preempt a running priority-7 call (gap 3 < the default 5): it waits "
+            "for it, and the scorer sees that call only through that stale report. On this "
+            "machine the four nodes also share 2 cores, so spreading evenly (round_robin) "
+            "loses little capacity."
+        )
+    return Part(
+        "(d) Placement policies on one trace", measured, [table, share_table], targets, notes
+    )
+
+
+# ======================================================================== the scenario
+
+
+def _timed(fn: Callable[[], Part]) -> Part:
+    t0 = time.perf_counter()
+    cpu = cpu_sample()
+    part = fn()
+    part.seconds = time.perf_counter() - t0
+    part.cpu = cpu_since(cpu)
+    return part
+
+
+def run(ctx: RunContext) -> Section:
+    m5 = ctx.models.calibrated(SAT_COST_MS)
+    m1 = ctx.models.calibrated(LAT_COST_MS)
+    m20 = ctx.models.calibrated(FLOOD_COST_MS)
+    m2 = ctx.models.calibrated(CHEAP_COST_MS)
+    m10 = ctx.models.calibrated(DEAR_COST_MS)
+    parts: list[Part] = []
+
+    # (a) and (b): one 3-node fleet serving the 5 ms and the 1 ms model
+    config = fleet_config(
+        "bench-fleet",
+        [ModelEntry(SAT_MODEL, m5.path), ModelEntry(LAT_MODEL, m1.path)],
+        m5.path.parent,
+        nodes=FLEET_NODES,
+        router={},  # defaults: expected_completion, default shedding (foreground is never shed)
+    )
+    seconds = ctx.pick(1.5, 0.6)
+    rounds = ctx.count(3, 1)
+    with deployed(config) as client:
+        nodes = node_names(client)
+        t0, cpu0 = time.perf_counter(), cpu_sample()
+        log("(a) fleet throughput at saturation")
+        feed5 = slow_feed(m5.width)
+        scaling = measure_scaling(client, feed5, seconds, rounds, ctx.pick(0.5, 0.2))
+        part_a = _scaling_part(scaling, nodes, m5, seconds)
+        part_a.seconds, part_a.cpu = time.perf_counter() - t0, cpu_since(cpu0)
+        parts.append(part_a)
+        t0, cpu0 = time.perf_counter(), cpu_sample()
+        log("(b) router added latency, sequential requests")
+        feed1 = slow_feed(m1.width)
+        for _ in range(20):
+            ray.get(client.submit(LAT_MODEL, feed1), timeout=GET_TIMEOUT_S)
+            ray.get(node_submit(client, nodes[0], LAT_MODEL, feed1), timeout=GET_TIMEOUT_S)
+        pairs = ctx.count(300, 60)
+        lat = calm(lambda: measure_router_latency(client, feed1, pairs), "(b) latency")
+        part_b = _latency_part(lat, m1)
+        part_b.seconds, part_b.cpu = time.perf_counter() - t0, cpu_since(cpu0)
+        parts.append(part_b)
+
+    # (c): foreground under a background flood, edgefleet vs FIFO fleets
+    entries = [ModelEntry(FLOOD_MODEL, m20.path)]
+    prio = fleet_config(
+        "bench-fleet-prio",
+        entries,
+        m20.path.parent,
+        capacity=FLOOD_CAPACITY,
+        order="priority",
+        preemption=True,
+        min_priority_gap=5,
+        nodes=FLEET_NODES,
+        router={},  # the router's defaults: expected_completion and default shedding
+    )
+    fifo = fleet_config(
+        "bench-fleet-fifo",
+        entries,
+        m20.path.parent,
+        capacity=FLOOD_CAPACITY,
+        order="fifo",
+        nodes=FLEET_NODES,
+        router={"placement": {"policy": "round_robin", "shed": {}}},
+    )
+    bg_limit = background_limit(prio)
+    parts.append(_timed(lambda: _flood_part(*measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
+
+    # (d): placement policies on one trace
+    models = {CHEAP: m2, DEAR: m10}
+    trace = make_trace(ctx.count(600, 160))
+
+    def part_d() -> Part:
+        rate, replays = measure_placement(ctx, models, trace)
+        return _placement_part(replays, rate, trace, models)
+
+    parts.append(_timed(part_d))
+    measured = (
+        "The fleet as clients see it: requests through the router (`FleetClient.submit`) "
+        "compared, in the same run, with requests sent straight to the node actors. Four "
+        "parts, each with its own fleet(s) on the one embedded Ray; every ratio is of "
+        "measurements taken side by side."
+    )
+    return Section(TITLE, measured, parts=parts)
+
+
+__all__ = ["Loop", "Replay", "TraceItem", "closed_loop", "make_trace", "replay", "run"]
