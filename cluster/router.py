@@ -10,6 +10,7 @@ that dies takes none of its requests with it: they are placed again elsewhere.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import random
 from collections import Counter
 from collections.abc import Mapping
@@ -137,6 +138,7 @@ class Router:
         self._counters: Counter[str] = Counter()
         self._monitor: asyncio.Task[None] | None = None
         self._started: asyncio.Future[None] | None = None
+        self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
 
     # ------------------------------------------------------------------- membership
 
@@ -251,21 +253,30 @@ class Router:
         return Rejected(
             f"shed: every node serving {request.model!r} is over {limit:.0%} full, the share "
             f"priority-{request.priority} work may use; capacity is kept for urgent work",
-            retry_after_s=self._below_limit_in(healthy, limit),
+            retry_after_s=self._shed_retry_after(healthy, limit),
             request_id=request.id,
         )
 
-    def _below_limit_in(self, entries: list[NodeEntry], limit: float) -> float:
-        """Seconds until the first of ``entries`` drains below ``limit`` occupancy: a
-        shed client that waits this long is not shed again at once."""
+    def _shed_retry_after(self, entries: list[NodeEntry], limit: float) -> float:
+        """When a shed request should come back: after the node drains below ``limit``
+        *and* the requests shed before it, still waiting, have had their turn. Without
+        that queue of waiters every shed client would retry at the same moment."""
+        now = self._clock.now()
+        while self._shed_waiting and self._shed_waiting[0] <= now:
+            heapq.heappop(self._shed_waiting)
 
-        def secs(e: NodeEntry) -> float:
+        def drain_s(e: NodeEntry) -> tuple[float, float]:
             view = e.view()
             per_row = max(view.row_cost_s.values(), default=0.005)
             excess = sum(view.work.values()) + 1 - int(limit * view.capacity)
-            return view.running_left_s + max(1, excess) * per_row
+            return view.running_left_s + max(1, excess) * per_row, per_row
 
-        return max(0.001, min(secs(e) for e in entries))
+        waits = [drain_s(e) for e in entries]
+        first, per_row = min(waits)
+        # The nodes take the waiters in turn, in parallel.
+        delay = first + len(self._shed_waiting) * per_row / len(entries)
+        heapq.heappush(self._shed_waiting, now + delay)
+        return max(0.001, delay)
 
     def _answer(self, reply: Reply) -> Reply:
         kind = "completed" if reply.error is None else type(reply.error).__name__.lower()

@@ -210,3 +210,15 @@ def test_every_node_lost_or_unknown_model():
         )
 
     run(main())
+
+
+def test_shed_clients_are_told_to_come_back_in_turn():
+    async def main():
+        router, handles = await fleet({"a": {}}, cost_s=0.3, capacity=4, shed={"background": 0.5})
+        first = [asyncio.create_task(router.infer(req(3))) for _ in range(2)]
+        await asyncio.sleep(0.02)
+        hints = [(await router.infer(req(3))).error.retry_after_s for _ in range(5)]
+        assert hints == sorted(hints) and hints[-1] > hints[0]  # later waiters wait longer
+        await asyncio.gather(*first)
+
+    run(main())
