@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import resource
 import threading
 import time
@@ -83,6 +84,7 @@ class NodeStatus:
     switching: str | None = None
     rss_mb: float = 0.0
     peak_rss_mb: float = 0.0
+    pid: int = 0  # the node's process
 
     @property
     def queue_length(self) -> int:
@@ -446,6 +448,7 @@ class NodeRuntime:
             switching=self._switching,
             rss_mb=_rss_mb(),
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            pid=os.getpid(),
         )
 
 

@@ -3,6 +3,9 @@ loopback): placement by priority, spill, reject, shed, node loss and rejoin."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from collections import Counter
 
@@ -154,7 +157,12 @@ def test_killing_a_node_mid_load_loses_no_request(cluster_fleet):
         time.sleep(0.005)
     else:
         raise AssertionError("edge-1 never held queued work to lose")
+    # The machine dies: its raylet and the node's process, at once. (A worker whose
+    # raylet alone died may still finish the calls already delivered to it.)
+    pid = client.status().node("edge-1").pid
     cluster.remove_node(raylets.pop("edge-1"), allow_graceful=False)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     replies = ray.get(refs, timeout=180)
     assert sorted(r.request_id for r in replies) == sorted(ids)  # one answer each
     errors = [r.error for r in replies if r.error is not None]
