@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgefleet.errors import EdgeFleetError, ModelNotFound
+from edgefleet.errors import EdgeFleetError
 
 if TYPE_CHECKING:
     from cluster.client import FleetStatus
@@ -50,14 +50,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     specs = config.node_specs()
-    missing = [f"{n}: {m.path}" for n, m in config.models.items() if not m.path.is_file()]
     _say(
         f"{args.config}: valid — fleet {config.fleet.name!r}, {len(specs)} node(s), "
         f"{len(config.models)} model(s)"
     )
     for spec in specs:
         _say(f"  {spec.name}: {', '.join(spec.models)} (queue {spec.queue.capacity})")
-    for m in missing:
+    for m in config.missing_models():
         _say(f"  note: model file not found yet: {m}")
     return 0
 
@@ -66,12 +65,7 @@ def _load_with_models(path: str) -> FleetConfig:
     from edgefleet.config import load_config
 
     config = load_config(path)
-    missing = [f"{n}: {m.path}" for n, m in config.models.items() if not m.path.is_file()]
-    if missing:
-        raise ModelNotFound(
-            "model files missing: " + "; ".join(missing) + " (built-in test models: "
-            "`edgefleet models make DIR`)"
-        )
+    config.require_models()
     return config
 
 
@@ -84,13 +78,8 @@ def _connect(address: str | None, fleet: str) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.deploy import (
-        NAMESPACE,
-        deploy_nodes,
-        deploy_router,
-        router_name,
-        start_local_ray,
-    )
+    from cluster.client import FleetClient
+    from cluster.deploy import deploy_nodes, deploy_router, start_local_ray
     from cluster.deploy import teardown as stop_fleet
 
     config = _load_with_models(args.config)
@@ -109,15 +98,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         _say("starting an embedded Ray cluster on 127.0.0.1")
         start_local_ray(config)
     nodes = deploy_nodes(config, _say, detached=args.detach)
-    deploy_router(config)
+    router = deploy_router(config)
     _say(f"fleet {fleet!r} is up: {len(nodes)} node(s), models {', '.join(config.models)}")
     if args.detach:
         _say(f"it keeps serving: `edgefleet status --fleet {fleet}`; stop it with")
         _say(f"`edgefleet down --fleet {fleet}`")
         return 0
-    from cluster.client import FleetClient
-
-    client = FleetClient.connect(fleet=fleet)
+    client = FleetClient(config, router, nodes)
     _say("serving until Ctrl-C")
     try:
         while True:
@@ -126,7 +113,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _say("stopping the fleet")
     finally:
-        router = ray.get_actor(router_name(fleet), namespace=NAMESPACE)
         stop_fleet(nodes, router)
         ray.shutdown()
     return 0

@@ -98,12 +98,7 @@ class FleetClient:
         as a context manager, or call :meth:`close`, to tear the fleet down.
         """
         cfg = config if isinstance(config, FleetConfig) else load_config(config)
-        missing = [f"{m}: {c.path}" for m, c in cfg.models.items() if not c.path.is_file()]
-        if missing:
-            raise ModelNotFound(
-                "model files missing: " + "; ".join(missing) + ". Generate the built-in "
-                "test models with `edgefleet models make DIR`."
-            )
+        cfg.require_models()
         owns_ray = not ray.is_initialized()
         if owns_ray:
             if progress:

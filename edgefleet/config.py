@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from edgefleet.errors import ConfigError
+from edgefleet.errors import ConfigError, ModelNotFound
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
 
 MiB = 1024 * 1024
@@ -198,6 +198,19 @@ class FleetConfig(_Strict):
                     known = ", ".join(sorted(self.models))
                     raise ValueError(f"nodes.{i}.models: unknown model {m!r}; known: {known}")
         return self
+
+    def missing_models(self) -> list[str]:
+        """``name: path`` of every model whose file does not exist (yet)."""
+        return [f"{n}: {m.path}" for n, m in self.models.items() if not m.path.is_file()]
+
+    def require_models(self) -> None:
+        """Raise ModelNotFound naming every missing model file."""
+        missing = self.missing_models()
+        if missing:
+            raise ModelNotFound(
+                "model files missing: " + "; ".join(missing) + ". Generate the built-in "
+                "test models with `edgefleet models make DIR`."
+            )
 
     def node_specs(self) -> list[NodeSpec]:
         """One spec per node; with no ``nodes:`` list, ``local.nodes`` identical nodes."""
