@@ -1,7 +1,9 @@
 """The node's local scheduler: a synchronous core the node's event loop drives.
 
 ``admit`` takes arrivals, ``next_work`` says what the engine runs next (or when to
-look again), ``finish`` takes the engine's outcome. Every method returns the
+look again), ``finish`` takes the engine's outcome. A preempted generation is paused,
+not requeued: it keeps its place (and, on the node, its KV cache) and resumes before
+queued work of its own priority. Every method returns the
 requests it settled as :class:`Outcome` values; the caller delivers them. The core
 never sleeps, never touches an engine or Ray, and reads time only from its clock,
 so tests drive it exactly with a fake clock. Decisions come from ``policies``.
@@ -112,6 +114,7 @@ class LocalScheduler:
         self._lanes: dict[int, deque[Request]] = {}  # rank -> FIFO lane
         self._ranks: list[int] = []  # lane ranks, highest first
         self._queued: dict[str, Request] = {}
+        self._paused: dict[str, Request] = {}  # preempted generations, waiting to resume
         self._keys: dict[tuple[str, str], Request] = {}
         self._bytes = 0
         self._with_deadline = 0
@@ -200,6 +203,14 @@ class LocalScheduler:
         if self._running is not None:
             return Step(settled=settled)
         leader = next((lane[0] for rank in self._ranks if (lane := self._lanes[rank])), None)
+        resume = self._next_paused()
+        if resume is not None and (
+            leader is None or self._order.rank(resume.priority) >= self._order.rank(leader.priority)
+        ):
+            del self._paused[resume.id]
+            resume.move(S.RUNNING)
+            self._running = Plan(resume.model, (resume,), self._order.rank(resume.priority), now)
+            return Step(plan=self._running, settled=settled)
         if leader is None:
             return Step(settled=settled)
         params = self.rules(leader.model).batching
@@ -224,14 +235,26 @@ class LocalScheduler:
         self._running = Plan(leader.model, requests, rank, now)
         return Step(plan=self._running, settled=settled)
 
+    def _next_paused(self) -> Request | None:
+        """The paused generation to resume first: highest rank, then earliest arrival."""
+        if not self._paused:
+            return None
+        return max(self._paused.values(), key=lambda r: (self._order.rank(r.priority), -r.seq))
+
     def finish(
-        self, plan: Plan, *, error: EdgeFleetError | None = None, aborted: bool = False
+        self,
+        plan: Plan,
+        *,
+        error: EdgeFleetError | None = None,
+        aborted: bool = False,
+        paused: bool = False,
     ) -> tuple[Outcome, ...]:
         """Settle a finished engine call.
 
         Success completes every request. An aborted call goes back to the head of its
-        priority. A failed batch of several is split: each request is requeued to run
-        alone, so only the request that is really bad fails.
+        priority. A paused generation waits, with its state, to resume. A failed batch
+        of several is split: each request is requeued to run alone, so only the request
+        that is really bad fails.
         """
         assert plan is self._running, "finish() must get the plan next_work() returned"
         self._running = None
@@ -243,6 +266,10 @@ class LocalScheduler:
             if r.cancel_requested:
                 r.move(S.CANCELLED)
                 settled.append(Outcome(r, S.CANCELLED, Cancelled("cancelled", request_id=r.id)))
+            elif paused:
+                r.move(S.PAUSED)
+                r.preemptions += 1
+                self._paused[r.id] = r
             elif aborted or (error is not None and len(plan.requests) > 1):
                 r.move(S.QUEUED)
                 r.preemptions += aborted
@@ -256,7 +283,7 @@ class LocalScheduler:
                 settled.append(Outcome(r, S.COMPLETED))
         for r in reversed(requeue):
             self._enqueue(r, at_head=True)
-        if error is None and not aborted:
+        if error is None and not aborted and not paused and plan.requests[0].preemptions == 0:
             self._observe(plan.model, (now - plan.started) / max(1, plan.rows))
         return tuple(settled)
 
@@ -267,15 +294,20 @@ class LocalScheduler:
     # ------------------------------------------------------------ cancel and expire
 
     def cancel(self, request_id: str) -> tuple[Outcome | None, bool]:
-        """Cancel a queued or running request.
+        """Cancel a queued, paused or running request.
 
-        Returns the outcome when the request was queued, and whether the running
-        call should be aborted (every request in it is cancelled). A request running
-        in a batch with others is marked; its result is dropped when the call ends.
+        Returns the outcome when the request was queued or paused, and whether the
+        running call should be aborted (every request in it is cancelled). A request
+        running in a batch with others is marked; its result is dropped when the call
+        ends.
         """
         req = self._queued.get(request_id)
         if req is not None:
             self._remove(req, S.CANCELLED)
+            return Outcome(req, S.CANCELLED, Cancelled("cancelled", request_id=req.id)), False
+        req = self._paused.pop(request_id, None)
+        if req is not None:
+            req.move(S.CANCELLED)
             return Outcome(req, S.CANCELLED, Cancelled("cancelled", request_id=req.id)), False
         plan = self._running
         if plan is None or all(r.id != request_id for r in plan.requests):
@@ -293,11 +325,15 @@ class LocalScheduler:
         return self._expire(req)
 
     def cancel_all(self, reason: str) -> tuple[Outcome, ...]:
-        """Cancel everything queued (the node is stopping)."""
+        """Cancel everything queued or paused (the node is stopping)."""
         outcomes = []
         for r in list(self._queued.values()):
             self._remove(r, S.CANCELLED)
             outcomes.append(Outcome(r, S.CANCELLED, Cancelled(reason, request_id=r.id)))
+        for r in self._paused.values():
+            r.move(S.CANCELLED)
+            outcomes.append(Outcome(r, S.CANCELLED, Cancelled(reason, request_id=r.id)))
+        self._paused.clear()
         return tuple(outcomes)
 
     def _expire(self, req: Request) -> Outcome:
@@ -370,6 +406,16 @@ class LocalScheduler:
             counts[r.priority] = counts.get(r.priority, 0) + 1
         return counts
 
+    def paused_by_priority(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for r in self._paused.values():
+            counts[r.priority] = counts.get(r.priority, 0) + 1
+        return counts
+
+    @property
+    def paused(self) -> tuple[Request, ...]:
+        return tuple(self._paused.values())
+
     @property
     def queued(self) -> int:
         return len(self._queued)
@@ -380,7 +426,7 @@ class LocalScheduler:
 
     @property
     def idle(self) -> bool:
-        return not self._queued and self._running is None
+        return not self._queued and not self._paused and self._running is None
 
     def row_cost(self, model: str) -> float | None:
         return self._row_cost.get(model)

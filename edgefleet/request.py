@@ -85,6 +85,7 @@ TRANSITIONS: Mapping[RequestState, frozenset[RequestState]] = {
     # FAILED from QUEUED: the model could not be loaded when the request came up.
     S.QUEUED: frozenset({S.RUNNING, S.EVICTED, S.SUPERSEDED, S.EXPIRED, S.CANCELLED, S.FAILED}),
     # QUEUED from RUNNING: a preempted single-shot run goes back to the head of its priority.
+    # PAUSED from RUNNING: a preempted generation keeps its KV cache and waits to resume.
     S.RUNNING: frozenset({S.COMPLETED, S.FAILED, S.PAUSED, S.CANCELLED, S.QUEUED}),
     S.PAUSED: frozenset({S.RUNNING, S.CANCELLED}),
 }
@@ -119,6 +120,34 @@ class InferRequest:
         return None if timeout_s is None else time.time() + timeout_s
 
 
+FINISH_REASONS = ("stop", "length", "budget", "cancelled")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: prompt token ids in, token ids streamed out.
+
+    ``prefix_len`` marks the first tokens of the prompt as a shared prefix (a system
+    prompt): a node keeps its KV when it must trim a paused generation's cache, and
+    reuses it for later requests with the same prefix. ``session`` names a chat whose
+    follow-up turns reuse the KV of earlier turns while the node still holds it.
+    ``temperature`` 0 is greedy decoding; otherwise sampling is seeded by ``seed``.
+    """
+
+    model: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 64
+    priority: int = DEFAULT_PRIORITIES["foreground"]
+    id: str = field(default_factory=new_request_id)
+    session: str | None = None
+    prefix_len: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    deadline_unix: float | None = None  # to start; a started generation runs to its end
+
+
 @dataclass(eq=False)
 class Request:
     """A request as the node's scheduler tracks it. Only the scheduler mutates it."""
@@ -139,6 +168,7 @@ class Request:
     preemptions: int = 0
     started: float | None = None
     cancel_requested: bool = False  # running when cancelled: drop its result
+    pausable: bool = False  # a generation: preemption pauses it instead of requeueing
 
     def move(self, new: RequestState) -> None:
         if new not in TRANSITIONS.get(self.state, frozenset()):

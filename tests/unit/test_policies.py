@@ -20,6 +20,8 @@ from policies import (
     plan_batch,
     should_preempt,
 )
+from policies.budget import TokenBudgets, token_limit
+from policies.kv import CacheView, KVAction, plan_kv_release
 
 
 @dataclass(frozen=True)
@@ -152,3 +154,69 @@ def test_plan_batch_table(candidates, now, params, ids, wait_until):
 )
 def test_batch_limit_table(costs, max_rows, min_gain, expected):
     assert batch_limit(costs, max_rows, min_gain) == expected
+
+
+# ------------------------------------------------------------------ token budgets
+
+BUDGETS = TokenBudgets({"background": {3: 0.25, 0: 0.25}})
+
+
+@pytest.mark.parametrize(
+    ("state", "priority", "limit"),
+    [
+        ("foreground", 3, 64),  # foreground state: every class gets its full budget
+        ("background", 10, 64),  # the foreground class is not listed: full budget
+        ("background", 7, 64),  # nor inline
+        ("background", 5, 16),  # 5 belongs to the class at or below it: background (3)
+        ("background", 3, 16),
+        ("background", 0, 16),
+        ("unknown", 0, 64),
+    ],
+)
+def test_token_limit_by_lifecycle_state_and_class(state, priority, limit):
+    assert token_limit(64, priority, state, BUDGETS) == limit
+
+
+def test_token_limit_rounds_down_and_may_be_zero():
+    budgets = TokenBudgets({"background": {0: 0.25}})
+    assert token_limit(7, 0, "background", budgets) == 1
+    assert token_limit(3, 0, "background", budgets) == 0
+    assert token_limit(3, 0, "background", TokenBudgets({"background": {0: 0.0}})) == 0
+
+
+# ------------------------------------------------------------------ KV release
+
+
+def _cache(cid, nbytes, *, keep=0, paused=True, priority=0, last_used=0.0, seq=0):
+    return CacheView(cid, nbytes, keep, paused, priority, last_used, seq)
+
+
+def test_kv_under_budget_releases_nothing():
+    assert plan_kv_release([_cache("a", 10), _cache("b", 10, paused=False)], 20) == []
+
+
+def test_kv_release_order_idle_then_trim_then_drop():
+    caches = [
+        _cache("s-old", 10, paused=False, last_used=1.0),
+        _cache("s-new", 10, paused=False, last_used=2.0),
+        _cache("p-high", 100, keep=20, priority=5, seq=1),
+        _cache("p-low-old", 100, keep=20, priority=0, seq=2),
+        _cache("p-low-new", 100, keep=20, priority=0, seq=3),
+    ]
+    assert plan_kv_release(caches, 315) == [("s-old", KVAction.DROP)]
+    assert plan_kv_release(caches, 300) == [("s-old", KVAction.DROP), ("s-new", KVAction.DROP)]
+    assert plan_kv_release(caches, 220) == [
+        ("s-old", KVAction.DROP),
+        ("s-new", KVAction.DROP),
+        ("p-low-new", KVAction.TRIM),
+    ]
+    everything = plan_kv_release(caches, 50)
+    assert everything[-1] == ("p-low-new", KVAction.DROP)  # 3 prefixes of 20 > 50
+    assert [a for _, a in everything].count(KVAction.TRIM) == 3
+    assert plan_kv_release(caches, 0)[-1] == ("p-high", KVAction.DROP)
+
+
+def test_kv_release_skips_trims_that_free_nothing():
+    caches = [_cache("full-prefix", 50, keep=50), _cache("other", 50, keep=10, seq=1)]
+    assert plan_kv_release(caches, 70) == [("other", KVAction.TRIM)]
+    assert plan_kv_release(caches, 55) == [("other", KVAction.TRIM), ("other", KVAction.DROP)]

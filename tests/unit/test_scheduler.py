@@ -27,9 +27,13 @@ class Harness:
         )
         self.settled: dict[str, list] = {}
 
-    def req(self, rid, priority=3, *, model="m", group="g", nbytes=1, key=None, timeout=None):
+    def req(
+        self, rid, priority=3, *, model="m", group="g", nbytes=1, key=None, timeout=None, gen=False
+    ):
         now = self.clock.now()
         return Request(
+            pausable=gen,
+            isolate=gen,
             id=rid,
             model=model,
             inputs={},
@@ -56,11 +60,11 @@ class Harness:
         self.record(step.settled)
         return step
 
-    def run_next(self, *, error=None, aborted=False, cost=0.001):
+    def run_next(self, *, error=None, aborted=False, paused=False, cost=0.001):
         step = self.step()
         assert step.plan is not None, "expected work to run"
         self.clock.advance(cost)
-        self.record(self.sched.finish(step.plan, error=error, aborted=aborted))
+        self.record(self.sched.finish(step.plan, error=error, aborted=aborted, paused=paused))
         return [r.id for r in step.plan.requests]
 
     def state(self, rid):
@@ -271,6 +275,56 @@ def test_preempted_run_is_requeued_at_head_of_its_priority():
     assert h.settled["bg1"][0].request.preemptions == 1
 
 
+def test_paused_generations_resume_in_priority_order_before_queued_peers():
+    h = Harness()
+    h.admit("off", 0, gen=True)
+    step = h.step()
+    assert h.admit("bg", 5, gen=True).preempt  # gap 5: pause the offline generation
+    h.record(h.sched.finish(step.plan, paused=True))
+    assert h.sched.paused_by_priority() == {0: 1}
+    step = h.step()
+    assert [r.id for r in step.plan.requests] == ["bg"]
+    assert h.admit("fg", 10).preempt
+    h.record(h.sched.finish(step.plan, paused=True))
+    h.admit("bg2", 5, gen=True)  # queued behind the paused one of its own priority
+    assert not h.sched.idle and h.sched.paused_by_priority() == {0: 1, 5: 1}
+    order = [h.run_next()[0] for _ in range(4)]
+    assert order == ["fg", "bg", "bg2", "off"]
+    assert all(h.state(r) is S.COMPLETED for r in order)
+    assert h.settled["off"][0].request.preemptions == 1
+    assert h.sched.idle
+
+
+def test_paused_generation_is_never_evicted_and_cancel_or_stop_settles_it():
+    h = Harness(capacity=1)
+    h.admit("gen", 0, gen=True)
+    step = h.step()
+    h.admit("fg", 10)
+    h.record(h.sched.finish(step.plan, paused=True))
+    assert not h.admit("fg2", 10).accepted  # the queue holds one; the paused one is not a victim
+    assert h.sched.paused_by_priority() == {0: 1}
+    o, abort = h.sched.cancel("gen")
+    assert o.state is S.CANCELLED and not abort
+    h.admit("gen2", 0, gen=True)  # fg is still queued: gen2 is refused, nothing paused now
+    assert h.sched.paused == ()
+    step = h.step()
+    h.admit("gen3", 0, gen=True)
+    h.record(h.sched.finish(step.plan))
+    step = h.step()
+    h.record(h.sched.finish(step.plan, paused=True))
+    assert [o.request.id for o in h.sched.cancel_all("stopping")] == ["gen3"]
+    assert h.sched.idle
+
+
+def test_cancel_of_a_running_generation_ends_it_cancelled_not_paused():
+    h = Harness()
+    h.admit("gen", 3, gen=True)
+    step = h.step()
+    assert h.sched.cancel("gen") == (None, True)
+    h.record(h.sched.finish(step.plan, paused=True))
+    assert h.state("gen") is S.CANCELLED and h.sched.idle
+
+
 def test_drain_refuses_new_and_finishes_queued():
     h = Harness()
     h.admit("a", 3)
@@ -299,7 +353,7 @@ def test_cancel_queued_and_running():
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("admit"), st.integers(0, 10), st.sampled_from([None, "k1", "k2"])),
-        st.tuples(st.just("run"), st.sampled_from(["ok", "error", "abort"]), st.none()),
+        st.tuples(st.just("run"), st.sampled_from(["ok", "error", "abort", "pause"]), st.none()),
         st.tuples(st.just("cancel"), st.integers(0, 40), st.none()),
         st.tuples(st.just("advance"), st.integers(1, 30), st.none()),
     ),
@@ -317,7 +371,7 @@ def test_every_request_ends_in_exactly_one_terminal_state(ops, window, follow):
         if op == "admit":
             rid = f"r{len(ids)}"
             ids.append(rid)
-            h.admit(rid, a, key=b, timeout=0.02 if a % 3 == 0 else None)
+            h.admit(rid, a, key=b, timeout=0.02 if a % 3 == 0 else None, gen=a % 2 == 1)
         elif op == "run":
             if running is None:
                 running = h.step().plan
@@ -326,7 +380,8 @@ def test_every_request_ends_in_exactly_one_terminal_state(ops, window, follow):
                     h.sched.finish(
                         running,
                         error=EngineError("x") if a == "error" else None,
-                        aborted=a == "abort",
+                        aborted=a == "abort" and not running.requests[0].pausable,
+                        paused=a in ("abort", "pause") and running.requests[0].pausable,
                     )
                 )
                 running = None

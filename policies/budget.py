@@ -1,0 +1,39 @@
+"""The token budget governor: how many tokens a generation may produce right now.
+
+A node's lifecycle state ("foreground" or "background") is set by events, never by
+timers. Per state and priority class the configuration gives a fraction of each
+request's ``max_new_tokens``; a change applies to running generations at their next
+token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+LIFECYCLE_STATES = ("foreground", "background")
+
+
+@dataclass(frozen=True)
+class TokenBudgets:
+    """``fractions[state][class_priority]``: the share of ``max_new_tokens`` that work of
+    that class may use while the node is in ``state``. A priority belongs to the class
+    (of ``classes``) with the highest priority not above it; classes and states not
+    listed get 1.0."""
+
+    fractions: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    classes: tuple[int, ...] = (0, 3, 7, 10)
+
+    def fraction(self, state: str, priority: int) -> float:
+        owners = [c for c in self.classes if c <= priority]
+        owner = max(owners) if owners else min(self.classes, default=0)
+        return self.fractions.get(state, {}).get(owner, 1.0)
+
+
+def token_limit(max_new_tokens: int, priority: int, state: str, budgets: TokenBudgets) -> int:
+    """New tokens a generation of ``priority`` may produce in lifecycle ``state``."""
+    fraction = budgets.fraction(state, priority)
+    if fraction >= 1.0:
+        return max_new_tokens
+    return max(0, math.floor(fraction * max_new_tokens))
