@@ -10,6 +10,7 @@ from statistics import median
 
 import numpy as np
 
+from actors.decoder import DecoderEngine
 from actors.engine import Engine, OnnxEngine, Signature
 from edgefleet.config import MiB, ModelConfig
 from edgefleet.errors import EdgeFleetError, EngineError, ModelNotFound
@@ -22,6 +23,14 @@ SYNTHETIC_DIM = 16  # size given to dynamic non-batch axes when measuring
 
 
 def load_onnx(name: str, config: ModelConfig) -> Engine:
+    if config.kind == "decoder":
+        return DecoderEngine(
+            name,
+            config.path,
+            threads=config.threads,
+            max_context=config.generation.max_context,
+            stop_ids=config.generation.stop_ids,
+        )
     return OnnxEngine(name, config.path, threads=config.threads, pad_to=config.batching.pad_to)
 
 
@@ -37,6 +46,8 @@ class ModelInfo:
     batch_limit: int = 1
     loads: int = 0
     load_s: float = 0.0
+    vocab: int | None = None  # decoders: vocabulary size and context length
+    max_context: int | None = None
 
 
 class ModelManager:
@@ -67,15 +78,14 @@ class ModelManager:
             info = self._info[name]
             if progress:
                 progress(f"{name}: loaded in {info.load_s * 1000:.0f} ms")
-            if info.config.warmup:
-                info.costs_s = measure_costs(engine, info.config)
-            params = info.config.batching
-            if not info.signature.batchable:
-                info.batch_limit = 1
-            elif params.only_if_faster:
-                info.batch_limit = batch_limit(info.costs_s, params.max_batch_size, params.min_gain)
+            if isinstance(engine, DecoderEngine):  # generations run one at a time
+                if info.config.warmup or engine.vocab is None:
+                    info.costs_s = engine.warmup()
+                info.vocab, info.max_context = engine.vocab, engine.max_context
             else:
-                info.batch_limit = params.max_batch_size
+                if info.config.warmup:
+                    info.costs_s = measure_costs(engine, info.config)
+                info.batch_limit = _batch_limit(info)
             if sum(self._info[m].memory_mb for m in self._resident) > self._budget_mb:
                 self.unload(name)
 
@@ -141,6 +151,15 @@ class ModelManager:
         info.load_s = elapsed
         self._resident[name] = engine
         return engine
+
+
+def _batch_limit(info: ModelInfo) -> int:
+    params = info.config.batching
+    if not info.signature.batchable:
+        return 1
+    if params.only_if_faster:
+        return batch_limit(info.costs_s, params.max_batch_size, params.min_gain)
+    return params.max_batch_size
 
 
 def _estimate_mb(config: ModelConfig) -> float:

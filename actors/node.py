@@ -2,7 +2,8 @@
 
 The event loop only moves data and decisions; engine calls and model loads run on
 the node's single engine thread. Every request that reaches ``infer`` gets exactly
-one :class:`Reply`: its outputs or a typed error.
+one :class:`Reply`: its outputs or a typed error. Every generation that reaches
+``generate`` streams its tokens and ends with exactly one :class:`GenerationResult`.
 """
 
 from __future__ import annotations
@@ -14,24 +15,29 @@ import resource
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from actors.decoder import DecoderEngine, Generation, check_generation, common_prefix
 from actors.engine import Engine, RunAborted, check_inputs
+from actors.kvstore import KVStore, prefix_key, session_key
 from actors.models import Loader, ModelManager, load_onnx
 from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
 from edgefleet.clock import Clock, MonotonicClock
-from edgefleet.config import NodeSpec
+from edgefleet.config import MiB, NodeSpec
 from edgefleet.errors import EdgeFleetError, EngineError, InvalidInput, Rejected
-from edgefleet.request import InferRequest, Request, RequestState
+from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
 from policies import QUEUE_ORDERS, BatchParams, PreemptionParams, QueueLimits
+from policies.budget import LIFECYCLE_STATES, TokenBudgets, token_limit
+from policies.kv import CacheView, KVAction, plan_kv_release
 
 S = RequestState
 RECENT_REPLIES = 1024  # answers kept to serve retries of the same request id...
 RECENT_BYTES = 32 * 1024 * 1024  # ...within this many bytes of outputs
+MAX_REPORTED_SESSIONS = 256  # sessions named in a status report (most recent first)
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,38 @@ class Reply:
 
 
 @dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of a generation, in order (several when they came faster than sent)."""
+
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The end of one generation: why it ended (``stop``, ``length``, ``budget``,
+    ``cancelled``) or the typed error that ended it, and what it cost."""
+
+    request_id: str
+    node: str
+    tokens: tuple[int, ...] = ()  # every generated token
+    finish_reason: str | None = None
+    error: EdgeFleetError | None = None
+    queue_s: float = 0.0  # arrival to first engine step
+    first_token_s: float | None = None  # arrival to first token
+    total_s: float = 0.0  # arrival to end
+    engine_s: float = 0.0  # engine time, over every resumption
+    pauses: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV came from a session or shared prefix
+    fed_tokens: int = 0  # tokens run through the model, re-prefills included
+    token_times: tuple[float, ...] = ()  # seconds from arrival to each token
+
+    def unwrap(self) -> tuple[int, ...]:
+        if self.error is not None:
+            raise self.error
+        return self.tokens
+
+
+@dataclass(frozen=True)
 class ModelStatus:
     name: str
     loaded: bool
@@ -62,6 +100,7 @@ class ModelStatus:
     cost_ms: dict[int, float]  # measured at warm-up: engine ms per call, by batch rows
     row_ms: float | None  # observed recently, per row
     loads: int
+    kind: str = "tensor"
 
 
 @dataclass(frozen=True)
@@ -85,6 +124,10 @@ class NodeStatus:
     rss_mb: float = 0.0
     peak_rss_mb: float = 0.0
     pid: int = 0  # the node's process
+    paused: dict[int, int] = field(default_factory=dict)  # priority -> paused generations
+    lifecycle: str = "foreground"
+    kv_bytes: dict[str, int] = field(default_factory=dict)  # paused / cached -> bytes
+    sessions: tuple[str, ...] = ()  # chat sessions whose KV the node holds
 
     @property
     def queue_length(self) -> int:
@@ -121,6 +164,17 @@ class NodeRuntime:
         self._starting: asyncio.Future[None] | None = None
         self._recent: OrderedDict[str, Reply] = OrderedDict()  # answers to recent ids
         self._recent_bytes = 0
+        self._gens: dict[str, Generation] = {}  # live generations by request id
+        self._kv = KVStore()
+        self._kv_budget = int(spec.kv_budget_mb * MiB)
+        self._lifecycle: str = spec.lifecycle
+        self._budgets = TokenBudgets(
+            {
+                state: {spec.priorities[c]: share for c, share in shares.items()}
+                for state, shares in spec.token_budget.items()
+            },
+            classes=tuple(spec.priorities.values()),
+        )
 
     # --------------------------------------------------------------------- lifecycle
 
@@ -142,6 +196,8 @@ class NodeRuntime:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._models.probe_all)
         for info in self._models.models():
+            if info.config.kind == "decoder":
+                continue
             window = info.config.batching.window_ms / 1000.0
             self._sched.set_rules(
                 info.name,
@@ -156,6 +212,7 @@ class NodeRuntime:
         """Cancel queued work, abort the running call, unload models."""
         self._sched.draining = True
         self._settle(self._sched.cancel_all(f"node {self.spec.name} stopped"))
+        self._kv.clear()
         self._abort_running()
         if self._task is not None:
             self._task.cancel()
@@ -217,6 +274,15 @@ class NodeRuntime:
             self._counters["invalid"] += 1
             exc.request_id = request.id
             return Reply(request.id, self.spec.name, error=exc)
+        fut = self._admit(req)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the caller went away: do not run it for nobody
+            self.cancel(req.id)
+            raise
+
+    def _admit(self, req: Request) -> asyncio.Future[Reply]:
+        """Offer ``req`` to the scheduler; the future resolves with its one answer."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Reply] = loop.create_future()
         self._waiters[req.id] = fut
@@ -232,16 +298,134 @@ class NodeRuntime:
                 delay = max(0.0, req.deadline - self._clock.now())
                 self._timers[req.id] = loop.call_later(delay, self._expire, req.id)
             self._wake.set()
+        return fut
+
+    async def generate(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[TokenChunk | GenerationResult]:
+        """Admit one generation and stream its tokens as they are produced; the last
+        item is its :class:`GenerationResult`. A consumer that stops listening cancels
+        the generation."""
+        if request.id in self._waiters:
+            err = InvalidInput(f"request id {request.id} is already in flight on this node")
+            yield GenerationResult(request.id, self.spec.name, error=err)
+            return
+        self._counters["received"] += 1
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        arrival = self._clock.now()
+        times: list[float] = []
+
+        def emitted(token: int) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(ready.set)
+
         try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:  # the caller went away: do not run it for nobody
-            self.cancel(req.id)
-            raise
+            req, gen = self._make_generation(request, emitted)
+        except EdgeFleetError as exc:
+            self._counters["invalid"] += 1
+            exc.request_id = request.id
+            yield GenerationResult(request.id, self.spec.name, error=exc)
+            return
+        self._gens[req.id] = gen
+        fut = self._admit(req)
+        fut.add_done_callback(lambda _: ready.set())
+        sent = 0
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                done = fut.done()
+                new = gen.tokens[gen.prompt_len + sent :]
+                if new:
+                    sent += len(new)
+                    times.extend([self._clock.now() - arrival] * len(new))
+                    yield TokenChunk(tuple(new))
+                if done:
+                    break
+            reply = fut.result()
+        finally:
+            if not fut.done():  # the consumer went away: stop generating for nobody
+                self.cancel(req.id)
+            self._gens.pop(req.id, None)
+        cancelled = req.state is S.CANCELLED
+        yield GenerationResult(
+            req.id,
+            self.spec.name,
+            tokens=tuple(gen.generated),
+            finish_reason="cancelled" if cancelled else gen.finish_reason,
+            error=None if cancelled else reply.error,
+            queue_s=reply.queue_s,
+            first_token_s=times[0] if times else None,
+            total_s=self._clock.now() - arrival,
+            engine_s=gen.engine_s,
+            pauses=req.preemptions,
+            reused_tokens=gen.reused,
+            fed_tokens=gen.fed,
+            token_times=tuple(times),
+        )
+
+    def _make_generation(
+        self, request: GenerateRequest, emit: Callable[[int], None]
+    ) -> tuple[Request, Generation]:
+        if self._wake is None:
+            raise Rejected(f"node {self.spec.name} is still starting", retry_after_s=1.0)
+        info = self._models.info(request.model)
+        if info.config.kind != "decoder":
+            raise InvalidInput(f"model {request.model!r} is not a decoder: use infer()")
+        if not 0 <= request.priority <= 10:
+            raise InvalidInput(f"priority must be 0-10, got {request.priority}")
+        settings = info.config.generation
+        check_generation(
+            request,
+            vocab=info.vocab,
+            max_context=info.max_context,
+            max_new_tokens=settings.max_new_tokens,
+        )
+        if settings.stop_ids:
+            request = replace(request, stop_ids=(*request.stop_ids, *settings.stop_ids))
+        now = self._clock.now()
+        deadline = None
+        if request.deadline_unix is not None:
+            deadline = now + (request.deadline_unix - time.time())
+        req = Request(
+            id=request.id,
+            model=request.model,
+            inputs={},
+            priority=request.priority,
+            arrival=now,
+            deadline=deadline,
+            nbytes=8 * len(request.prompt_ids),
+            group=request.id,
+            isolate=True,
+            pausable=True,
+        )
+        limit = token_limit(
+            request.max_new_tokens, request.priority, self._lifecycle, self._budgets
+        )
+        gen = Generation(request, limit=limit, emit=emit, max_context=info.max_context)
+        return req, gen
+
+    def set_lifecycle(self, state: str) -> NodeStatus:
+        """Set the node's lifecycle state; token budgets of running and paused
+        generations change at their next token."""
+        if state not in LIFECYCLE_STATES:
+            raise InvalidInput(
+                f"lifecycle state must be one of {', '.join(LIFECYCLE_STATES)}, got {state!r}"
+            )
+        if state != self._lifecycle:
+            self._lifecycle = state
+            self._counters["lifecycle_changes"] += 1
+            for gen in self._gens.values():
+                r = gen.request
+                gen.limit = token_limit(r.max_new_tokens, r.priority, state, self._budgets)
+        return self.status()
 
     def _make_request(self, request: InferRequest) -> Request:
         if self._wake is None:
             raise Rejected(f"node {self.spec.name} is still starting", retry_after_s=1.0)
         info = self._models.info(request.model)
+        if info.config.kind == "decoder":
+            raise InvalidInput(f"model {request.model!r} is a decoder: use generate()")
         checked = check_inputs(
             info.signature, request.model, request.inputs, info.config.max_input_bytes
         )
@@ -336,6 +520,9 @@ class NodeRuntime:
         return engine
 
     async def _execute(self, plan: Plan) -> None:
+        if plan.requests[0].pausable:
+            await self._execute_generation(plan)
+            return
         loop = asyncio.get_running_loop()
         results: list[dict[str, np.ndarray]] | None = None
         t0 = self._clock.now()
@@ -368,6 +555,110 @@ class NodeRuntime:
             by_id = {r.id: out for r, out in zip(plan.requests, results, strict=True)}
         self._settle(outcomes, by_id, plan=plan, service_s=service)
 
+    async def _execute_generation(self, plan: Plan) -> None:
+        """Run one generation until it ends or is paused at a token boundary."""
+        req = plan.requests[0]
+        gen = self._gens[req.id]
+        t0 = self._clock.now()
+        stop = self._stop = threading.Event()
+        reason: str | None = None
+        error: EdgeFleetError | None = None
+        before = len(gen.tokens)
+        try:
+            engine = await self._load(plan.model)
+            assert isinstance(engine, DecoderEngine), f"{plan.model} is not a decoder"
+            self._engine = engine
+            if req.preemptions:
+                self._counters["resumed"] += 1
+            elif gen.fed == 0:
+                r = gen.request
+                cache, n = self._kv.lookup(
+                    r.model, r.prompt_ids, session=r.session, prefix_len=r.prefix_len, now=t0
+                )
+                gen.cache, gen.reused = cache, n
+            loop = asyncio.get_running_loop()
+            reason = await loop.run_in_executor(self._executor, engine.advance, gen, stop)
+        except EdgeFleetError as exc:
+            error = exc
+        except Exception as exc:  # an engine bug must fail the request, never the node
+            error = EngineError(f"model {plan.model!r}: {type(exc).__name__}: {exc}")
+        finally:
+            self._engine = self._stop = None
+        self._counters["engine_calls"] += 1
+        self._counters["tokens"] += len(gen.tokens) - before
+        if error is not None:
+            outcomes = self._sched.finish(plan, error=error)
+        elif reason is None:  # paused for more urgent work, or stopped by a cancel
+            outcomes = self._sched.finish(plan, paused=True)
+            if not req.cancel_requested:
+                self._counters["preemptions"] += 1
+                self._counters["paused"] += 1
+                self._release_kv()
+        else:
+            gen.finish_reason = reason
+            self._counters[f"finish_{reason}"] += 1
+            outcomes = self._sched.finish(plan)
+            self._keep_kv(gen)
+        self._settle(outcomes, plan=plan, service_s=self._clock.now() - t0)
+
+    # ----------------------------------------------------------------- KV memory
+
+    def _keep_kv(self, gen: Generation) -> None:
+        """Keep a finished generation's KV for its session, and its shared prefix."""
+        r, cache, now = gen.request, gen.cache, self._clock.now()
+        if cache is None:
+            return
+        if r.prefix_len > 0 and not self._kv.has(
+            key := prefix_key(r.model, r.prompt_ids[: r.prefix_len])
+        ):
+            prefix = cache.prefix(r.prefix_len)
+            if prefix is not None:
+                self._kv.put(key, r.model, gen.tokens, prefix, now)
+        if r.session is not None:
+            self._kv.put(session_key(r.model, r.session), r.model, gen.tokens, cache, now)
+        gen.cache = None
+        self._release_kv()
+
+    def _shared_len(self, gen: Generation) -> int:
+        """Tokens of ``gen``'s cache worth keeping in a trim: its declared prefix, else
+        the longest start it shares with another cache of the same model."""
+        if gen.request.prefix_len > 0:
+            return gen.request.prefix_len
+        others: list[Sequence[int]] = [e.tokens for e in self._kv.entries(gen.request.model)]
+        others += [
+            g.tokens
+            for g in self._gens.values()
+            if g is not gen and g.cache is not None and g.request.model == gen.request.model
+        ]
+        return max((common_prefix(gen.tokens, t) for t in others), default=0)
+
+    def _release_kv(self) -> None:
+        """Bring paused and cached KV under the node's KV budget (see policies.kv)."""
+        paused = {r.id: r for r in self._sched.paused}
+        views = self._kv.views()
+        for rid, r in paused.items():
+            cache = self._gens[rid].cache
+            if cache is not None:
+                keep = cache.bytes_for(self._shared_len(self._gens[rid]))
+                views.append(CacheView(rid, cache.nbytes, keep, True, r.priority, seq=r.seq))
+        for key, action in plan_kv_release(views, self._kv_budget):
+            gen = self._gens.get(key) if key in paused else None
+            if gen is None:
+                self._kv.drop(key)
+                self._counters["kv_dropped"] += 1
+            elif action is KVAction.TRIM and gen.cache is not None:
+                gen.cache = gen.cache.prefix(self._shared_len(gen))
+                self._counters["kv_trimmed"] += 1
+            else:
+                gen.cache = None
+                self._counters["kv_dropped"] += 1
+
+    def _kv_bytes(self) -> dict[str, int]:
+        paused = sum(
+            c.nbytes for r in self._sched.paused if (c := self._gens[r.id].cache) is not None
+        )
+        return {"paused": paused, "cached": self._kv.nbytes}
+
     # ----------------------------------------------------------------- settlement
 
     def _settle(
@@ -380,6 +671,9 @@ class NodeRuntime:
     ) -> None:
         for o in outcomes:
             self._counters[o.state.value] += 1
+            gen = self._gens.get(o.request.id)
+            if gen is not None:
+                gen.cache = None  # its caller keeps the tokens; the KV memory goes now
             timer = self._timers.pop(o.request.id, None)
             if timer is not None:
                 timer.cancel()
@@ -427,6 +721,7 @@ class NodeRuntime:
                 cost_ms={k: v * 1000 for k, v in i.costs_s.items()},
                 row_ms=None if (c := self._sched.row_cost(i.name)) is None else c * 1000,
                 loads=i.loads,
+                kind=i.config.kind,
             )
             for i in self._models.models()
         )
@@ -449,6 +744,10 @@ class NodeRuntime:
             rss_mb=_rss_mb(),
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             pid=os.getpid(),
+            paused=self._sched.paused_by_priority(),
+            lifecycle=self._lifecycle,
+            kv_bytes=self._kv_bytes(),
+            sessions=tuple(self._kv.sessions()[:MAX_REPORTED_SESSIONS]),
         )
 
 

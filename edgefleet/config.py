@@ -47,11 +47,32 @@ class BatchingConfig(_Strict):
         return sorted(set(v))
 
 
+class GenerationConfig(_Strict):
+    """Settings of a decoder (``kind: decoder``) model."""
+
+    max_context: int | None = Field(
+        None,
+        ge=2,
+        description="tokens the model can attend to; default: read from the model "
+        "(metadata or a config.json beside it)",
+    )
+    stop_ids: list[int] = Field(
+        default_factory=list, description="token ids that end every generation (e.g. EOS)"
+    )
+    max_new_tokens: int = Field(4096, ge=1, description="the most a request may ask for")
+
+
 class ModelConfig(_Strict):
     """One model a node can serve."""
 
     path: Path
-    kind: Literal["tensor", "decoder"] = "tensor"
+    kind: Literal["tensor", "decoder"] = Field(
+        "tensor",
+        description="'tensor': infer() with named arrays; 'decoder': a causal language "
+        "model in the Optimum layout (input_ids, attention_mask, past_key_values.*), "
+        "used with generate()",
+    )
+    generation: GenerationConfig = GenerationConfig()
     threads: int = Field(1, ge=1, le=64, description="ONNX Runtime intra-op threads")
     batching: BatchingConfig = BatchingConfig()
     dedup: Literal["supersede", "follow"] = Field(
@@ -76,10 +97,26 @@ class PreemptionConfig(_Strict):
     min_priority_gap: int = Field(5, ge=1, le=10)
 
 
+Lifecycle = Literal["foreground", "background"]
+
+
+def _default_token_budget() -> dict[Lifecycle, dict[str, float]]:
+    return {"background": {"background": 0.25, "offline": 0.25}}
+
+
 class NodeDefaults(_Strict):
     queue: QueueConfig = QueueConfig()
     preemption: PreemptionConfig = PreemptionConfig()
     memory_budget_mb: float = Field(2048, gt=0)
+    kv_budget_mb: float = Field(
+        256, gt=0, description="memory for paused generations' and sessions' KV caches"
+    )
+    token_budget: dict[Lifecycle, dict[str, float]] = Field(
+        default_factory=_default_token_budget,
+        description="lifecycle state -> priority class -> share of max_new_tokens "
+        "(0-1); unlisted classes get all of it",
+    )
+    lifecycle: Lifecycle = Field("foreground", description="the state a node starts in")
     order: Literal["priority", "fifo"] = Field(
         "priority", description="queue discipline; 'fifo' ignores priorities (a baseline)"
     )
@@ -92,6 +129,7 @@ class NodeConfig(_Strict):
     queue: QueueConfig | None = None
     preemption: PreemptionConfig | None = None
     memory_budget_mb: float | None = Field(None, gt=0)
+    kv_budget_mb: float | None = Field(None, gt=0)
     order: Literal["priority", "fifo"] | None = None
     num_cpus: float | None = Field(None, ge=0)
     resources: dict[str, float] = Field(
@@ -153,6 +191,9 @@ class NodeSpec(_Strict):
     queue: QueueConfig
     preemption: PreemptionConfig
     memory_budget_mb: float
+    kv_budget_mb: float = 256
+    token_budget: dict[Lifecycle, dict[str, float]] = Field(default_factory=dict)
+    lifecycle: Lifecycle = "foreground"
     order: Literal["priority", "fifo"] = "priority"
     num_cpus: float = 0
     resources: dict[str, float] = Field(default_factory=dict)
@@ -182,12 +223,19 @@ class FleetConfig(_Strict):
     def _references(self) -> FleetConfig:
         if not self.models:
             raise ValueError("models: at least one model is required")
+        known = ", ".join(self.priorities)
         for name in self.router.placement.shed:
             if name not in self.priorities:
-                known = ", ".join(self.priorities)
                 raise ValueError(
                     f"router.placement.shed: unknown priority class {name!r}; known: {known}"
                 )
+        for state, shares in self.node_defaults.token_budget.items():
+            for name, share in shares.items():
+                where = f"node_defaults.token_budget.{state}.{name}"
+                if name not in self.priorities:
+                    raise ValueError(f"{where}: unknown priority class {name!r}; known: {known}")
+                if not 0 <= share <= 1:
+                    raise ValueError(f"{where} is {share}; allowed: a fraction in [0, 1]")
         seen: set[str] = set()
         for i, node in enumerate(self.nodes):
             if node.name in seen:
@@ -224,6 +272,9 @@ class FleetConfig(_Strict):
                 queue=n.queue or d.queue,
                 preemption=n.preemption or d.preemption,
                 memory_budget_mb=n.memory_budget_mb or d.memory_budget_mb,
+                kv_budget_mb=n.kv_budget_mb or d.kv_budget_mb,
+                token_budget=d.token_budget,
+                lifecycle=d.lifecycle,
                 order=n.order or d.order,
                 num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
                 resources=dict(n.resources),

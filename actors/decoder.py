@@ -1,0 +1,387 @@
+"""The decoder engine: causal language models in ONNX with a KV cache.
+
+Models follow the Hugging Face Optimum decoder layout: inputs ``input_ids``,
+``attention_mask``, ``position_ids`` (when present) and ``past_key_values.{i}.key`` /
+``.value``; outputs ``logits`` and ``present.{i}.key`` / ``.value``. Layers, heads,
+head size and dtypes are read from the model, so a user's own export works unchanged.
+
+A generation is prefilled once, then decoded one token per engine step. Between two
+steps it can stop: it is then *paused* with its KV cache, and a later ``advance``
+continues exactly where it stopped. A cache trimmed to a prefix (or dropped) is rebuilt
+by prefilling the tokens it no longer covers, so the output does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from actors.engine import InputInfo, Signature, _spec
+from edgefleet.errors import EngineError, InvalidInput, ModelNotFound
+from edgefleet.request import GenerateRequest
+
+PAST = "past_key_values."
+PRESENT = "present."
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
+WARMUP_PROMPT = 16
+WARMUP_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys and values of the first ``length`` tokens of a sequence, one array per
+    past input of the model (``[1, heads, length, head_dim]``). Immutable: the engine
+    makes a new cache each step, and a trim copies."""
+
+    arrays: tuple[np.ndarray, ...]
+    length: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+    def prefix(self, n: int) -> KVCache | None:
+        """A copy that covers the first ``n`` tokens only (None for n == 0)."""
+        if n <= 0:
+            return None
+        if n >= self.length:
+            return self
+        return KVCache(tuple(np.ascontiguousarray(a[:, :, :n]) for a in self.arrays), n)
+
+    def bytes_for(self, n: int) -> int:
+        return self.nbytes * min(n, self.length) // max(1, self.length)
+
+
+@dataclass(eq=False)
+class Generation:
+    """One generation's state on a node: its tokens, its cache, where it stands."""
+
+    request: GenerateRequest
+    limit: int  # new tokens allowed now (the token budget governor moves it)
+    emit: Callable[[int], None]  # called on the engine thread with each new token
+    max_context: int | None = None
+    cache: KVCache | None = None  # covers tokens[:cache.length]
+    tokens: list[int] = field(default_factory=list)
+    reused: int = 0  # prompt tokens whose KV came from a cached prefix or session
+    fed: int = 0  # tokens run through the model (prefill, re-prefill and steps)
+    engine_s: float = 0.0
+    rng: np.random.Generator | None = None
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.request.prompt_ids)
+        self._stop_ids = frozenset(self.request.stop_ids)
+        if self.rng is None and self.request.temperature > 0:
+            self.rng = np.random.default_rng(self.request.seed)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def end_reason(self) -> str | None:
+        """Why the generation ends before another step, or None to go on."""
+        n = len(self.tokens) - self.prompt_len
+        if n and self.tokens[-1] in self._stop_ids:
+            return "stop"
+        if n >= self.request.max_new_tokens:
+            return "length"
+        if n >= self.limit:
+            return "budget"
+        if self.max_context is not None and len(self.tokens) >= self.max_context:
+            return "length"
+        return None
+
+
+def check_generation(
+    request: GenerateRequest,
+    *,
+    vocab: int | None,
+    max_context: int | None,
+    max_new_tokens: int,
+) -> None:
+    """Raise InvalidInput, naming the problem, for a request the model cannot run."""
+    ids = request.prompt_ids
+    name = request.model
+    if not isinstance(ids, tuple | list) or not ids:
+        raise InvalidInput("prompt_ids must be a non-empty list of int token ids")
+    if any(not isinstance(t, int | np.integer) or isinstance(t, bool) for t in ids):
+        raise InvalidInput("prompt_ids must be a list of int token ids")
+    bad = [int(t) for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        allowed = f"0..{vocab - 1}" if vocab is not None else ">= 0"
+        raise InvalidInput(
+            f"prompt_ids hold token ids outside the vocabulary ({allowed}): {bad[:5]}"
+        )
+    if max_context is not None and len(ids) >= max_context:
+        raise InvalidInput(
+            f"prompt of {len(ids)} tokens does not fit the context of model {name!r} "
+            f"({max_context} tokens, with room for one new token)"
+        )
+    if not 1 <= request.max_new_tokens <= max_new_tokens:
+        raise InvalidInput(
+            f"max_new_tokens must be between 1 and {max_new_tokens}, got {request.max_new_tokens}"
+        )
+    if not 0 <= request.prefix_len <= len(ids):
+        raise InvalidInput(
+            f"prefix_len {request.prefix_len} must be between 0 and the prompt length ({len(ids)})"
+        )
+    if not request.temperature >= 0 or request.top_k < 0:
+        got = f"{request.temperature} and {request.top_k}"
+        raise InvalidInput(f"temperature must be >= 0 and top_k >= 0, got {got}")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def sample(
+    logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator | None
+) -> int:
+    """Greedy for temperature 0, else softmax sampling over the ``top_k`` best (0: all)."""
+    if temperature <= 0 or rng is None:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    ids = None
+    if 0 < top_k < z.shape[0]:
+        ids = np.argpartition(z, -top_k)[-top_k:]
+        z = z[ids]
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    pick = int(rng.choice(p.shape[0], p=p))
+    return int(ids[pick]) if ids is not None else pick
+
+
+class DecoderEngine:
+    """An ONNX Runtime session of a causal LM, driven one token at a time."""
+
+    generative = True
+
+    def __init__(
+        self,
+        name: str,
+        path: Path,
+        *,
+        threads: int = 1,
+        max_context: int | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> None:
+        if not path.is_file():
+            raise ModelNotFound(f"model {name!r}: file {path} does not exist")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=opts, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:
+            raise EngineError(f"model {name!r}: cannot load {path}: {exc}") from None
+        self.name = name
+        self.path = path
+        self.stop_ids = tuple(stop_ids)
+        self._sig = Signature(
+            tuple(_spec(i) for i in self._session.get_inputs()),
+            tuple(_spec(o) for o in self._session.get_outputs()),
+        )
+        inputs = {s.name: s for s in self._sig.inputs}
+        outputs = {s.name for s in self._sig.outputs}
+        for required in ("input_ids", "attention_mask"):
+            if required not in inputs:
+                raise EngineError(
+                    f"model {name!r} is not an Optimum-style decoder: no input {required!r} "
+                    f"(it takes {self._sig.describe()})"
+                )
+        if "logits" not in outputs:
+            raise EngineError(f"model {name!r} is not a decoder: no output 'logits'")
+        self._past = [n for n in inputs if n.startswith(PAST)]
+        if not self._past:
+            raise EngineError(
+                f"model {name!r} has no past_key_values.* inputs: export it with its KV "
+                "cache (Optimum: --task text-generation-with-past)"
+            )
+        self._present = [PRESENT + n.removeprefix(PAST) for n in self._past]
+        missing = [n for n in self._present if n not in outputs]
+        if missing:
+            raise EngineError(f"model {name!r}: outputs {missing} missing for its past inputs")
+        self.layers = len(self._past) // 2
+        meta = _metadata(self._session, path)
+        self.max_context = max_context or _context_from(meta)
+        first = inputs[self._past[0]]
+        self._empty = tuple(
+            np.zeros(self._kv_shape(inputs[n].shape, meta, n), dtype=inputs[n].dtype)
+            for n in self._past
+        )
+        self._ids_dtype = inputs["input_ids"].dtype
+        self._mask_dtype = inputs["attention_mask"].dtype
+        self._has_positions = "position_ids" in inputs
+        self._cache_branch = "use_cache_branch" in inputs
+        self._outputs = ["logits", *self._present]
+        self.kv_dtype = first.dtype
+        self.vocab: int | None = None
+        dim = next(s for s in self._sig.outputs if s.name == "logits").shape[-1]
+        if isinstance(dim, int):
+            self.vocab = dim
+        self._ones = np.ones((1, 0), dtype=self._mask_dtype)
+        self._positions = np.arange(0, dtype=np.int64)[None]
+        self._grow(self.max_context or 1024)
+
+    # --------------------------------------------------------------- Engine protocol
+
+    @property
+    def signature(self) -> Signature:
+        return self._sig
+
+    def check(self, inputs: Mapping[str, Any], max_bytes: int) -> InputInfo:
+        raise InvalidInput(f"model {self.name!r} is a decoder: use generate(), not infer()")
+
+    def run(
+        self, batch: Sequence[Mapping[str, np.ndarray]], stop: threading.Event | None = None
+    ) -> list[dict[str, np.ndarray]]:
+        raise InvalidInput(f"model {self.name!r} is a decoder: use generate(), not infer()")
+
+    def abort(self) -> None:
+        """Generations stop at the next token boundary (the call's stop event); a step
+        in progress is short and always completes, so no work is thrown away."""
+
+    def close(self) -> None:
+        del self._session
+
+    # -------------------------------------------------------------------- generation
+
+    def advance(self, gen: Generation, stop: threading.Event | None = None) -> str | None:
+        """Decode until the generation ends (return its finish reason) or ``stop`` is
+        set (return None: paused at a token boundary, cache kept)."""
+        t0 = time.perf_counter()
+        try:
+            while True:
+                reason = gen.end_reason()
+                if reason is not None:
+                    return reason
+                if stop is not None and stop.is_set():
+                    return None
+                self.step(gen)
+        finally:
+            gen.engine_s += time.perf_counter() - t0
+
+    def step(self, gen: Generation) -> int:
+        """Produce one token: feed every token the cache does not cover yet."""
+        start = gen.cache.length if gen.cache is not None else 0
+        new = gen.tokens[start:]
+        logits, arrays = self.forward(new, start, gen.cache)
+        gen.cache = KVCache(arrays, start + len(new))
+        gen.fed += len(new)
+        token = sample(logits, gen.request.temperature, gen.request.top_k, gen.rng)
+        gen.tokens.append(token)
+        gen.emit(token)
+        return token
+
+    def forward(
+        self, ids: Sequence[int], start: int, cache: KVCache | None
+    ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """Logits of the last of ``ids`` (at positions ``start``...) and the new cache."""
+        end = start + len(ids)
+        if end > self._ones.shape[1]:
+            self._grow(2 * end)
+        feed: dict[str, Any] = {
+            "input_ids": np.asarray([ids], dtype=self._ids_dtype),
+            "attention_mask": self._ones[:, :end],
+        }
+        if self._has_positions:
+            feed["position_ids"] = self._positions[:, start:end]
+        if self._cache_branch:
+            feed["use_cache_branch"] = np.array([cache is not None])
+        feed.update(
+            zip(self._past, cache.arrays if cache is not None else self._empty, strict=True)
+        )
+        try:
+            out = self._session.run(self._outputs, feed)
+        except Exception as exc:
+            raise EngineError(f"model {self.name!r} failed: {exc}") from None
+        return out[0][0, -1], tuple(out[1:])
+
+    def warmup(self) -> dict[int, float]:
+        """Run one short generation; learn the vocabulary size; return the engine
+        seconds of a warm-up-sized generation (the node's cost table entry)."""
+        prompt = tuple(range(1, WARMUP_PROMPT + 1))
+        if self.vocab is None:
+            logits, _ = self.forward(prompt[:1], 0, None)
+            self.vocab = int(logits.shape[-1])
+        prompt = tuple(t % self.vocab for t in prompt)
+        tokens = WARMUP_TOKENS
+        if self.max_context is not None:
+            tokens = max(1, min(tokens, self.max_context - WARMUP_PROMPT - 1))
+        request = GenerateRequest(self.name, prompt, max_new_tokens=tokens)
+        self.advance(Generation(request, limit=tokens, emit=_ignore, max_context=self.max_context))
+        gen = Generation(request, limit=tokens, emit=_ignore, max_context=self.max_context)
+        self.advance(gen)
+        return {1: gen.engine_s}
+
+    def _grow(self, n: int) -> None:
+        self._ones = np.ones((1, n), dtype=self._mask_dtype)
+        self._positions = np.arange(n, dtype=np.int64)[None]
+
+    def _kv_shape(
+        self, shape: tuple[Any, ...], meta: Mapping[str, Any], name: str
+    ) -> tuple[int, ...]:
+        if len(shape) != 4:
+            raise EngineError(f"model {self.name!r}: {name} has rank {len(shape)}, expected 4")
+        heads, head_dim = shape[1], shape[3]
+        if not isinstance(heads, int):
+            heads = meta.get("num_key_value_heads") or meta.get("num_attention_heads")
+        if not isinstance(head_dim, int):
+            hidden, n_heads = meta.get("hidden_size"), meta.get("num_attention_heads")
+            head_dim = meta.get("head_dim") or (hidden // n_heads if hidden and n_heads else None)
+        if not isinstance(heads, int) or not isinstance(head_dim, int):
+            raise EngineError(
+                f"model {self.name!r}: cannot tell heads and head size of {name} {shape}; "
+                "give them fixed sizes or put a config.json beside the model"
+            )
+        return (1, heads, 0, head_dim)
+
+
+def _ignore(token: int) -> None:
+    pass
+
+
+def _metadata(session: ort.InferenceSession, path: Path) -> dict[str, Any]:
+    """Model facts from the ONNX metadata, else from a config.json beside the model
+    (where Optimum exports write it)."""
+    meta: dict[str, Any] = {}
+    config = path.parent / "config.json"
+    if config.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            meta.update(json.loads(config.read_text()))
+    for key, value in session.get_modelmeta().custom_metadata_map.items():
+        try:
+            meta[key] = json.loads(value)
+        except ValueError:
+            meta[key] = value
+    return meta
+
+
+def _context_from(meta: Mapping[str, Any]) -> int | None:
+    for key in CONTEXT_KEYS:
+        value = meta.get(key)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
