@@ -84,6 +84,7 @@ class GenerationResult:
     reused_tokens: int = 0  # prompt tokens whose KV came from a session or shared prefix
     fed_tokens: int = 0  # tokens run through the model, re-prefills included
     token_times: tuple[float, ...] = ()  # seconds from arrival to each token
+    arrival: float = 0.0  # on the node's monotonic clock
 
     def unwrap(self) -> tuple[int, ...]:
         if self.error is not None:
@@ -362,6 +363,7 @@ class NodeRuntime:
             reused_tokens=gen.reused,
             fed_tokens=gen.fed,
             token_times=tuple(times),
+            arrival=arrival,
         )
 
     def _make_generation(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from actors.node import NodeStatus, Reply
+from actors.node import GenerationResult, NodeStatus, Reply, TokenChunk
 from cluster.deploy import (
     connect_ray,
     deploy_nodes,
@@ -24,8 +25,8 @@ from cluster.deploy import (
     teardown,
 )
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import ModelNotFound, NodeLost
-from edgefleet.request import InferRequest, new_request_id, resolve_priority
+from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost
+from edgefleet.request import GenerateRequest, InferRequest, new_request_id, resolve_priority
 
 Progress = Callable[[str], None]
 CONTROL_TIMEOUT_S = 30.0
@@ -195,9 +196,7 @@ class FleetClient:
         references). Inputs larger than 1 MiB are put in Ray's object store once and
         travel to the chosen node by reference, not through the router.
         """
-        if model not in self._served:
-            known = ", ".join(sorted(self._served)) or "none"
-            raise ModelNotFound(f"no node serves model {model!r}; the fleet serves: {known}")
+        self._check_model(model)
         request = InferRequest(
             model=model,
             inputs=inputs,
@@ -227,7 +226,62 @@ class FleetClient:
         )
         return reply.unwrap()
 
+    def generate(
+        self,
+        model: str,
+        prompt_ids: Iterable[int],
+        *,
+        max_new_tokens: int = 64,
+        priority: str | int = "foreground",
+        session: str | None = None,
+        prefix_len: int = 0,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_ids: Iterable[int] = (),
+        deadline_s: float | None = None,
+        request_id: str | None = None,
+    ) -> TokenStream:
+        """Generate with a decoder model; iterate the result for token ids as they
+        are produced. Afterwards ``finish_reason`` is ``stop``, ``length``, ``budget``
+        or ``cancelled``; a request that never ran raises its typed error instead.
+
+        ``session`` lets follow-up turns of a chat reuse the KV of earlier ones on the
+        node that holds it; ``prefix_len`` marks a shared system prompt. ``deadline_s``
+        bounds the wait before the first step.
+        """
+        self._check_model(model)
+        try:
+            ids = tuple(int(t) for t in prompt_ids)
+        except (TypeError, ValueError):
+            raise InvalidInput("prompt_ids must be a list of int token ids") from None
+        request = GenerateRequest(
+            model=model,
+            prompt_ids=ids,
+            max_new_tokens=max_new_tokens,
+            priority=resolve_priority(priority, self.config.priorities),
+            id=request_id or new_request_id(),
+            session=session,
+            prefix_len=prefix_len,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            stop_ids=tuple(int(t) for t in stop_ids),
+            deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
+        )
+        return TokenStream(request.id, self._router.generate.remote(request))
+
     # -------------------------------------------------------------------- control
+
+    def set_lifecycle(
+        self, node: str, state: str, timeout_s: float = CONTROL_TIMEOUT_S
+    ) -> NodeStatus:
+        """Tell ``node`` its lifecycle state changed ("foreground" or "background"):
+        token budgets of its generations follow at their next token."""
+        self._node(node)
+        ref = self._router.set_lifecycle.remote(node, state)
+        (status,) = _get([ref], timeout_s, "set_lifecycle")
+        return status
 
     def status(self, timeout_s: float = CONTROL_TIMEOUT_S) -> FleetStatus:
         """Fresh reports from every reachable node, with the router's view."""
@@ -251,11 +305,63 @@ class FleetClient:
         (status,) = _get([self._node(node).drain.remote()], timeout_s, "drain")
         return status
 
+    def _check_model(self, model: str) -> None:
+        if model not in self._served:
+            known = ", ".join(sorted(self._served)) or "none"
+            raise ModelNotFound(f"no node serves model {model!r}; the fleet serves: {known}")
+
     def _node(self, name: str) -> ActorHandle:
         try:
             return self._nodes[name]
         except KeyError:
             raise KeyError(f"no node {name!r}; nodes: {', '.join(self._nodes)}") from None
+
+
+class TokenStream(Iterator[int]):
+    """Token ids of one generation as the node produces them.
+
+    Iterating raises the typed error of a generation that never ran (``Rejected``,
+    ``InvalidInput``, ...). After the last token, :attr:`result` holds the
+    :class:`GenerationResult` (finish reason, node, timings).
+    """
+
+    def __init__(self, request_id: str, refs: Any) -> None:
+        self.request_id = request_id
+        self.tokens: list[int] = []
+        self.result: GenerationResult | None = None
+        self._refs = refs
+        self._ready: deque[int] = deque()
+
+    def __next__(self) -> int:
+        while not self._ready:
+            if self.result is not None:
+                raise StopIteration
+            try:
+                (item,) = _get([next(self._refs)], None, "generate")
+            except StopIteration:
+                raise NodeLost("the generation stream ended without a result") from None
+            if isinstance(item, TokenChunk):
+                self._ready.extend(item.tokens)
+                self.tokens.extend(item.tokens)
+            else:
+                self.result = item
+                if item.error is not None:
+                    raise item.error
+        return self._ready.popleft()
+
+    def collect(self) -> list[int]:
+        """Wait for the whole generation; its token ids."""
+        for _ in self:
+            pass
+        return self.tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.result.finish_reason if self.result is not None else None
+
+    @property
+    def node(self) -> str | None:
+        return self.result.node if self.result is not None else None
 
 
 def _get(refs: list[ray.ObjectRef], timeout_s: float | None, what: str) -> list[Any]:

@@ -13,19 +13,26 @@ import asyncio
 import heapq
 import random
 from collections import Counter
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import ray
 from ray.actor import ActorHandle
 
-from actors.node import NodeStatus, Reply
+from actors.node import GenerationResult, NodeStatus, Reply, TokenChunk
 from cluster.deploy import NAMESPACE, actor_name
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
-from edgefleet.errors import EdgeFleetError, Evicted, ModelNotFound, NodeLost, Rejected
-from edgefleet.request import InferRequest
+from edgefleet.errors import (
+    EdgeFleetError,
+    Evicted,
+    InvalidInput,
+    ModelNotFound,
+    NodeLost,
+    Rejected,
+)
+from edgefleet.request import GenerateRequest, InferRequest
 from policies.placement import (
     NodeView,
     PlacementParams,
@@ -46,11 +53,17 @@ class NodeHandle(Protocol):
         """MUST raise NodeGone when the node died; every other outcome is a Reply."""
         ...
 
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
+        """Stream a generation; MUST raise NodeGone when the node died."""
+        ...
+
     async def status(self) -> NodeStatus: ...
 
     async def start(self) -> NodeStatus: ...
 
     async def cancel(self, request_id: str) -> bool: ...
+
+    async def set_lifecycle(self, state: str) -> NodeStatus: ...
 
 
 @dataclass
@@ -72,7 +85,9 @@ class NodeEntry:
         loaded: frozenset[str] = frozenset(self.spec.models)
         running_left = 0.0
         draining = False
+        sessions: frozenset[str] = frozenset()
         if report is not None:
+            sessions = frozenset(report.sessions)
             # Work others sent (another router, direct callers) shows in the node's report.
             reported = dict(report.queued)
             if report.running is not None:
@@ -100,6 +115,7 @@ class NodeEntry:
             row_cost_s=row_cost,
             load_cost_s=load_cost,
             running_left_s=running_left,
+            sessions=sessions,
         )
 
 
@@ -189,13 +205,9 @@ class Router:
         """
         self._counters["received"] += 1
         preq = PlacementRequest(request.model, request.priority)
-        if not any(request.model in e.spec.models for e in self._nodes.values()):
-            served = sorted({m for e in self._nodes.values() for m in e.spec.models})
-            err = ModelNotFound(
-                f"no node serves model {request.model!r}; the fleet serves: {', '.join(served)}",
-                request_id=request.id,
-            )
-            return self._answer(Reply(request.id, "", error=err))
+        unknown = self._unknown_model(request)
+        if unknown is not None:
+            return self._answer(Reply(request.id, "", error=unknown))
         tried: set[str] = set()
         refusals: list[Rejected] = []
         evicted: Reply | None = None
@@ -230,8 +242,99 @@ class Router:
             return self._answer(evicted)
         return self._answer(Reply(request.id, "", error=self._refusal(request, refusals, tried)))
 
+    async def generate(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[TokenChunk | GenerationResult]:
+        """Place a generation and stream its tokens; the last item is its result.
+
+        A refusal spills to the next node. When the node dies mid-stream, the
+        generation continues on another node from the tokens already sent (prompt
+        plus output so far), so the caller sees each token once.
+        """
+        self._counters["received"] += 1
+        unknown = self._unknown_model(request)
+        if unknown is not None:
+            self._counters["modelnotfound"] += 1
+            yield GenerationResult(request.id, "", error=unknown)
+            return
+        preq = PlacementRequest(request.model, request.priority, session=request.session)
+        tried: set[str] = set()
+        refusals: list[Rejected] = []
+        sent: list[int] = []
+        current = request
+        attempts = 0
+        while attempts < self.config.router.max_attempts:
+            views = [e.view() for n, e in self._nodes.items() if n not in tried]
+            ranked = self._placement.rank(views, preq, self._rng)
+            if not ranked:
+                break
+            entry = self._nodes[ranked[0].name]
+            tried.add(entry.spec.name)
+            entry.work[request.id] = request.priority
+            result: GenerationResult | None = None
+            try:
+                async for item in entry.handle.generate(current):
+                    if isinstance(item, TokenChunk):
+                        sent.extend(item.tokens)
+                        yield item
+                    else:
+                        result = item
+            except NodeGone:
+                self._lose(entry)
+                self._counters["replaced"] += 1
+                left = request.max_new_tokens - len(sent)
+                if left <= 0:
+                    result = GenerationResult(request.id, "", tuple(sent), finish_reason="length")
+                else:
+                    current = replace(
+                        request,
+                        prompt_ids=(*request.prompt_ids, *sent),
+                        max_new_tokens=left,
+                    )
+                    continue
+            finally:
+                entry.work.pop(request.id, None)
+            attempts += 1
+            assert result is not None, "a node stream ends with its result"
+            if isinstance(result.error, Rejected | Evicted) and not sent:
+                refusals += [result.error] if isinstance(result.error, Rejected) else []
+                self._counters["spilled" if isinstance(result.error, Rejected) else "replaced"] += 1
+                continue
+            self._counters[_kind(result.error)] += 1
+            yield replace(result, tokens=tuple(sent))
+            return
+        err = self._refusal(request, refusals, tried)
+        self._counters[_kind(err)] += 1
+        yield GenerationResult(request.id, "", tuple(sent), error=err)
+
+    async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
+        """Tell ``node`` its lifecycle state changed (an event, e.g. the device's app
+        went to the background); token budgets follow at the next token."""
+        entry = self._nodes.get(node)
+        if entry is None:
+            raise InvalidInput(f"no node {node!r}; nodes: {', '.join(self._nodes)}")
+        try:
+            report = await entry.handle.set_lifecycle(state)
+        except NodeGone:
+            self._lose(entry)
+            raise NodeLost(f"node {node} is gone; its lifecycle state was not set") from None
+        entry.report = report
+        return report
+
+    def _unknown_model(self, request: InferRequest | GenerateRequest) -> ModelNotFound | None:
+        if any(request.model in e.spec.models for e in self._nodes.values()):
+            return None
+        served = sorted({m for e in self._nodes.values() for m in e.spec.models})
+        return ModelNotFound(
+            f"no node serves model {request.model!r}; the fleet serves: {', '.join(served)}",
+            request_id=request.id,
+        )
+
     def _refusal(
-        self, request: InferRequest, refusals: list[Rejected], tried: set[str]
+        self,
+        request: InferRequest | GenerateRequest,
+        refusals: list[Rejected],
+        tried: set[str],
     ) -> EdgeFleetError:
         if refusals:
             return Rejected(
@@ -279,8 +382,7 @@ class Router:
         return max(0.001, delay)
 
     def _answer(self, reply: Reply) -> Reply:
-        kind = "completed" if reply.error is None else type(reply.error).__name__.lower()
-        self._counters[kind] += 1
+        self._counters[_kind(reply.error)] += 1
         return reply
 
     async def cancel(self, request_id: str) -> bool:
@@ -304,6 +406,10 @@ class Router:
         """Fresh reports from every reachable node, plus the router's counters."""
         await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
         return self.status_now()
+
+
+def _kind(error: EdgeFleetError | None) -> str:
+    return "completed" if error is None else type(error).__name__.lower()
 
 
 # ------------------------------------------------------------------------- on Ray
@@ -340,6 +446,20 @@ class RayNode:
             return await self._call("infer", request)
         return await self._call("infer", request, inputs[0])
 
+    async def generate(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[TokenChunk | GenerationResult]:
+        try:
+            async for ref in self._handle().generate.remote(request):
+                yield await ref
+        except ray.exceptions.RayActorError as exc:
+            if isinstance(exc, ray.exceptions.ActorDiedError):
+                self._actor = None
+            raise NodeGone(str(exc)) from None
+
+    async def set_lifecycle(self, state: str) -> NodeStatus:
+        return await self._call("set_lifecycle", state)
+
     async def status(self) -> NodeStatus:
         return await self._call("status")
 
@@ -369,6 +489,17 @@ class RouterActor:
     async def infer(self, request: InferRequest, inputs: Any = None) -> Reply:
         await self._router.start()  # after a restart of the router itself
         return await self._router.infer(request, inputs)
+
+    async def generate(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[TokenChunk | GenerationResult]:
+        await self._router.start()
+        async for item in self._router.generate(request):
+            yield item
+
+    async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
+        await self._router.start()
+        return await self._router.set_lifecycle(node, state)
 
     async def status(self) -> RouterStatus:
         return await self._router.status()

@@ -12,6 +12,9 @@ Builtin models (see :data:`BUILTIN_MODELS`):
 * ``stateful``   -- ``x[], state[2,1,16] -> y[], new_state[2,1,16]`` (not batchable)
 * ``slow``       -- ``x[N,256] -> y[N,256]`` (tunable cost, see :func:`calibrate_slow`)
 * ``heavy``      -- the slow model deep enough to keep an engine busy (a few ms per call)
+* ``tiny_lm``    -- a GPT-style causal LM with a KV cache in the Hugging Face Optimum
+  decoder-with-past layout (``input_ids``, ``attention_mask``, ``position_ids``,
+  ``past_key_values.{i}.key/value`` -> ``logits``, ``present.{i}.key/value``)
 """
 
 from __future__ import annotations
@@ -46,6 +49,12 @@ SLOW_WIDTH = 256
 # weight matrices keeps the file a few MB instead of gigabytes, and keeps the per-layer
 # cost steady because the working set no longer grows with the layer count.
 SLOW_DISTINCT_WEIGHTS = 8
+TINY_LM_LAYERS = 4
+TINY_LM_HEADS = 4
+TINY_LM_HEAD_DIM = 32
+TINY_LM_VOCAB = 512
+TINY_LM_CONTEXT = 512
+TINY_LM_MODEL_TYPE = "edgefleet-tiny-lm"
 
 PathLike = str | os.PathLike[str]
 Dim = int | str
@@ -69,13 +78,15 @@ def _he_normal(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int) ->
     return (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(np.float32)
 
 
-def _finish(graph: onnx.GraphProto, path: PathLike) -> Path:
+def _finish(graph: onnx.GraphProto, path: PathLike, metadata: dict[str, str] | None = None) -> Path:
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", OPSET)],
         ir_version=IR_VERSION,
         producer_name=PRODUCER_NAME,
     )
+    if metadata:
+        helper.set_model_props(model, metadata)
     onnx.checker.check_model(model, full_check=True)
     return _write_atomic(model.SerializeToString(), Path(path))
 
@@ -368,6 +379,238 @@ def calibrate_slow(
     return make_slow(path, layers=layers, width=width, seed=seed), layers
 
 
+# Scales of the tiny LM's random weights. With GPT-2's own init (std 0.02) the untrained
+# model's greedy output collapses into one repeated token. Unit-std token and position
+# embeddings keep each step's input distinct, and 1/sqrt(fan_in) projections let every
+# block add an O(1) share, so greedy decoding wanders through the vocabulary while the
+# next token still depends on the context, not only on the last token and position.
+_TINY_LM_TOKEN_STD = 1.0
+_TINY_LM_POSITION_STD = 1.0
+_TINY_LM_NORM_JITTER = 0.1
+_TINY_LM_BIAS_STD = 0.02
+_TINY_LM_LN_EPS = 1e-5
+_TINY_LM_MASK_VALUE = float(np.finfo(np.float32).min) / 2
+_GELU_COEFF = 0.044715
+
+
+def _int64_init(name: str, value: Sequence[int] | int) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=np.int64), name)
+
+
+def _tiny_lm_weights(
+    rng: np.random.Generator, layers: int, hidden: int, vocab: int, max_context: int
+) -> dict[str, FloatArray]:
+    def normal(shape: tuple[int, ...], std: float) -> FloatArray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def scaled(fan_in: int, fan_out: int) -> FloatArray:
+        return normal((fan_in, fan_out), 1.0 / math.sqrt(fan_in))
+
+    def norm(prefix: str) -> dict[str, FloatArray]:
+        return {
+            f"{prefix}.weight": 1.0 + normal((hidden,), _TINY_LM_NORM_JITTER),
+            f"{prefix}.bias": normal((hidden,), _TINY_LM_NORM_JITTER),
+        }
+
+    weights = {
+        "wte": normal((vocab, hidden), _TINY_LM_TOKEN_STD),
+        "wpe": normal((max_context, hidden), _TINY_LM_POSITION_STD),
+    }
+    for i in range(layers):
+        p = f"h.{i}"
+        weights |= norm(f"{p}.ln_1")
+        weights[f"{p}.attn.c_attn.weight"] = scaled(hidden, 3 * hidden)
+        weights[f"{p}.attn.c_attn.bias"] = normal((3 * hidden,), _TINY_LM_BIAS_STD)
+        weights[f"{p}.attn.c_proj.weight"] = scaled(hidden, hidden)
+        weights[f"{p}.attn.c_proj.bias"] = normal((hidden,), _TINY_LM_BIAS_STD)
+        weights |= norm(f"{p}.ln_2")
+        weights[f"{p}.mlp.c_fc.weight"] = scaled(hidden, 4 * hidden)
+        weights[f"{p}.mlp.c_fc.bias"] = normal((4 * hidden,), _TINY_LM_BIAS_STD)
+        weights[f"{p}.mlp.c_proj.weight"] = scaled(4 * hidden, hidden)
+        weights[f"{p}.mlp.c_proj.bias"] = normal((hidden,), _TINY_LM_BIAS_STD)
+    weights |= norm("ln_f")
+    weights["lm_head.weight"] = scaled(hidden, vocab)
+    return weights
+
+
+class _Nodes:
+    """Appends nodes to a graph under construction; each call returns its output name."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+
+    def __call__(self, op: str, inputs: Sequence[str], output: str, **attrs: Any) -> str:
+        self.nodes.append(helper.make_node(op, list(inputs), [output], **attrs))
+        return output
+
+    def multi(self, op: str, inputs: Sequence[str], outputs: Sequence[str], **attrs: Any) -> None:
+        self.nodes.append(helper.make_node(op, list(inputs), list(outputs), **attrs))
+
+
+def _tiny_lm_mask(add: _Nodes) -> str:
+    """Nodes computing ``allowed`` bool ``[B, 1, S, T]``: query ``i`` of the chunk sits at
+    absolute position ``past + i`` and sees key ``j`` iff ``j <= past + i`` and
+    ``attention_mask[b, j]`` is 1."""
+    seq = add("Shape", ["input_ids"], "mask.seq_len", start=1, end=2)
+    total = add("Shape", ["attention_mask"], "mask.total_len", start=1, end=2)
+    past = add("Sub", [total, seq], "mask.past_len")
+    past_s = add("Squeeze", [past], "mask.past_len_scalar")
+    total_s = add("Squeeze", [total], "mask.total_len_scalar")
+    keys = add("Range", ["const.zero", total_s, "const.one"], "mask.key_pos")
+    queries = add("Range", [past_s, total_s, "const.one"], "mask.query_pos")
+    query_col = add("Unsqueeze", [queries, "const.axes_1"], "mask.query_col")
+    causal = add("LessOrEqual", [keys, query_col], "mask.causal")
+    padding = add("Cast", ["attention_mask"], "mask.padding", to=TensorProto.BOOL)
+    padding4 = add("Unsqueeze", [padding, "const.axes_1_2"], "mask.padding4")
+    return add("And", [causal, padding4], "mask.allowed")
+
+
+def _tiny_lm_block(add: _Nodes, i: int, h: str, allowed: str) -> str:
+    p = f"h.{i}"
+
+    def linear(x: str, name: str) -> str:
+        y = add("MatMul", [x, f"{name}.weight"], f"{name}.matmul")
+        return add("Add", [y, f"{name}.bias"], f"{name}.out")
+
+    def layer_norm(x: str, name: str) -> str:
+        return add(
+            "LayerNormalization",
+            [x, f"{name}.weight", f"{name}.bias"],
+            f"{name}.out",
+            axis=-1,
+            epsilon=_TINY_LM_LN_EPS,
+        )
+
+    qkv = linear(layer_norm(h, f"{p}.ln_1"), f"{p}.attn.c_attn")
+    qkv = add("Reshape", [qkv, "const.qkv_shape"], f"{p}.attn.qkv_heads")
+    qkv = add("Transpose", [qkv], f"{p}.attn.qkv_bhsd", perm=[0, 2, 1, 3])
+    q, k, v = (f"{p}.attn.{n}" for n in ("q", "k", "v"))
+    add.multi("Split", [qkv], [q, k, v], axis=1)
+    key = add("Concat", [f"past_key_values.{i}.key", k], f"present.{i}.key", axis=2)
+    value = add("Concat", [f"past_key_values.{i}.value", v], f"present.{i}.value", axis=2)
+    key_t = add("Transpose", [key], f"{p}.attn.key_t", perm=[0, 1, 3, 2])
+    scores = add("MatMul", [q, key_t], f"{p}.attn.scores")
+    scores = add("Mul", [scores, "const.attn_scale"], f"{p}.attn.scaled")
+    scores = add("Where", [allowed, scores, "const.mask_value"], f"{p}.attn.masked")
+    probs = add("Softmax", [scores], f"{p}.attn.probs", axis=-1)
+    ctx = add("MatMul", [probs, value], f"{p}.attn.context")
+    ctx = add("Transpose", [ctx], f"{p}.attn.context_bshd", perm=[0, 2, 1, 3])
+    ctx = add("Reshape", [ctx, "const.hidden_shape"], f"{p}.attn.merged")
+    h = add("Add", [h, linear(ctx, f"{p}.attn.c_proj")], f"{p}.attn.residual")
+
+    fc = linear(layer_norm(h, f"{p}.ln_2"), f"{p}.mlp.c_fc")
+    cube = add("Mul", [fc, add("Mul", [fc, fc], f"{p}.mlp.sq")], f"{p}.mlp.cube")
+    inner = add("Mul", [cube, "const.gelu_coeff"], f"{p}.mlp.cube_scaled")
+    inner = add("Add", [fc, inner], f"{p}.mlp.inner")
+    inner = add("Mul", [inner, "const.gelu_scale"], f"{p}.mlp.inner_scaled")
+    gate = add("Add", [add("Tanh", [inner], f"{p}.mlp.tanh"), "const.f_one"], f"{p}.mlp.gate")
+    half = add("Mul", [fc, "const.f_half"], f"{p}.mlp.half")
+    act = add("Mul", [half, gate], f"{p}.mlp.gelu")
+    return add("Add", [h, linear(act, f"{p}.mlp.c_proj")], f"{p}.out")
+
+
+def make_tiny_lm(
+    path: PathLike,
+    *,
+    layers: int = TINY_LM_LAYERS,
+    heads: int = TINY_LM_HEADS,
+    head_dim: int = TINY_LM_HEAD_DIM,
+    vocab: int = TINY_LM_VOCAB,
+    max_context: int = TINY_LM_CONTEXT,
+    seed: int = DEFAULT_SEED,
+) -> Path:
+    """Write a tiny GPT-style causal language model with a KV cache and return its path.
+
+    The signature is the Hugging Face Optimum decoder-with-past layout, so code written
+    for this model also drives real Optimum exports. Inputs: ``input_ids`` and
+    ``position_ids`` int64 ``[batch_size, sequence_length]``, ``attention_mask`` int64
+    ``[batch_size, total_sequence_length]`` (1 = attend, 0 = padding), then
+    ``past_key_values.{i}.key`` and ``.value`` float32
+    ``[batch_size, heads, past_sequence_length, head_dim]`` for each layer ``i``.
+    Outputs: ``logits`` float32 ``[batch_size, sequence_length, vocab]``, then
+    ``present.{i}.key`` and ``.value`` float32
+    ``[batch_size, heads, total_sequence_length, head_dim]``, which are the past
+    concatenated with the current chunk and are fed back as the next call's past.
+    A past of length 0 is the prefill call.
+
+    Architecture (pre-LayerNorm GPT-2): ``wte[input_ids] + wpe[position_ids]`` (``wpe``
+    has ``max_context`` rows); per layer a causal multi-head self-attention over past
+    and current positions (one fused ``c_attn`` projection to Q, K, V, scores scaled by
+    ``1/sqrt(head_dim)``, a query at absolute position ``past + i`` sees keys at
+    positions ``<= past + i`` whose ``attention_mask`` is 1) and a tanh-GELU MLP of
+    width ``4 * heads * head_dim``, each with a residual; a final LayerNorm and an
+    untied ``lm_head`` give the logits. Weights are random (``default_rng(seed)``) and
+    scaled so greedy decoding does not collapse into a repeated token. Metadata:
+    ``max_position_embeddings`` and ``model_type`` (``edgefleet-tiny-lm``).
+    """
+    for name, value in (
+        ("layers", layers),
+        ("heads", heads),
+        ("head_dim", head_dim),
+        ("vocab", vocab),
+        ("max_context", max_context),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    hidden = heads * head_dim
+    weights = _tiny_lm_weights(np.random.default_rng(seed), layers, hidden, vocab, max_context)
+    constants = [
+        _int64_init("const.zero", 0),
+        _int64_init("const.one", 1),
+        _int64_init("const.axes_1", [1]),
+        _int64_init("const.axes_1_2", [1, 2]),
+        _int64_init("const.qkv_shape", [0, 0, 3 * heads, head_dim]),
+        _int64_init("const.hidden_shape", [0, 0, hidden]),
+        _init("const.attn_scale", np.array(1.0 / math.sqrt(head_dim))),
+        _init("const.mask_value", np.array(_TINY_LM_MASK_VALUE)),
+        _init("const.gelu_coeff", np.array(_GELU_COEFF)),
+        _init("const.gelu_scale", np.array(math.sqrt(2.0 / math.pi))),
+        _init("const.f_one", np.array(1.0)),
+        _init("const.f_half", np.array(0.5)),
+    ]
+
+    add = _Nodes()
+    tokens = add("Gather", ["wte", "input_ids"], "embed.tokens")
+    positions = add("Gather", ["wpe", "position_ids"], "embed.positions")
+    h = add("Add", [tokens, positions], "embed.out")
+    allowed = _tiny_lm_mask(add)
+    for i in range(layers):
+        h = _tiny_lm_block(add, i, h, allowed)
+    h = add(
+        "LayerNormalization",
+        [h, "ln_f.weight", "ln_f.bias"],
+        "ln_f.out",
+        axis=-1,
+        epsilon=_TINY_LM_LN_EPS,
+    )
+    add("MatMul", [h, "lm_head.weight"], "logits")
+
+    def ids(name: str, length: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.INT64, ["batch_size", length])
+
+    cache_in: list[Dim] = ["batch_size", heads, "past_sequence_length", head_dim]
+    cache_out: list[Dim] = ["batch_size", heads, "total_sequence_length", head_dim]
+    inputs = [
+        ids("input_ids", "sequence_length"),
+        ids("attention_mask", "total_sequence_length"),
+        ids("position_ids", "sequence_length"),
+    ]
+    outputs = [_value_info("logits", ["batch_size", "sequence_length", vocab])]
+    for i in range(layers):
+        for kind in ("key", "value"):
+            inputs.append(_value_info(f"past_key_values.{i}.{kind}", cache_in))
+            outputs.append(_value_info(f"present.{i}.{kind}", cache_out))
+    graph = helper.make_graph(
+        add.nodes,
+        "tiny_lm",
+        inputs,
+        outputs,
+        [_init(name, array) for name, array in weights.items()] + constants,
+    )
+    metadata = {"max_position_embeddings": str(max_context), "model_type": TINY_LM_MODEL_TYPE}
+    return _finish(graph, path, metadata)
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -441,6 +684,23 @@ def _slow_inputs(
     return {"x": rng.standard_normal((batch, SLOW_WIDTH)).astype(np.float32)}
 
 
+def _tiny_lm_inputs(
+    rng: np.random.Generator, batch: int, height: int, width: int
+) -> dict[str, np.ndarray]:
+    # A prefill call of the registry's tiny LM: no padding and an empty cache.
+    length = 8
+    feed: dict[str, np.ndarray] = {
+        "input_ids": rng.integers(0, TINY_LM_VOCAB, size=(batch, length), dtype=np.int64),
+        "attention_mask": np.ones((batch, length), dtype=np.int64),
+        "position_ids": np.tile(np.arange(length, dtype=np.int64), (batch, 1)),
+    }
+    empty = np.zeros((batch, TINY_LM_HEADS, 0, TINY_LM_HEAD_DIM), dtype=np.float32)
+    for i in range(TINY_LM_LAYERS):
+        feed[f"past_key_values.{i}.key"] = empty
+        feed[f"past_key_values.{i}.value"] = empty
+    return feed
+
+
 #: Builtin models by name. Adding a generator takes one entry: name, factory, inputs.
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -450,6 +710,7 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
         ModelSpec("stateful", make_stateful, _stateful_inputs),
         ModelSpec("slow", make_slow, _slow_inputs),
         ModelSpec("heavy", make_heavy, _slow_inputs),
+        ModelSpec("tiny_lm", make_tiny_lm, _tiny_lm_inputs),
     )
 }
 
@@ -483,7 +744,9 @@ def random_inputs(
     """Return a valid, deterministic input feed for the builtin model ``model_name``.
 
     ``batch`` is the leading dim (must be 1 for ``stateful``); ``height``/``width``
-    only affect ``detector``. ``slow`` inputs use the default width (256).
+    only affect ``detector``. ``slow`` inputs use the default width (256). ``tiny_lm``
+    inputs are a prefill call of the default model: 8 random token ids per row, a full
+    attention mask, positions 0..7 and an empty cache for every layer.
     """
     spec = BUILTIN_MODELS.get(model_name)
     if spec is None:
@@ -498,6 +761,8 @@ __all__ = [
     "BUILTIN_MODELS",
     "IR_VERSION",
     "OPSET",
+    "TINY_LM_CONTEXT",
+    "TINY_LM_VOCAB",
     "InputMaker",
     "ModelSpec",
     "calibrate_slow",
@@ -507,5 +772,6 @@ __all__ = [
     "make_heavy",
     "make_slow",
     "make_stateful",
+    "make_tiny_lm",
     "random_inputs",
 ]

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import numpy_helper
 
 from edgefleet import modelgen
 from edgefleet.modelgen import (
@@ -20,10 +21,13 @@ from edgefleet.modelgen import (
     make_detector,
     make_slow,
     make_stateful,
+    make_tiny_lm,
     random_inputs,
 )
 
 FLOAT = "tensor(float)"
+INT64 = "tensor(int64)"
+DTYPES = {FLOAT: np.float32, INT64: np.int64}
 
 
 def _session(path: Path) -> Any:
@@ -162,7 +166,9 @@ def test_slow_rejects_bad_layers(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "factory", [make_classifier, make_detector, make_stateful, make_slow], ids=lambda f: f.__name__
+    "factory",
+    [make_classifier, make_detector, make_stateful, make_slow, make_tiny_lm],
+    ids=lambda f: f.__name__,
 )
 def test_models_are_checked_opset17_ir8(tmp_path: Path, factory: Callable[[Path], Path]) -> None:
     model = onnx.load(str(factory(tmp_path / "m.onnx")))
@@ -227,7 +233,7 @@ def test_random_inputs_match_session_inputs(tmp_path: Path, name: str) -> None:
     assert sorted(feed) == sorted(i.name for i in sess.get_inputs())
     for arg in sess.get_inputs():
         value = feed[arg.name]
-        assert value.dtype == np.float32
+        assert value.dtype == DTYPES[arg.type]
         assert value.ndim == len(arg.shape)
         for got, want in zip(value.shape, arg.shape, strict=True):
             assert isinstance(want, str) or got == want
@@ -265,7 +271,7 @@ def test_calibrate_slow_rejects_bad_target(tmp_path: Path) -> None:
 
 
 def test_builtin_registry_contents() -> None:
-    assert set(BUILTIN_MODELS) >= {"classifier", "detector", "stateful", "slow"}
+    assert set(BUILTIN_MODELS) >= {"classifier", "detector", "stateful", "slow", "tiny_lm"}
     for name, spec in BUILTIN_MODELS.items():
         assert spec.name == name
         assert spec.filename == f"{name}.onnx"
@@ -278,9 +284,9 @@ def test_make_all_writes_everything_and_reports(tmp_path: Path) -> None:
 
     # Compare against the registry so adding a generator later does not break this test.
     expected = set(BUILTIN_MODELS)
-    assert {"classifier", "detector", "stateful", "slow", "heavy"} == expected
+    assert {"classifier", "detector", "stateful", "slow", "heavy", "tiny_lm"} == expected
     assert set(written) == expected
-    assert len(calls) == len(expected) == 5
+    assert len(calls) == len(expected) == 6
     assert {name for name, _ in calls} == expected
     for name, path in calls:
         assert path == written[name] == target / f"{name}.onnx"
@@ -294,3 +300,339 @@ def test_make_all_without_progress(tmp_path: Path) -> None:
     written = make_all(tmp_path)
     assert all(p.is_file() for p in written.values())
     assert set(written) == set(BUILTIN_MODELS)
+
+
+# --------------------------------------------------------------------------- tiny LM
+
+LAYERS, HEADS, HEAD_DIM, VOCAB, CONTEXT = 4, 4, 32, 512, 512
+Feed = dict[str, np.ndarray]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_lm(tmp_path_factory.mktemp("tiny_lm") / "tiny_lm.onnx")
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_lm_path: Path) -> Any:
+    return _session(tiny_lm_path)
+
+
+def _weights(path: Path) -> dict[str, np.ndarray]:
+    model = onnx.load(str(path))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def _empty_past(batch: int, layers: int = LAYERS) -> Feed:
+    empty = np.zeros((batch, HEADS, 0, HEAD_DIM), dtype=np.float32)
+    return {f"past_key_values.{i}.{k}": empty for i in range(layers) for k in ("key", "value")}
+
+
+def _lm_call(
+    sess: Any, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: Feed
+) -> tuple[np.ndarray, Feed]:
+    """One call of the model: returns the logits and the presents renamed as the next past."""
+    feed = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past}
+    out = _run(sess, {k: np.ascontiguousarray(v) for k, v in feed.items()})
+    layers = len(past) // 2
+    new_past = {
+        f"past_key_values.{i}.{k}": out[f"present.{i}.{k}"]
+        for i in range(layers)
+        for k in ("key", "value")
+    }
+    return out["logits"], new_past
+
+
+def _full_forward(sess: Any, ids: np.ndarray) -> np.ndarray:
+    batch, seq = ids.shape
+    positions = np.tile(np.arange(seq, dtype=np.int64), (batch, 1))
+    mask = np.ones((batch, seq), dtype=np.int64)
+    logits, _ = _lm_call(sess, ids, mask, positions, _empty_past(batch))
+    return logits
+
+
+def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + 1e-5) * weight + bias
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _reference_logits(weights: dict[str, np.ndarray], ids: np.ndarray, heads: int) -> np.ndarray:
+    """Pre-LN GPT-2 forward over whole unpadded sequences in float64 numpy."""
+    w = {name: array.astype(np.float64) for name, array in weights.items()}
+    batch, seq = ids.shape
+    hidden = w["wte"].shape[1]
+    head_dim = hidden // heads
+    layers = sum(1 for name in w if name.endswith(".ln_1.weight"))
+    causal = np.tril(np.ones((seq, seq), dtype=bool))
+
+    def split_heads(x: np.ndarray) -> np.ndarray:
+        return x.reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
+
+    h = w["wte"][ids] + w["wpe"][np.arange(seq)]
+    for i in range(layers):
+        p = f"h.{i}."
+        x = _layer_norm(h, w[p + "ln_1.weight"], w[p + "ln_1.bias"])
+        qkv = x @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
+        q, k, v = (split_heads(part) for part in np.split(qkv, 3, axis=-1))
+        scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(head_dim)
+        scores = np.where(causal, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        context = (probs @ v).transpose(0, 2, 1, 3).reshape(batch, seq, hidden)
+        h = h + context @ w[p + "attn.c_proj.weight"] + w[p + "attn.c_proj.bias"]
+        x = _layer_norm(h, w[p + "ln_2.weight"], w[p + "ln_2.bias"])
+        fc = _gelu_tanh(x @ w[p + "mlp.c_fc.weight"] + w[p + "mlp.c_fc.bias"])
+        h = h + fc @ w[p + "mlp.c_proj.weight"] + w[p + "mlp.c_proj.bias"]
+    return _layer_norm(h, w["ln_f.weight"], w["ln_f.bias"]) @ w["lm_head.weight"]
+
+
+def _greedy(sess: Any, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding with the KV cache: a prefill call, then one token per call."""
+    ids = np.array([prompt], dtype=np.int64)
+    logits, past = _lm_call(
+        sess,
+        ids,
+        np.ones_like(ids),
+        np.arange(len(prompt), dtype=np.int64)[None],
+        _empty_past(1),
+    )
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens.append(int(logits[0, -1].argmax()))
+        length = len(prompt) + len(tokens)
+        logits, past = _lm_call(
+            sess,
+            np.array([[tokens[-1]]], dtype=np.int64),
+            np.ones((1, length), dtype=np.int64),
+            np.array([[length - 1]], dtype=np.int64),
+            past,
+        )
+    return tokens
+
+
+def _has_short_loop(tokens: list[int], window: int = 8) -> bool:
+    """Whether some ``window`` consecutive tokens repeat with period 1 or 2."""
+    for period in (1, 2):
+        run = 0
+        for i in range(period, len(tokens)):
+            run = run + 1 if tokens[i] == tokens[i - period] else 0
+            if run + period >= window:
+                return True
+    return False
+
+
+def test_tiny_lm_signature(lm: Any) -> None:
+    cache_in = ["batch_size", HEADS, "past_sequence_length", HEAD_DIM]
+    cache_out = ["batch_size", HEADS, "total_sequence_length", HEAD_DIM]
+    assert _signature(lm.get_inputs()) == [
+        ("input_ids", INT64, ["batch_size", "sequence_length"]),
+        ("attention_mask", INT64, ["batch_size", "total_sequence_length"]),
+        ("position_ids", INT64, ["batch_size", "sequence_length"]),
+    ] + [
+        (f"past_key_values.{i}.{kind}", FLOAT, cache_in)
+        for i in range(LAYERS)
+        for kind in ("key", "value")
+    ]
+    assert _signature(lm.get_outputs()) == [
+        ("logits", FLOAT, ["batch_size", "sequence_length", VOCAB]),
+    ] + [
+        (f"present.{i}.{kind}", FLOAT, cache_out)
+        for i in range(LAYERS)
+        for kind in ("key", "value")
+    ]
+
+
+def test_tiny_lm_custom_size_signature(tmp_path: Path) -> None:
+    path = make_tiny_lm(
+        tmp_path / "lm.onnx", layers=2, heads=2, head_dim=8, vocab=50, max_context=64
+    )
+    sess = _session(path)
+    inputs = _signature(sess.get_inputs())
+    assert [name for name, _, _ in inputs][3:] == [
+        "past_key_values.0.key",
+        "past_key_values.0.value",
+        "past_key_values.1.key",
+        "past_key_values.1.value",
+    ]
+    assert inputs[3][2] == ["batch_size", 2, "past_sequence_length", 8]
+    assert _signature(sess.get_outputs())[0] == (
+        "logits",
+        FLOAT,
+        ["batch_size", "sequence_length", 50],
+    )
+    assert _weights(path)["wpe"].shape == (64, 16)
+    assert sess.get_modelmeta().custom_metadata_map["max_position_embeddings"] == "64"
+
+
+def test_tiny_lm_metadata(tiny_lm_path: Path, lm: Any) -> None:
+    props = {p.key: p.value for p in onnx.load(str(tiny_lm_path)).metadata_props}
+    assert props == {"max_position_embeddings": "512", "model_type": "edgefleet-tiny-lm"}
+    assert lm.get_modelmeta().custom_metadata_map == props
+    assert (modelgen.TINY_LM_VOCAB, modelgen.TINY_LM_CONTEXT) == (VOCAB, CONTEXT)
+
+
+def test_tiny_lm_rejects_bad_sizes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="heads"):
+        make_tiny_lm(tmp_path / "bad.onnx", heads=0)
+
+
+def test_tiny_lm_file_is_small(tiny_lm_path: Path) -> None:
+    assert tiny_lm_path.stat().st_size < 8 * 1024 * 1024
+
+
+def test_tiny_lm_matches_numpy_reference(tiny_lm_path: Path, lm: Any) -> None:
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=(3, 21), dtype=np.int64)
+    expected = _reference_logits(_weights(tiny_lm_path), ids, HEADS)
+    got = _full_forward(lm, ids)
+    assert got.shape == (3, 21, VOCAB) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    # Logits of this size make the comparison meaningful: not all ~0, not saturated.
+    assert 0.3 < float(got.std()) < 10.0
+
+
+def test_tiny_lm_custom_size_matches_numpy_reference(tmp_path: Path) -> None:
+    path = make_tiny_lm(
+        tmp_path / "lm.onnx", layers=2, heads=2, head_dim=8, vocab=50, max_context=64, seed=3
+    )
+    ids = np.random.default_rng(2).integers(0, 50, size=(2, 64), dtype=np.int64)
+    sess = _session(path)
+    positions = np.tile(np.arange(64, dtype=np.int64), (2, 1))
+    empty = np.zeros((2, 2, 0, 8), dtype=np.float32)
+    past = {f"past_key_values.{i}.{k}": empty for i in range(2) for k in ("key", "value")}
+    logits, _ = _lm_call(sess, ids, np.ones_like(ids), positions, past)
+    np.testing.assert_allclose(
+        logits, _reference_logits(_weights(path), ids, 2), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_tiny_lm_random_inputs_are_a_prefill(lm: Any) -> None:
+    feed = random_inputs("tiny_lm", 3, seed=4)
+    assert feed["input_ids"].shape == (3, 8)
+    assert ((feed["input_ids"] >= 0) & (feed["input_ids"] < VOCAB)).all()
+    np.testing.assert_array_equal(feed["position_ids"], np.tile(np.arange(8), (3, 1)))
+    assert (feed["attention_mask"] == 1).all()
+    out = _run(lm, feed)
+    assert out["logits"].shape == (3, 8, VOCAB)
+    for i in range(LAYERS):
+        assert feed[f"past_key_values.{i}.key"].shape == (3, HEADS, 0, HEAD_DIM)
+        assert out[f"present.{i}.value"].shape == (3, HEADS, 8, HEAD_DIM)
+    assert not np.array_equal(feed["input_ids"], random_inputs("tiny_lm", 3, seed=5)["input_ids"])
+
+
+@pytest.mark.parametrize("chunks", [[10, 1, 1, 1, 1, 1], [6, 4, 5], [1] * 15])
+def test_tiny_lm_kv_cache_matches_full_forward(lm: Any, chunks: list[int]) -> None:
+    ids = np.random.default_rng(7).integers(0, VOCAB, size=(2, 15), dtype=np.int64)
+    full = _full_forward(lm, ids)
+    past = _empty_past(2)
+    pieces = []
+    start = 0
+    for size in chunks:
+        stop = start + size
+        positions = np.tile(np.arange(start, stop, dtype=np.int64), (2, 1))
+        mask = np.ones((2, stop), dtype=np.int64)
+        logits, past = _lm_call(lm, ids[:, start:stop], mask, positions, past)
+        assert logits.shape == (2, size, VOCAB)
+        assert past["past_key_values.0.key"].shape == (2, HEADS, stop, HEAD_DIM)
+        pieces.append(logits)
+        start = stop
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_lm_present_is_past_plus_chunk(lm: Any) -> None:
+    ids = np.random.default_rng(8).integers(0, VOCAB, size=(1, 9), dtype=np.int64)
+    _, first = _lm_call(
+        lm, ids[:, :6], np.ones((1, 6), np.int64), np.arange(6)[None], _empty_past(1)
+    )
+    _, second = _lm_call(lm, ids[:, 6:], np.ones((1, 9), np.int64), np.arange(6, 9)[None], first)
+    for name, old in first.items():
+        np.testing.assert_array_equal(second[name][:, :, :6], old)
+
+
+def test_tiny_lm_incremental_greedy_equals_recomputed_greedy(lm: Any) -> None:
+    prompt = [int(t) for t in np.random.default_rng(9).integers(0, VOCAB, size=10)]
+    incremental = _greedy(lm, prompt, 12)
+    sequence = list(prompt)
+    for _ in range(12):
+        logits = _full_forward(lm, np.array([sequence], dtype=np.int64))
+        sequence.append(int(logits[0, -1].argmax()))
+    assert incremental == sequence[len(prompt) :]
+
+
+def test_tiny_lm_left_padding_matches_unpadded(lm: Any) -> None:
+    rng = np.random.default_rng(10)
+    prompts = [rng.integers(0, VOCAB, size=n, dtype=np.int64) for n in (7, 12)]
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((2, width), dtype=np.int64)
+    mask = np.zeros((2, width), dtype=np.int64)
+    positions = np.ones((2, width), dtype=np.int64)  # pads get 1, as Hugging Face does
+    for row, prompt in enumerate(prompts):
+        pad = width - len(prompt)
+        ids[row, pad:] = prompt
+        mask[row, pad:] = 1
+        positions[row, pad:] = np.arange(len(prompt))
+    batched, past = _lm_call(lm, ids, mask, positions, _empty_past(2))
+    assert np.isfinite(batched).all()
+
+    singles = []
+    for row, prompt in enumerate(prompts):
+        n = len(prompt)
+        alone, single_past = _lm_call(
+            lm, prompt[None], np.ones((1, n), np.int64), np.arange(n)[None], _empty_past(1)
+        )
+        np.testing.assert_allclose(batched[row, width - n :], alone[0], rtol=1e-4, atol=1e-4)
+        singles.append((alone, single_past, n))
+
+    # Decoding on from the padded cache still matches each prompt decoded alone.
+    next_ids = batched[:, -1].argmax(-1)
+    for _ in range(3):
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        positions = positions[:, -1:] + 1
+        batched, past = _lm_call(lm, next_ids[:, None], mask, positions, past)
+        for row, (alone, single_past, n) in enumerate(singles):
+            token = np.array([[next_ids[row]]], dtype=np.int64)
+            alone, single_past = _lm_call(
+                lm, token, np.ones((1, n + 1), np.int64), np.array([[n]]), single_past
+            )
+            np.testing.assert_allclose(batched[row], alone[0], rtol=1e-4, atol=1e-4)
+            singles[row] = (alone, single_past, n + 1)
+        next_ids = batched[:, -1].argmax(-1)
+
+
+def test_tiny_lm_fully_padded_row_stays_finite(lm: Any) -> None:
+    ids = np.array([[5, 6, 7], [0, 0, 0]], dtype=np.int64)
+    mask = np.array([[1, 1, 1], [0, 0, 0]], dtype=np.int64)
+    positions = np.array([[0, 1, 2], [1, 1, 1]], dtype=np.int64)
+    logits, past = _lm_call(lm, ids, mask, positions, _empty_past(2))
+    assert np.isfinite(logits).all()
+    assert all(np.isfinite(v).all() for v in past.values())
+    np.testing.assert_allclose(logits[0], _full_forward(lm, ids[:1])[0], rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_lm_generation_is_seeded(tmp_path: Path) -> None:
+    a = make_tiny_lm(tmp_path / "a.onnx", seed=0).read_bytes()
+    b = make_tiny_lm(tmp_path / "b.onnx", seed=0).read_bytes()
+    c = make_tiny_lm(tmp_path / "c.onnx", seed=1).read_bytes()
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[0], [511], [7] * 8, list(range(1, 11)), [100, 200] * 6, list(range(0, 40, 3))],
+    ids=["bos", "last", "repeated", "counting", "alternating", "stride3"],
+)
+def test_tiny_lm_greedy_is_not_degenerate(lm: Any, prompt: list[int]) -> None:
+    tokens = _greedy(lm, prompt, 48)
+    assert len(set(tokens)) >= 8, tokens
+    assert not _has_short_loop(tokens), tokens
+
+
+def test_short_loop_detector() -> None:
+    assert _has_short_loop([1, 2, 3] + [4] * 8)
+    assert _has_short_loop([9] + [4, 5] * 4)
+    assert not _has_short_loop([4, 4, 4, 5, 6, 5, 6, 7] * 3)

@@ -1,0 +1,186 @@
+"""Generation on a real Ray node actor with a generated decoder: streaming, pause and
+resume with the KV cache, trimming to the shared prefix, the token budget governor,
+sessions, and clear errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.decoder import DecoderEngine, Generation
+from edgefleet.errors import InvalidInput
+from edgefleet.modelgen import make_tiny_lm
+from edgefleet.request import GenerateRequest
+
+pytestmark = pytest.mark.integration
+
+PROMPT = tuple(range(3, 43))  # 40 tokens; the first 16 are the "system prompt"
+SYSTEM = 16
+
+
+@pytest.fixture(scope="module")
+def slow_lm(models_dir: Path) -> Path:
+    """A wider decoder (about a millisecond a token) so pauses land mid-generation."""
+    return make_tiny_lm(models_dir / "slow_lm.onnx", layers=8, heads=8, head_dim=64)
+
+
+def reference(path: Path, prompt: tuple[int, ...], n: int) -> list[int]:
+    """Greedy output of an uninterrupted generation, straight on the engine."""
+    engine = DecoderEngine("ref", path)
+    gen = Generation(GenerateRequest("ref", prompt, max_new_tokens=n), limit=n, emit=lambda t: None)
+    engine.advance(gen)
+    return gen.generated
+
+
+def lm_fleet(make_fleet, **node_defaults):
+    return make_fleet(
+        {
+            "local": {"nodes": 1},
+            "models": {"lm": {"path": "slow_lm.onnx", "kind": "decoder"}},
+            "node_defaults": node_defaults,
+        }
+    )
+
+
+def start_stream(fleet, results, name, **kw):
+    """Consume a generation on a thread; record its tokens and result."""
+
+    def run():
+        stream = fleet.generate("lm", kw.pop("prompt", PROMPT), **kw)
+        results[name] = (stream.collect(), stream.result)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def wait_for(predicate, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.005)
+    raise AssertionError("condition not reached in time")
+
+
+def node_status(fleet):
+    (node,) = fleet.status().nodes
+    return node
+
+
+def test_paused_and_resumed_generation_is_identical_and_urgent_work_streams_first(
+    make_fleet, slow_lm
+):
+    fleet = lm_fleet(make_fleet)
+    expected = reference(slow_lm, PROMPT, 300)
+    bg = fleet.generate("lm", PROMPT, max_new_tokens=300, priority="background")
+    first = next(bg)  # the background generation is running
+    fg = fleet.generate("lm", PROMPT[:20], max_new_tokens=20, priority="foreground")
+    fg_tokens = fg.collect()
+    bg_tokens = bg.collect()
+    assert [first, *bg_tokens[1:]] == bg_tokens == expected
+    assert fg_tokens == reference(slow_lm, PROMPT[:20], 20)
+    assert bg.result.pauses >= 1 and bg.finish_reason == "length"
+    # The foreground's first token came before the background produced another one
+    # (the step in flight when it arrived may finish).
+    fg_first = fg.result.arrival + fg.result.first_token_s
+    bg_times = [bg.result.arrival + t for t in bg.result.token_times]
+    between = [t for t in bg_times if fg.result.arrival < t < fg_first]
+    assert len(between) <= 1, between
+    counters = node_status(fleet).counters
+    assert counters["paused"] >= 1 and counters["resumed"] >= 1
+
+
+def test_trimmed_then_reprefilled_generation_is_identical(make_fleet, slow_lm):
+    # 32 KiB of KV a token: the budget holds the 16-token system prompt, not more.
+    fleet = lm_fleet(make_fleet, kv_budget_mb=0.625)
+    expected = reference(slow_lm, PROMPT, 200)
+    bg = fleet.generate("lm", PROMPT, max_new_tokens=200, priority="background", prefix_len=SYSTEM)
+    next(bg)
+    fg = fleet.generate("lm", PROMPT[:8], max_new_tokens=60, priority="foreground")
+    fg.collect()
+    assert bg.collect() == expected
+    assert bg.result.pauses >= 1
+    status = node_status(fleet)
+    assert status.counters["kv_trimmed"] >= 1
+    # Re-prefill fed the tokens beyond the kept prefix again.
+    assert bg.result.fed_tokens > len(PROMPT) + 200 - 1
+
+
+def test_cancel_of_a_paused_generation_frees_its_kv(make_fleet, slow_lm):
+    fleet = lm_fleet(make_fleet)
+    results: dict = {}
+    bg = fleet.generate("lm", PROMPT, max_new_tokens=400, priority="background")
+    next(bg)
+    fg = start_stream(fleet, results, "fg", max_new_tokens=400, priority="foreground")
+    wait_for(lambda: node_status(fleet).paused)
+    status = node_status(fleet)
+    assert status.paused == {3: 1} and status.kv_bytes["paused"] > 0
+    assert fleet.cancel(bg.request_id)
+    bg.collect()
+    assert bg.finish_reason == "cancelled"
+    status = node_status(fleet)
+    assert status.paused == {} and status.kv_bytes["paused"] == 0
+    fg.join(30)
+    assert results["fg"][1].finish_reason == "length"
+
+
+def test_governor_cuts_background_budget_on_event_and_restores_it(make_fleet, slow_lm):
+    fleet = lm_fleet(make_fleet)
+    node = node_status(fleet).name
+    assert node_status(fleet).lifecycle == "foreground"
+    fleet.set_lifecycle(node, "background")
+    cut = fleet.generate("lm", PROMPT, max_new_tokens=40, priority="background")
+    assert len(cut.collect()) == 10 and cut.finish_reason == "budget"
+    urgent = fleet.generate("lm", PROMPT, max_new_tokens=40, priority="foreground")
+    assert len(urgent.collect()) == 40 and urgent.finish_reason == "length"
+    fleet.set_lifecycle(node, "foreground")
+    full = fleet.generate("lm", PROMPT, max_new_tokens=40, priority="background")
+    assert len(full.collect()) == 40 and full.finish_reason == "length"
+    # A change reaches a running generation at its next token.
+    running = fleet.generate("lm", PROMPT, max_new_tokens=400, priority="background")
+    seen = [next(running)]
+    fleet.set_lifecycle(node, "background")
+    seen += running.collect()[1:]
+    assert running.finish_reason == "budget"
+    assert len(seen) < 400
+    with pytest.raises(InvalidInput, match="lifecycle state"):
+        fleet.set_lifecycle(node, "asleep")
+
+
+def test_session_turns_reuse_kv_and_match_a_fresh_prefill(make_fleet, slow_lm):
+    fleet = lm_fleet(make_fleet)
+    turn1 = fleet.generate("lm", PROMPT, max_new_tokens=12, session="chat-1")
+    out1 = turn1.collect()
+    prompt2 = (*PROMPT, *out1, 5, 6, 7)
+    turn2 = fleet.generate("lm", prompt2, max_new_tokens=12, session="chat-1")
+    out2 = turn2.collect()
+    assert turn2.result.reused_tokens == len(PROMPT) + len(out1) - 1
+    assert out2 == reference(slow_lm, prompt2, 12)
+    assert "chat-1" in node_status(fleet).sessions
+    # Requests sharing a declared system prompt reuse its KV too.
+    a = fleet.generate("lm", PROMPT, max_new_tokens=4, prefix_len=SYSTEM)
+    a.collect()
+    b = fleet.generate("lm", (*PROMPT[:SYSTEM], 9, 9, 9), max_new_tokens=4, prefix_len=SYSTEM)
+    assert b.collect() == reference(slow_lm, (*PROMPT[:SYSTEM], 9, 9, 9), 4)
+    assert b.result.reused_tokens == SYSTEM
+
+
+def test_bad_generation_requests_get_typed_errors_and_harm_nothing(make_fleet, slow_lm):
+    fleet = lm_fleet(make_fleet)
+    with pytest.raises(InvalidInput, match="does not fit the context"):
+        fleet.generate("lm", [1] * 600, max_new_tokens=4).collect()
+    with pytest.raises(InvalidInput, match="outside the vocabulary"):
+        fleet.generate("lm", [1, 2, 100_000], max_new_tokens=4).collect()
+    with pytest.raises(InvalidInput, match="max_new_tokens"):
+        fleet.generate("lm", [1, 2], max_new_tokens=0).collect()
+    with pytest.raises(InvalidInput, match="prompt_ids"):
+        fleet.generate("lm", [], max_new_tokens=4).collect()
+    stream = fleet.generate(
+        "lm", PROMPT, max_new_tokens=8, stop_ids=[reference(slow_lm, PROMPT, 3)[2]]
+    )
+    assert len(stream.collect()) == 3 and stream.finish_reason == "stop"
+    assert node_status(fleet).state == "serving"
