@@ -155,6 +155,70 @@ def cmd_status(args: argparse.Namespace) -> int:
         time.sleep(args.interval)
 
 
+def cmd_infer(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from cluster.client import FleetClient
+
+    try:
+        with np.load(args.input, allow_pickle=False) as data:
+            inputs = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        _err(f"cannot read inputs from {args.input}: {exc} (expected an .npz of named arrays)")
+        return 2
+    _connect(args.address, args.fleet)
+    client = FleetClient.connect(fleet=args.fleet)
+    deadline = None if args.deadline_ms is None else args.deadline_ms / 1000
+    reply = client.infer_reply(
+        args.model, inputs, priority=_priority(args.priority), deadline_s=deadline
+    )
+    outputs = reply.unwrap()
+    for name, value in outputs.items():
+        head = np.array2string(value.ravel()[:8], precision=4)
+        _say(f"{name}: {value.dtype.name} {list(value.shape)} {head}")
+    _say(
+        f"node {reply.node}: queued {reply.queue_s * 1000:.1f} ms, engine "
+        f"{reply.service_s * 1000:.1f} ms, batch of {reply.batch_size}"
+    )
+    if args.out:
+        np.savez(args.out, **outputs)  # type: ignore[arg-type]
+        _say(f"outputs written to {args.out}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.client import FleetClient
+
+    _connect(args.address, args.fleet)
+    client = FleetClient.connect(fleet=args.fleet)
+    stream = client.generate(
+        args.model,
+        args.prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        priority=_priority(args.priority),
+        session=args.session,
+        prefix_len=args.prefix_len,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    for token in stream:
+        print(token, end=" ", flush=True)
+    print(flush=True)
+    r = stream.result
+    assert r is not None
+    first = f"{r.first_token_s * 1000:.1f} ms" if r.first_token_s is not None else "-"
+    _err(
+        f"finish: {r.finish_reason} ({len(r.tokens)} tokens on {r.node}; first token {first}, "
+        f"total {r.total_s * 1000:.1f} ms, paused {r.pauses}x)"
+    )
+    return 0
+
+
+def _priority(value: str) -> str | int:
+    return int(value) if value.isdigit() else value
+
+
 def status_dict(status: FleetStatus) -> dict[str, Any]:
     return {
         "fleet": status.fleet,
@@ -228,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
             examples:
               edgefleet demo                          # embedded fleet, mixed workload, report
               edgefleet up configs/local.yaml --detach && edgefleet status --fleet local
+              edgefleet generate tiny_lm --fleet local --prompt-ids 1 2 3 --max-new-tokens 16
+              edgefleet infer classifier --fleet local --input frame.npz --priority inline
               edgefleet models make configs/models    # generate the built-in test models
               edgefleet validate configs/local.yaml   # check a fleet file
               edgefleet bench --quick                 # benchmarks (from the source checkout)
@@ -280,6 +346,39 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="machine-readable output")
             p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
             p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+
+    infer = sub.add_parser(
+        "infer",
+        help="run one inference on a running fleet",
+        epilog="example: edgefleet infer classifier --input frame.npz --priority inline "
+        "--deadline-ms 200 --out result.npz",
+    )
+    infer.add_argument("model", metavar="MODEL")
+    infer.add_argument("--input", required=True, metavar="FILE.npz", help="named input arrays")
+    infer.add_argument("--out", metavar="FILE.npz", help="write the outputs here")
+    infer.add_argument("--deadline-ms", type=float, help="give up if not started by then")
+    infer.set_defaults(func=cmd_infer)
+
+    generate = sub.add_parser(
+        "generate",
+        help="stream a generation from a decoder model on a running fleet",
+        epilog="example: edgefleet generate tiny_lm --prompt-ids 5 17 42 --max-new-tokens 32 "
+        "--priority background",
+    )
+    generate.add_argument("model", metavar="MODEL")
+    generate.add_argument("--prompt-ids", type=int, nargs="+", required=True, metavar="ID")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--session", help="chat session: later turns reuse its KV cache")
+    generate.add_argument("--prefix-len", type=int, default=0, help="tokens of shared prefix")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k best (0: all)")
+    generate.add_argument("--seed", type=int, help="sampling seed")
+    generate.set_defaults(func=cmd_generate)
+
+    for p in (infer, generate):
+        p.add_argument("--priority", default="foreground", help="class name or 0-10")
+        p.add_argument("--fleet", default="local", help="fleet name (default: %(default)s)")
+        p.add_argument("--address", help="Ray cluster address (default: the one `up` started)")
 
     demo = sub.add_parser(
         "demo",

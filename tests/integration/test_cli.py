@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from edgefleet.modelgen import random_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.integration
@@ -42,8 +45,9 @@ def test_models_make_writes_every_model(tmp_path):
         "heavy.onnx",
         "slow.onnx",
         "stateful.onnx",
+        "tiny_lm.onnx",
     ]
-    assert "[5/5]" in result.stdout
+    assert "[6/6]" in result.stdout
     bad = edgefleet("models", "make", str(tmp_path / "m"), "--only", "gpt5")
     assert bad.returncode == 2 and "unknown model" in bad.stderr
 
@@ -104,11 +108,10 @@ def test_up_detach_status_client_down(tmp_path):
     config.write_text(
         f"fleet: {{name: {fleet}}}\nlocal: {{nodes: 2}}\n"
         "models:\n  classifier: {path: models/classifier.onnx}\n"
+        "  tiny_lm: {path: models/tiny_lm.onnx, kind: decoder}\n"
     )
-    assert (
-        edgefleet("models", "make", str(tmp_path / "models"), "--only", "classifier").returncode
-        == 0
-    )
+    made = edgefleet("models", "make", str(tmp_path / "models"), "--only", "classifier", "tiny_lm")
+    assert made.returncode == 0, made.stderr
     try:
         up = edgefleet("up", str(config), "--detach")
         assert up.returncode == 0, up.stderr[-3000:]
@@ -132,6 +135,24 @@ def test_up_detach_status_client_down(tmp_path):
 
         table = edgefleet("status", "--fleet", fleet)
         assert "edge-0" in table.stdout and "completed 1" in table.stdout
+
+        gen = edgefleet(
+            "generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", "5", "17", "42",
+            "--max-new-tokens", "6", "--priority", "background",
+        )  # fmt: skip
+        assert gen.returncode == 0, gen.stderr[-3000:]
+        assert len(gen.stdout.split()) == 6 and "finish: length (6 tokens" in gen.stderr
+        too_long = edgefleet("generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", *["1"] * 600)
+        assert too_long.returncode == 2 and "does not fit the context" in too_long.stderr
+
+        np.savez(tmp_path / "frame.npz", **random_inputs("classifier"))
+        infer = edgefleet(
+            "infer", "classifier", "--fleet", fleet, "--input", str(tmp_path / "frame.npz"),
+            "--priority", "inline", "--out", str(tmp_path / "out.npz"),
+        )  # fmt: skip
+        assert infer.returncode == 0, infer.stderr[-3000:]
+        assert "logits: float32 [1, 10]" in infer.stdout
+        assert np.load(tmp_path / "out.npz")["logits"].shape == (1, 10)
     finally:
         down = edgefleet("down", "--fleet", fleet)
     assert down.returncode == 0, down.stderr[-3000:]
