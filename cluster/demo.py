@@ -2,11 +2,15 @@
 
 Four streams share the fleet: foreground classifications, camera frames with a
 deadline and a dedup key, a background flood of batch jobs, and offline work on a
-model that cannot batch. The report shows what the scheduler did for each class.
+model that cannot batch. When the config has a decoder model, a foreground chat (with
+sessions) and background summaries run on it too, and halfway through one node is
+told its device went to the background (token budgets shrink) and later back. The
+report shows what the scheduler did for each class.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,7 +23,7 @@ import ray
 from actors.node import Reply
 from cluster.client import FleetClient
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import Rejected
+from edgefleet.errors import EdgeFleetError, Rejected
 from edgefleet.modelgen import BUILTIN_MODELS, random_inputs
 
 Print = Callable[[str], None]
@@ -39,6 +43,72 @@ class Stream:
     next_at: float = 0.0
     outstanding: int = 0
     retry_at: list[float] = field(default_factory=list)  # refused slots, resent after retry_after
+
+
+@dataclass
+class ChatStream:
+    """A generation client on its own thread: turns of ``new_tokens`` each."""
+
+    name: str
+    priority: str
+    new_tokens: int
+    session: bool  # a chat: later turns extend the conversation and reuse its KV
+    first_token: list[float] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    tokens: int = 0
+    busy_s: float = 0.0
+    outcomes: Counter[str] = field(default_factory=Counter)
+    pauses: int = 0
+
+
+SYSTEM_PROMPT = tuple(range(1, 33))
+
+
+def default_chats() -> list[ChatStream]:
+    return [
+        ChatStream("chat", "foreground", 24, session=True),
+        ChatStream("summaries-1", "background", 160, session=False),
+        ChatStream("summaries-2", "background", 160, session=False),
+    ]
+
+
+def _chat_loop(client: FleetClient, model: str, chat: ChatStream, until: float) -> None:
+    rng = np.random.default_rng(len(chat.name))
+    history: tuple[int, ...] = SYSTEM_PROMPT
+    turn = 0
+    while time.monotonic() < until:
+        turn += 1
+        user = tuple(int(t) for t in rng.integers(1, 400, 8))
+        prompt = (*history, *user) if chat.session else (*SYSTEM_PROMPT, *user * 8)
+        if len(prompt) > 400:  # start a new conversation before the context fills
+            history, prompt = SYSTEM_PROMPT, (*SYSTEM_PROMPT, *user)
+        t0 = time.monotonic()
+        try:
+            stream = client.generate(
+                model,
+                prompt,
+                max_new_tokens=chat.new_tokens,
+                priority=chat.priority,
+                session=f"{chat.name}-{turn // 8}" if chat.session else None,
+                prefix_len=len(SYSTEM_PROMPT),
+            )
+            out = stream.collect()
+        except EdgeFleetError as exc:
+            chat.outcomes[type(exc).__name__] += 1
+            time.sleep(getattr(exc, "retry_after_s", 0.1) or 0.1)
+            continue
+        r = stream.result
+        assert r is not None
+        chat.outcomes[r.finish_reason or "?"] += 1
+        chat.total.append(time.monotonic() - t0)
+        if r.first_token_s is not None:
+            chat.first_token.append(r.first_token_s)
+        chat.tokens += len(out)
+        chat.busy_s += r.total_s
+        chat.pauses += r.pauses
+        history = (*prompt, *out) if chat.session else SYSTEM_PROMPT
+        if chat.session:
+            time.sleep(0.3)  # a person reads the answer before the next turn
 
 
 @dataclass
@@ -72,8 +142,10 @@ def ensure_models(config: FleetConfig, out: Print) -> None:
 def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[str, ClassStats]:
     config = load_config(config_path)
     ensure_models(config, out)
-    inputs = {s.model: random_inputs(s.model) for s in default_streams()}
-    streams = default_streams()
+    streams = [s for s in default_streams() if s.model in config.models]
+    inputs = {s.model: random_inputs(s.model) for s in streams}
+    decoder = next((n for n, m in config.models.items() if m.kind == "decoder"), None)
+    chats = default_chats() if decoder else []
     stats = {s.priority: ClassStats() for s in streams}
     ran_on: Counter[str] = Counter()
     with FleetClient.local(config, progress=out) as client:
@@ -81,9 +153,18 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
         start = time.monotonic()
         last_report = start
         out(f"running a mixed workload for {duration_s:.0f} s on {len(config.node_specs())} nodes")
+        threads = [
+            threading.Thread(target=_chat_loop, args=(client, decoder, c, start + duration_s))
+            for c in chats
+        ]
+        for t in threads:
+            t.start()
+        lifecycle = _LifecycleEvents(client, config.node_specs()[-1].name, start, duration_s, out)
         while True:
             now = time.monotonic()
             sending = now - start < duration_s
+            if decoder:
+                lifecycle.tick(now)
             for s in streams if sending else ():
                 while s.rate_hz and s.next_at <= now:
                     s.next_at = (s.next_at or now) + 1.0 / s.rate_hz
@@ -113,10 +194,54 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
             if now - last_report >= 2.0:
                 last_report = now
                 out(_progress_line(client, now - start, stats))
+        for t in threads:
+            t.join()
         fleet = client.status()
     out("")
     out(report(stats, fleet.totals, ran_on, config))
+    if chats:
+        out("")
+        out(generation_report(chats, fleet.totals))
     return stats
+
+
+class _LifecycleEvents:
+    """The device behind one node goes to the background at half time, and comes back
+    at three quarters: events, as a phone's app lifecycle would send them."""
+
+    def __init__(self, client: FleetClient, node: str, start: float, duration: float, out: Print):
+        self._client, self._node, self._out = client, node, out
+        self._events = [
+            (start + duration / 2, "background"),
+            (start + 3 * duration / 4, "foreground"),
+        ]
+
+    def tick(self, now: float) -> None:
+        while self._events and self._events[0][0] <= now:
+            _, state = self._events.pop(0)
+            self._client.set_lifecycle(self._node, state)
+            self._out(f"event: {self._node} is now in the {state}")
+
+
+def generation_report(chats: list[ChatStream], totals: dict[str, int]) -> str:
+    lines = [
+        "generation       turns  first token p50/p99 ms  total p50/p99 ms  tokens/s  "
+        "paused  finish",
+    ]
+    for c in chats:
+        finish = ", ".join(f"{k} {v}" for k, v in sorted(c.outcomes.items()))
+        rate = c.tokens / c.busy_s if c.busy_s else 0.0
+        ttft = f"{_pct(c.first_token, 50)}/{_pct(c.first_token, 99).strip():<8}"
+        total = f"{_pct(c.total, 50)}/{_pct(c.total, 99).strip():<8}"
+        lines.append(
+            f"{c.name:<15}{len(c.total):7d}  {ttft}     {total}{rate:8.0f}  {c.pauses:6d}  {finish}"
+        )
+    lines.append(
+        f"node totals: {totals.get('tokens', 0)} tokens, {totals.get('paused', 0)} pauses, "
+        f"{totals.get('resumed', 0)} resumes, {totals.get('finish_budget', 0)} cut by the token "
+        f"budget, {totals.get('kv_trimmed', 0)} KV caches trimmed"
+    )
+    return "\n".join(lines)
 
 
 def _send(
