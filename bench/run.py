@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import batching_window, fleet, node_overhead, priority_latency
+from bench import batching_window, fleet, generation, node_overhead, priority_latency
 from bench.common import (
     CpuUse,
     EnvFacts,
@@ -44,6 +44,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("batching_window", batching_window.run, batching_window.TITLE),
     Scenario("priority_latency", priority_latency.run, priority_latency.TITLE),
     Scenario("fleet", fleet.run, fleet.TITLE),
+    Scenario("generation", generation.run, generation.TITLE),
 )
 
 
