@@ -83,7 +83,7 @@ class GenerationResult:
     pauses: int = 0
     reused_tokens: int = 0  # prompt tokens whose KV came from a session or shared prefix
     fed_tokens: int = 0  # tokens run through the model, re-prefills included
-    token_times: tuple[float, ...] = ()  # seconds from arrival to each token
+    token_times: tuple[float, ...] = ()  # seconds from arrival until each token was made
     arrival: float = 0.0  # on the node's monotonic clock
 
     def unwrap(self) -> tuple[int, ...]:
@@ -317,7 +317,8 @@ class NodeRuntime:
         arrival = self._clock.now()
         times: list[float] = []
 
-        def emitted(token: int) -> None:  # on the engine thread
+        def emitted(token: int) -> None:  # on the engine thread, as each token is made
+            times.append(self._clock.now() - arrival)
             loop.call_soon_threadsafe(ready.set)
 
         try:
@@ -339,7 +340,6 @@ class NodeRuntime:
                 new = gen.tokens[gen.prompt_len + sent :]
                 if new:
                     sent += len(new)
-                    times.extend([self._clock.now() - arrival] * len(new))
                     yield TokenChunk(tuple(new))
                 if done:
                     break

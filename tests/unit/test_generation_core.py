@@ -1,0 +1,226 @@
+"""Generation without Ray: sampling, request checks, KV caches and the KV store, and the
+router over in-process nodes running the generated tiny LM (spill, session affinity,
+continuation on another node after a node loss)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.decoder import DecoderEngine, Generation, KVCache, check_generation, sample
+from actors.kvstore import KVStore, prefix_key, session_key
+from actors.node import GenerationResult, NodeRuntime, TokenChunk
+from cluster.router import NodeGone, Router
+from edgefleet.config import parse_config
+from edgefleet.errors import InvalidInput, ModelNotFound
+from edgefleet.modelgen import make_tiny_lm
+from edgefleet.request import GenerateRequest
+from tests.unit.test_router import LocalHandle
+
+
+def test_sampling_is_greedy_at_zero_and_seeded_otherwise():
+    logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    assert sample(logits, 0.0, 0, None) == 1
+    draws = [sample(logits, 1.0, 2, np.random.default_rng(s)) for s in range(200)]
+    assert set(draws) == {1, 2}  # top-k 2 never picks the others
+    again = [sample(logits, 1.0, 2, np.random.default_rng(s)) for s in range(200)]
+    assert draws == again
+    assert sample(logits, 5.0, 1, np.random.default_rng(0)) == 1  # top-1 is greedy
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"prompt_ids": ()}, "non-empty"),
+        ({"prompt_ids": (1, "a")}, "int token ids"),
+        ({"prompt_ids": (1, 64)}, "outside the vocabulary"),
+        ({"prompt_ids": tuple(range(10))}, "does not fit the context"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"prefix_len": 5}, "prefix_len"),
+        ({"temperature": -1.0}, "temperature"),
+    ],
+)
+def test_check_generation_names_the_problem(changes, message):
+    request = GenerateRequest("lm", **{"prompt_ids": (1, 2, 3), **changes})
+    with pytest.raises(InvalidInput, match=message):
+        check_generation(request, vocab=64, max_context=10, max_new_tokens=100)
+
+
+def test_end_reasons():
+    def gen(tokens, **kw):
+        g = Generation(
+            GenerateRequest("lm", (1, 2), **kw), limit=kw.get("max_new_tokens", 64), emit=print
+        )
+        g.tokens += tokens
+        return g
+
+    assert gen([]).end_reason() is None
+    assert gen([7], stop_ids=(7,)).end_reason() == "stop"
+    assert Generation(GenerateRequest("lm", (7,), stop_ids=(7,)), 5, print).end_reason() is None
+    assert gen([3, 4], max_new_tokens=2).end_reason() == "length"
+    g = gen([3, 4], max_new_tokens=8)
+    g.limit = 2
+    assert g.end_reason() == "budget"
+    g = gen([3], max_new_tokens=8)
+    g.max_context = 3
+    assert g.end_reason() == "length"
+
+
+def _cache(length: int) -> KVCache:
+    a = np.arange(2 * length * 3, dtype=np.float32).reshape(1, 2, length, 3)
+    return KVCache((a, a + 1), length)
+
+
+def test_kv_cache_prefix_copies_and_accounts():
+    cache = _cache(10)
+    short = cache.prefix(4)
+    assert short is not None and short.length == 4 and short.arrays[0].flags.c_contiguous
+    assert short.nbytes == cache.bytes_for(4) == cache.nbytes * 4 // 10
+    assert not np.shares_memory(short.arrays[0], cache.arrays[0])
+    assert cache.prefix(0) is None and cache.prefix(10) is cache
+
+
+def test_kv_store_prefers_the_longest_match_and_keeps_one_token_to_feed():
+    store = KVStore()
+    store.put(session_key("lm", "s"), "lm", [1, 2, 3, 4, 5, 6], _cache(5), now=1.0)
+    store.put(prefix_key("lm", [1, 2]), "lm", [1, 2], _cache(2), now=2.0)
+    cache, n = store.lookup("lm", [1, 2, 3, 9], session="s", prefix_len=2, now=3.0)
+    assert n == 3 and cache is not None and cache.length == 3
+    cache, n = store.lookup("lm", [1, 2, 3], session="s", prefix_len=0, now=3.0)
+    assert n == 2  # the whole prompt is cached, but its last token must be fed
+    assert store.lookup("lm", [1, 2, 3], session="other", prefix_len=0, now=3.0) == (None, 0)
+    assert store.lookup("lm", [1, 2, 8], session=None, prefix_len=2, now=4.0)[1] == 2
+    assert store.sessions() == ["s"]
+    assert [v.id for v in sorted(store.views(), key=lambda v: v.last_used)] == [
+        session_key("lm", "s"),
+        prefix_key("lm", [1, 2]),
+    ]
+
+
+# ------------------------------------------------------------- router over nodes
+
+
+class GenHandle(LocalHandle):
+    """An in-process node that can also stream generations, and die mid-stream."""
+
+    async def generate(self, request):
+        self.calls += 1
+        if self.dead:
+            raise NodeGone(self.node.spec.name)
+        stream = self.node.generate(request)
+        try:
+            async for item in stream:
+                if self.dead:
+                    raise NodeGone(self.node.spec.name)
+                yield item
+                await asyncio.sleep(0)
+        finally:
+            await stream.aclose()
+
+    async def set_lifecycle(self, state):
+        return self.node.set_lifecycle(state)
+
+
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory) -> Path:
+    return make_tiny_lm(tmp_path_factory.mktemp("lm") / "lm.onnx")
+
+
+async def lm_fleet(lm_path: Path, names=("a", "b")):
+    config = parse_config(
+        {
+            "fleet": {"name": "g"},
+            "models": {"lm": {"path": str(lm_path), "kind": "decoder"}},
+            "nodes": [{"name": n} for n in names],
+            "router": {"report_interval_s": 0.02, "lost_after_s": 0.5},
+        },
+        lm_path.parent,
+    )
+    handles = {}
+    for spec in config.node_specs():
+        node = NodeRuntime(spec)
+        await node.start()
+        handles[spec.name] = GenHandle(node)
+    router = Router(config, handles)
+    await router.start()
+    return router, handles
+
+
+async def collect(router, request, on_chunk=None):
+    tokens, result = [], None
+    async for item in router.generate(request):
+        if isinstance(item, TokenChunk):
+            tokens.extend(item.tokens)
+            if on_chunk:
+                on_chunk(tokens)
+        else:
+            result = item
+    return tokens, result
+
+
+def reference(lm_path: Path, prompt, n):
+    gen = Generation(GenerateRequest("lm", prompt, max_new_tokens=n), n, emit=lambda t: None)
+    DecoderEngine("lm", lm_path).advance(gen)
+    return gen.generated
+
+
+def test_router_streams_spills_and_continues_after_node_loss(lm_path):
+    async def main():
+        router, handles = await lm_fleet(lm_path)
+        prompt = tuple(range(5, 25))
+        expected = reference(lm_path, prompt, 300)
+
+        tokens, result = await collect(router, GenerateRequest("lm", prompt, max_new_tokens=300))
+        assert tokens == expected == list(result.tokens) and result.finish_reason == "length"
+
+        await handles["a"].node.drain()  # a refuses: the request spills to b
+        await handles["b"].node.drain()
+        tokens, result = await collect(router, GenerateRequest("lm", prompt, max_new_tokens=5))
+        assert result.error is not None and "refused" in str(result.error)
+        for h in handles.values():
+            h.node._sched.draining = False
+
+        victim: list[str] = []
+
+        def kill_after_some(sent):
+            if len(sent) >= 20 and not victim:
+                node = next(h for h in handles.values() if h.node._gens)
+                node.dead = True
+                victim.append(node.node.spec.name)
+
+        tokens, result = await collect(
+            router, GenerateRequest("lm", prompt, max_new_tokens=300), kill_after_some
+        )
+        assert victim and result.node != victim[0]
+        assert tokens == expected == list(result.tokens)  # each token once, none lost
+        assert router.status_now().counters["replaced"] >= 1
+
+        _, missing = await collect(router, GenerateRequest("nope", prompt))
+        assert isinstance(missing.error, ModelNotFound)
+
+    asyncio.run(main())
+
+
+def test_router_sends_a_session_back_to_the_node_holding_its_kv(lm_path):
+    async def main():
+        router, handles = await lm_fleet(lm_path, names=("a", "b", "c"))
+        prompt = tuple(range(5, 25))
+        out, first = await collect(router, GenerateRequest("lm", prompt, 8, session="chat"))
+        await asyncio.sleep(0.1)  # a status report names the session
+        for turn in range(3):
+            prompt = (*prompt, *out, 1, 2, 3)
+            out, result = await collect(router, GenerateRequest("lm", prompt, 8, session="chat"))
+            assert result.node == first.node, turn
+            assert result.reused_tokens > 0
+
+    asyncio.run(main())
+
+
+def test_generation_result_unwrap():
+    ok = GenerationResult("r", "n", (1, 2), finish_reason="length")
+    assert ok.unwrap() == (1, 2)
+    with pytest.raises(InvalidInput):
+        GenerationResult("r", "n", error=InvalidInput("bad")).unwrap()
