@@ -62,17 +62,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _load_with_models(path: str) -> FleetConfig:
+    """Load a fleet file; write the built-in models it names that are missing."""
     from edgefleet.config import load_config
+    from edgefleet.modelgen import make_missing_models
 
     config = load_config(path)
+    make_missing_models(config, _say)
     config.require_models()
     return config
 
 
-def _connect(address: str | None, fleet: str) -> None:
+def _connect(address: str | None, fleet: str, *, token_auth: bool = False) -> None:
     from cluster.deploy import connect_ray
 
-    connect_ray(address, fleet)
+    connect_ray(address, fleet, token_auth=token_auth)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -85,14 +88,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = _load_with_models(args.config)
     fleet = config.fleet.name
     specs = config.node_specs()
-    if args.address:
-        _say(f"connecting to the Ray cluster at {args.address}")
-        _connect(args.address, fleet)
+    # Inside a Ray job (`ray job submit ... -- edgefleet up ...`) Ray sets RAY_ADDRESS.
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    token_auth = config.ray.auth == "token"
+    if address:
+        _say(f"connecting to the Ray cluster at {address}")
+        _connect(address, fleet, token_auth=token_auth)
     elif args.detach:
         from cluster.head import start_head
 
-        address = start_head(fleet, config.local.num_cpus or max(2, len(specs)))
-        _say(f"started a Ray head on {address} (loopback only)")
+        address = start_head(
+            fleet,
+            config.local.num_cpus or max(2, len(specs)),
+            dashboard_port=config.ray.dashboard_port,
+            token_auth=token_auth,
+        )
+        port = config.ray.dashboard_port
+        jobs = f"; dashboard and job API on http://127.0.0.1:{port}" if port else ""
+        _say(f"started a Ray head on {address} (loopback only{jobs})")
         _connect(address, fleet)
     else:
         _say("starting an embedded Ray cluster on 127.0.0.1")

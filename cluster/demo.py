@@ -24,7 +24,7 @@ from actors.node import Reply
 from cluster.client import FleetClient
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import EdgeFleetError, Rejected
-from edgefleet.modelgen import BUILTIN_MODELS, random_inputs
+from edgefleet.modelgen import make_missing_models, random_inputs
 
 Print = Callable[[str], None]
 
@@ -127,21 +127,9 @@ def default_streams() -> list[Stream]:
     ]
 
 
-def ensure_models(config: FleetConfig, out: Print) -> None:
-    """Generate the built-in models a config names when their files are missing."""
-    for name, model in config.models.items():
-        if model.path.is_file():
-            continue
-        spec = BUILTIN_MODELS.get(model.path.stem)
-        if spec is None:
-            continue  # a user's own model: FleetClient.local reports it missing
-        out(f"generating model {name} -> {model.path}")
-        spec(model.path)
-
-
 def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[str, ClassStats]:
     config = load_config(config_path)
-    ensure_models(config, out)
+    make_missing_models(config, out)
     streams = [s for s in default_streams() if s.model in config.models]
     inputs = {s.model: random_inputs(s.model) for s in streams}
     decoder = next((n for n, m in config.models.items() if m.kind == "decoder"), None)

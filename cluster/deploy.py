@@ -11,7 +11,7 @@ from ray._private import ray_constants
 from ray.actor import ActorHandle
 
 from actors.node import NodeRuntime
-from cluster.head import LOOPBACK, recorded_address
+from cluster.head import LOOPBACK, recorded_address, recorded_token_auth
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import ModelNotFound
 
@@ -45,20 +45,24 @@ def pin_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def connect_ray(address: str | None, fleet: str) -> None:
+def connect_ray(address: str | None, fleet: str, *, token_auth: bool = False) -> None:
     """Connect this process to the Ray cluster a fleet runs on.
 
     ``address`` None or ``auto``: the head ``edgefleet up --detach`` started for
     ``fleet`` when there is one (loopback, token authentication), else Ray's own
-    discovery (``RAY_ADDRESS``, then the cluster on this machine).
+    discovery (``RAY_ADDRESS``, then the cluster on this machine). ``token_auth``
+    (the config's ``ray.auth: token``) speaks token authentication to any cluster.
     """
     recorded = recorded_address(fleet)
     if address in (None, "auto") and recorded is not None:
         address = recorded
     if address == recorded:
-        pin_loopback()
+        token_auth = token_auth or recorded_token_auth(fleet)
+    if address is not None and address.split("://")[-1].startswith((LOOPBACK, "localhost")):
+        pin_loopback()  # else Ray swaps 127.0.0.1 for this machine's address
+    if token_auth:
         # Ray's own switch to token authentication, as ray.init uses for new clusters;
-        # the token is in ~/.ray/auth_token, written when the head started.
+        # the token is in ~/.ray/auth_token (or RAY_AUTH_TOKEN).
         from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
         _enable_token_auth()

@@ -29,12 +29,23 @@ def _state_file(fleet: str) -> Path:
     return head_dir(fleet) / "edgefleet.json"
 
 
+def _recorded(fleet: str) -> dict[str, object]:
+    try:
+        state = json.loads(_state_file(fleet).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
 def recorded_address(fleet: str) -> str | None:
     """The address of the head ``up --detach`` started for ``fleet``, if any."""
-    try:
-        return str(json.loads(_state_file(fleet).read_text())["address"])
-    except (OSError, ValueError, KeyError):
-        return None
+    address = _recorded(fleet).get("address")
+    return str(address) if address else None
+
+
+def recorded_token_auth(fleet: str) -> bool:
+    """Whether that head runs with token authentication (it does unless told not to)."""
+    return bool(_recorded(fleet).get("token_auth", True))
 
 
 def _free_port() -> int:
@@ -43,8 +54,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_head(fleet: str, num_cpus: int) -> str:
-    """Start a Ray head bound to 127.0.0.1 for ``fleet``; returns its address."""
+def start_head(
+    fleet: str, num_cpus: int, *, dashboard_port: int | None = None, token_auth: bool = True
+) -> str:
+    """Start a Ray head bound to 127.0.0.1 for ``fleet``; returns its address. With
+    ``dashboard_port`` it also serves Ray's dashboard and job API there (loopback)."""
     directory = head_dir(fleet)
     directory.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -55,20 +69,36 @@ def start_head(fleet: str, num_cpus: int) -> str:
         "--head",
         f"--port={port}",
         f"--node-ip-address={LOOPBACK}",
-        "--include-dashboard=false",
+        *(
+            ["--include-dashboard=false"]
+            if dashboard_port is None
+            else [
+                "--include-dashboard=true",
+                f"--dashboard-host={LOOPBACK}",
+                f"--dashboard-port={dashboard_port}",
+            ]
+        ),
         f"--ray-client-server-port={_free_port()}",
         f"--num-cpus={num_cpus}",
         f"--temp-dir={directory}",
         "--disable-usage-stats",
     ]
-    # Loopback only, and token authentication on (the token lives in ~/.ray/auth_token;
-    # clients on this machine find it there once RAY_AUTH_MODE=token).
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token")
+    # Loopback only, and token authentication on unless the config turns it off (the
+    # token lives in ~/.ray/auth_token; clients here find it once RAY_AUTH_MODE=token).
+    # Jobs submitted to it run `edgefleet` (and `python`) from this environment.
+    path = os.pathsep.join([str(ray_cli.parent), os.environ.get("PATH", "")])
+    env = dict(
+        os.environ,
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_AUTH_MODE="token" if token_auth else "disabled",
+        PATH=path,
+    )
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
         raise RuntimeError(f"could not start a Ray head: {result.stderr.strip()[-2000:]}")
     address = f"{LOOPBACK}:{port}"
-    _state_file(fleet).write_text(json.dumps({"fleet": fleet, "address": address}))
+    state = {"fleet": fleet, "address": address, "token_auth": token_auth}
+    _state_file(fleet).write_text(json.dumps(state))
     return address
 
 

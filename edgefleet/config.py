@@ -182,6 +182,23 @@ class RouterConfig(_Strict):
     )
 
 
+class RayClusterConfig(_Strict):
+    """The Ray cluster a fleet runs on, when edgefleet starts or joins it."""
+
+    auth: Literal["token", "none"] = Field(
+        "token",
+        description="'token': Ray token authentication (RAY_AUTH_MODE=token) for the head "
+        "`up --detach` starts and for connecting to a cluster",
+    )
+    dashboard_port: int | None = Field(
+        None,
+        ge=1024,
+        le=65535,
+        description="serve Ray's dashboard and job API on 127.0.0.1:PORT from the head "
+        "`up --detach` starts (for `ray job submit`); default: no dashboard",
+    )
+
+
 class NodeSpec(_Strict):
     """Everything one node actor needs, resolved from the fleet file."""
 
@@ -210,6 +227,7 @@ class FleetConfig(_Strict):
     node_defaults: NodeDefaults = NodeDefaults()
     nodes: list[NodeConfig] = Field(default_factory=list)
     router: RouterConfig = RouterConfig()
+    ray: RayClusterConfig = RayClusterConfig()
 
     @field_validator("priorities")
     @classmethod

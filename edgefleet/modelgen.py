@@ -733,6 +733,19 @@ def make_all(
     return written
 
 
+def make_missing_models(config: Any, progress: Callable[[str], None] | None = None) -> None:
+    """Write the built-in models a fleet config names (by file stem: ``tiny_lm.onnx``
+    is ``tiny_lm``) whose files are missing. A user's own models are left alone; the
+    config reports them missing when the fleet starts."""
+    for name, model in config.models.items():
+        spec = BUILTIN_MODELS.get(model.path.stem)
+        if model.path.is_file() or spec is None:
+            continue
+        if progress is not None:
+            progress(f"generating model {name} -> {model.path}")
+        spec(model.path)
+
+
 def random_inputs(
     model_name: str,
     batch: int = 1,
@@ -770,6 +783,7 @@ __all__ = [
     "make_classifier",
     "make_detector",
     "make_heavy",
+    "make_missing_models",
     "make_slow",
     "make_stateful",
     "make_tiny_lm",
