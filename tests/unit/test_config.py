@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args, get_origin
 
 import pytest
+import yaml
+from pydantic import BaseModel
 
-from edgefleet.config import load_config
+from edgefleet.config import FleetConfig, load_config, parse_config
 from edgefleet.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +27,55 @@ def test_shipped_local_config_is_valid():
     assert [s.name for s in specs] == ["edge-0", "edge-1"]
     assert specs[0].models["detector"].batching.max_batch_size == 4
     assert config.models["heavy"].path == REPO / "configs" / "models" / "heavy.onnx"
+
+
+def test_shipped_fleet_and_production_configs_are_valid():
+    fleet = load_config(REPO / "configs" / "fleet.yaml")
+    specs = {s.name: s for s in fleet.node_specs()}
+    assert sorted(specs) == ["assistant", "camera-0", "camera-1"]
+    assert specs["camera-1"].queue.capacity == 16 and specs["camera-0"].queue.capacity == 32
+    assert fleet.models["tiny_lm"].kind == "decoder" and specs["assistant"].kv_budget_mb == 128
+    prod = load_config(REPO / "configs" / "production.yaml")
+    assert prod.ray.auth == "token" and prod.ray.dashboard_port == 8265
+    assert all(s.resources == {s.name: 1} and s.num_cpus == 1 for s in prod.node_specs())
+    assert prod.router.resources == {"head": 0.01}
+    assert prod.node_defaults.token_budget["background"]["offline"] == 0.1
+
+
+def _keys_cover(model: type[BaseModel], data: object, path: str) -> list[str]:
+    """Fields of ``model`` (recursively) that the YAML ``data`` does not mention."""
+    missing: list[str] = []
+    if not isinstance(data, dict):
+        return missing
+    for name, field in model.model_fields.items():
+        where = f"{path}.{name}" if path else name
+        if name not in data:
+            missing.append(where)
+            continue
+        value, kind = data[name], field.annotation
+        args = [a for a in get_args(kind) if isinstance(a, type)]
+        nested = [a for a in (kind, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not nested:
+            continue
+        items = value if isinstance(value, list) else [value]
+        if isinstance(value, dict) and get_origin(kind) is dict:
+            items = list(value.values())
+        merged: dict[str, object] = {}
+        for item in items:
+            if isinstance(item, dict):
+                merged.update(item)
+        missing += _keys_cover(nested[0], merged, where)
+    return missing
+
+
+def test_readme_configuration_reference_matches_the_schema(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Configuration", 1)[1]
+    block = section.split("```yaml", 1)[1].split("```", 1)[0]
+    data = yaml.safe_load(block)
+    config = parse_config(data, tmp_path)  # the reference is itself a valid file
+    assert config.fleet.name
+    assert _keys_cover(FleetConfig, data, "") == []
 
 
 def test_defaults_and_explicit_nodes(tmp_path):
@@ -49,6 +101,9 @@ nodes:
     assert config.priorities["foreground"] == 10
 
 
+BUDGET = "models: {a: {path: a.onnx}}\nnode_defaults: {token_budget: "
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
@@ -69,6 +124,23 @@ nodes:
         ("models: {a: {path: a.onnx}}\nnode_defaults: {order: lifo}\n", "node_defaults.order"),
         ("- just\n- a list\n", "top level must be a mapping"),
         ("models: {a: {path: a.onnx}\n", "not valid YAML"),
+        (
+            BUDGET + "{background: {bulk: 0.5}}}\n",
+            "node_defaults.token_budget.background.bulk: unknown priority class 'bulk'",
+        ),
+        (
+            BUDGET + "{background: {offline: 2}}}\n",
+            "node_defaults.token_budget.background.offline is 2.0; allowed: a fraction in [0, 1]",
+        ),
+        (
+            BUDGET + "{asleep: {offline: 0}}}\n",
+            "node_defaults.token_budget.asleep.[key] (line 2): Input should be 'foreground' or",
+        ),
+        ("models: {a: {path: a.onnx}}\nray: {auth: password}\n", "ray.auth (line 2)"),
+        (
+            "models:\n  lm: {path: a.onnx, kind: decoder, generation: {max_context: 1}}\n",
+            "models.lm.generation.max_context (line 2)",
+        ),
     ],
 )
 def test_bad_configs_name_the_problem(tmp_path, text, expected):
