@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--config", default=str(DEFAULT_CONFIG), help="default: %(default)s")
     demo.add_argument(
-        "--duration", type=float, default=20.0, help="seconds of traffic (default: %(default)s)"
+        "--duration", type=float, default=60.0, help="seconds of traffic (default: %(default)s)"
     )
     demo.set_defaults(func=cmd_demo)
 
