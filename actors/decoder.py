@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from actors.engine import InputInfo, Signature, _spec
-from edgefleet.errors import EngineError, InvalidInput, ModelNotFound
+from actors.engine import InputInfo, Signature, _spec, open_session
+from edgefleet.errors import EngineError, InvalidInput
 from edgefleet.request import GenerateRequest
 
 PAST = "past_key_values."
@@ -184,18 +184,7 @@ class DecoderEngine:
         max_context: int | None = None,
         stop_ids: Sequence[int] = (),
     ) -> None:
-        if not path.is_file():
-            raise ModelNotFound(f"model {name!r}: file {path} does not exist")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        try:
-            self._session = ort.InferenceSession(
-                str(path), sess_options=opts, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:
-            raise EngineError(f"model {name!r}: cannot load {path}: {exc}") from None
+        self._session = open_session(name, path, threads)
         self.name = name
         self.path = path
         self.stop_ids = tuple(stop_ids)

@@ -163,6 +163,22 @@ def check_inputs(
     return InputInfo(nbytes, n, group)
 
 
+def open_session(name: str, path: Path, threads: int) -> ort.InferenceSession:
+    """An ONNX Runtime session as a node runs it: CPU, sequential, one inter-op thread."""
+    if not path.is_file():
+        raise ModelNotFound(f"model {name!r}: file {path} does not exist")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    try:
+        return ort.InferenceSession(
+            str(path), sess_options=opts, providers=["CPUExecutionProvider"]
+        )
+    except Exception as exc:  # ORT raises its own exception types for bad files
+        raise EngineError(f"model {name!r}: cannot load {path}: {exc}") from None
+
+
 class OnnxEngine:
     """An ONNX Runtime session with batching, padding, validation and abort."""
 
@@ -174,18 +190,7 @@ class OnnxEngine:
         threads: int = 1,
         pad_to: Sequence[int] = (),
     ) -> None:
-        if not path.is_file():
-            raise ModelNotFound(f"model {name!r}: file {path} does not exist")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        try:
-            self._session = ort.InferenceSession(
-                str(path), sess_options=opts, providers=["CPUExecutionProvider"]
-            )
-        except Exception as exc:  # ORT raises its own exception types for bad files
-            raise EngineError(f"model {name!r}: cannot load {path}: {exc}") from None
+        self._session = open_session(name, path, threads)
         self.name = name
         self.path = path
         self._pad_to = tuple(sorted(pad_to))

@@ -213,12 +213,9 @@ class Router:
         evicted: Reply | None = None
         attempts = 0
         while attempts < self.config.router.max_attempts:
-            views = [e.view() for n, e in self._nodes.items() if n not in tried]
-            ranked = self._placement.rank(views, preq, self._rng)
-            if not ranked:
+            entry = self._next_node(preq, tried)
+            if entry is None:
                 break
-            entry = self._nodes[ranked[0].name]
-            tried.add(entry.spec.name)
             entry.work[request.id] = request.priority
             try:
                 reply = await entry.handle.infer(request, inputs)
@@ -264,12 +261,9 @@ class Router:
         current = request
         attempts = 0
         while attempts < self.config.router.max_attempts:
-            views = [e.view() for n, e in self._nodes.items() if n not in tried]
-            ranked = self._placement.rank(views, preq, self._rng)
-            if not ranked:
+            entry = self._next_node(preq, tried)
+            if entry is None:
                 break
-            entry = self._nodes[ranked[0].name]
-            tried.add(entry.spec.name)
             entry.work[request.id] = request.priority
             result: GenerationResult | None = None
             try:
@@ -320,6 +314,15 @@ class Router:
             raise NodeLost(f"node {node} is gone; its lifecycle state was not set") from None
         entry.report = report
         return report
+
+    def _next_node(self, request: PlacementRequest, tried: set[str]) -> NodeEntry | None:
+        """The best node not tried yet for ``request`` (and mark it tried)."""
+        views = [e.view() for n, e in self._nodes.items() if n not in tried]
+        ranked = self._placement.rank(views, request, self._rng)
+        if not ranked:
+            return None
+        tried.add(ranked[0].name)
+        return self._nodes[ranked[0].name]
 
     def _unknown_model(self, request: InferRequest | GenerateRequest) -> ModelNotFound | None:
         if any(request.model in e.spec.models for e in self._nodes.values()):

@@ -180,8 +180,10 @@ def test_router_streams_spills_and_continues_after_node_loss(lm_path):
         await handles["b"].node.drain()
         tokens, result = await collect(router, GenerateRequest("lm", prompt, max_new_tokens=5))
         assert result.error is not None and "refused" in str(result.error)
-        for h in handles.values():
+        for h in handles.values():  # back in service
             h.node._sched.draining = False
+            h.node._state = "serving"
+        await asyncio.sleep(0.1)  # the router hears of it
 
         victim: list[str] = []
 
