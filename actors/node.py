@@ -572,7 +572,7 @@ class NodeRuntime:
             self._engine = engine
             if req.preemptions:
                 self._counters["resumed"] += 1
-            elif gen.fed == 0:
+            if gen.fed == 0 and gen.cache is None:  # first step: reuse cached KV if any
                 r = gen.request
                 cache, n = self._kv.lookup(
                     r.model, r.prompt_ids, session=r.session, prefix_len=r.prefix_len, now=t0
