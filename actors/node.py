@@ -37,6 +37,7 @@ from policies.kv import CacheView, KVAction, plan_kv_release
 S = RequestState
 RECENT_REPLIES = 1024  # answers kept to serve retries of the same request id...
 RECENT_BYTES = 32 * 1024 * 1024  # ...within this many bytes of outputs
+STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together
 MAX_REPORTED_SESSIONS = 256  # sessions named in a status report (most recent first)
 
 
@@ -343,6 +344,8 @@ class NodeRuntime:
                     yield TokenChunk(tuple(new))
                 if done:
                     break
+                if sent:  # after the first token, send what came meanwhile in one chunk
+                    await asyncio.sleep(STREAM_INTERVAL_S)
             reply = fut.result()
         finally:
             if not fut.done():  # the consumer went away: stop generating for nobody
