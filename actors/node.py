@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from actors.engine import Engine, RunAborted, check_inputs
+from actors.metrics import MetricsSummary, NodeMetrics
 from actors.models import Loader, ModelManager, load_onnx
 from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
 from edgefleet.clock import Clock, MonotonicClock
@@ -85,6 +86,7 @@ class NodeStatus:
     rss_mb: float = 0.0
     peak_rss_mb: float = 0.0
     pid: int = 0  # the node's process
+    metrics: MetricsSummary = field(default_factory=MetricsSummary)  # latency by priority
 
     @property
     def queue_length(self) -> int:
@@ -95,9 +97,15 @@ class NodeRuntime:
     """An edge node. Create it, ``await start()``, then ``infer`` from many callers."""
 
     def __init__(
-        self, spec: NodeSpec, *, clock: Clock | None = None, loader: Loader | None = None
+        self,
+        spec: NodeSpec,
+        *,
+        clock: Clock | None = None,
+        loader: Loader | None = None,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.spec = spec
+        self._metrics = metrics or NodeMetrics(spec.fleet, spec.name, spec.priorities)
         self._clock = clock or MonotonicClock()
         self._models = ModelManager(spec.models, spec.memory_budget_mb, loader or load_onnx)
         self._sched = LocalScheduler(
@@ -224,6 +232,7 @@ class NodeRuntime:
         self._settle(admission.settled)
         if admission.accepted:
             self._counters["admitted"] += 1
+            self._metrics.admitted(req.priority, req.model)
             assert self._wake is not None and self._idle is not None
             self._idle.clear()
             if admission.preempt:
@@ -327,12 +336,14 @@ class NodeRuntime:
         if engine is not None:
             return engine
         self._switching = model
+        t0 = self._clock.now()
         try:
             loop = asyncio.get_running_loop()
             engine = await loop.run_in_executor(self._executor, self._models.ensure, model)
         finally:
             self._switching = None
         self._counters["model_loads"] += 1
+        self._metrics.model_loaded(model, self._clock.now() - t0)
         return engine
 
     async def _execute(self, plan: Plan) -> None:
@@ -350,6 +361,7 @@ class NodeRuntime:
             if requeued:  # aborted for a more urgent arrival, not (only) for a cancel
                 self._counters["preemptions"] += 1
                 self._counters["preempted"] += requeued
+                self._metrics.preempted(plan)
             outcomes = self._sched.finish(plan, aborted=True)
         except EdgeFleetError as exc:
             outcomes = self._sched.finish(plan, error=exc)
@@ -363,6 +375,7 @@ class NodeRuntime:
         service = self._clock.now() - t0
         self._counters["engine_calls"] += 1
         self._counters["batched_requests"] += len(plan.requests)
+        self._metrics.engine_call(plan, service)
         by_id = {}
         if results is not None:
             by_id = {r.id: out for r, out in zip(plan.requests, results, strict=True)}
@@ -380,6 +393,7 @@ class NodeRuntime:
     ) -> None:
         for o in outcomes:
             self._counters[o.state.value] += 1
+            self._metrics.settled(o, self._clock.now(), service_s)
             timer = self._timers.pop(o.request.id, None)
             if timer is not None:
                 timer.cancel()
@@ -430,7 +444,7 @@ class NodeRuntime:
             )
             for i in self._models.models()
         )
-        return NodeStatus(
+        status = NodeStatus(
             name=self.spec.name,
             state=self._state,
             queued=self._sched.queued_by_priority(),
@@ -449,7 +463,10 @@ class NodeRuntime:
             rss_mb=_rss_mb(),
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             pid=os.getpid(),
+            metrics=self._metrics.summary(),
         )
+        self._metrics.observe(status)
+        return status
 
 
 def _forward(
