@@ -450,6 +450,8 @@ class NodeMetrics(Recorder):
         super().__init__({"fleet": fleet, "node": node}, priorities, sink)
         self._latency = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in self.classes}
         self._paused = dict.fromkeys(self.classes, 0)
+        self._lifecycle: str | None = None
+        self._kv: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------- requests
 
@@ -521,11 +523,13 @@ class NodeMetrics(Recorder):
 
     def lifecycle(self, state: str) -> None:
         """The node's lifecycle state changed: ``foreground`` or ``background``."""
+        self._lifecycle = state
         for s in {*LIFECYCLE_STATES, state}:
             self.emit(NODE_LIFECYCLE, 1 if s == state else 0, lifecycle=s)
 
     def kv_bytes(self, paused_bytes: int, session_bytes: int) -> None:
         """KV cache bytes now held by paused generations and by chat sessions."""
+        self._kv = (paused_bytes, session_bytes)
         self.emit(KV_BYTES, paused_bytes, kind="paused")
         self.emit(KV_BYTES, session_bytes, kind="session")
 
@@ -533,7 +537,9 @@ class NodeMetrics(Recorder):
 
     def observe(self, status: NodeStatus) -> None:
         """Set the gauges from a status snapshot (the router asks for one every
-        ``router.report_interval_s``)."""
+        ``router.report_interval_s``), and set again those the generation hooks set:
+        Ray's metrics agent drops a gauge that is not set again for two report
+        intervals (20 s by default)."""
         queued = dict.fromkeys(self.classes, 0)
         for p, n in status.queued.items():
             label = self.label(p)
@@ -548,6 +554,10 @@ class NodeMetrics(Recorder):
             self.emit(RUNNING, n, priority=label)
         for label, n in self._paused.items():
             self.emit(PAUSED, n, priority=label)
+        if self._lifecycle is not None:
+            self.lifecycle(self._lifecycle)
+        if self._kv is not None:
+            self.kv_bytes(*self._kv)
         for s in {*NODE_STATES, status.state}:
             self.emit(NODE_STATE, 1 if s == status.state else 0, state=s)
         for m in status.models:
