@@ -240,8 +240,11 @@ def node_panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Batch size",
-            [Query(f"{batched} / {calls}", "{{model}}")],
-            description="Mean requests per engine call.",
+            [
+                Query(f"{batched} / {calls}", "mean {{model}}"),
+                Query(quantile(0.9, m.BATCH_SIZE, "model", where), "p90 {{model}}"),
+            ],
+            description="Requests per engine call: the mean, and the p90 of the sizes.",
         ),
         timeseries(
             "Engine utilisation",
@@ -490,7 +493,9 @@ def push(url: str, token: str | None, *, timeout_s: float = PUSH_TIMEOUT_S) -> P
         raise DashboardError(
             "GRAFANA_TOKEN is not set: export a Grafana service-account token (Editor role)"
         )
-    api = GrafanaApi.from_url(url, credential=token, timeout=timeout_s)
+    # grafana-client appends "api" to the URL's path as it is: a Grafana under a path
+    # (http://host/grafana) needs the trailing slash.
+    api = GrafanaApi.from_url(url.rstrip("/") + "/", credential=token, timeout=timeout_s)
     with _grafana_errors(url):
         existing = api.search.search_dashboards(dashboard_uids=[UID], type_="dash-db")
         folder_created = False
@@ -560,7 +565,18 @@ def _describe(url: str, exc: Exception) -> str:
         return f"Grafana at {url} answered {status}: {_one_line(getattr(exc, 'message', exc))}"
     if isinstance(exc, ValueError):  # JSONDecodeError included: not Grafana's API
         return f"{url} did not answer like Grafana's HTTP API (is it the Grafana URL?)"
-    return f"cannot reach Grafana at {url}: {_one_line(exc)}"
+    return f"cannot reach Grafana at {url}: {_network_reason(exc)}"
+
+
+def _network_reason(exc: Exception) -> str:
+    """The heart of an HTTP stack's connection error ("Connection refused", ...)."""
+    text = str(exc)
+    if "Failed to resolve" in text or "Name or service not known" in text:
+        return "unknown host name"
+    if "timed out" in text.lower():
+        return "timed out"
+    errno = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text)
+    return errno.group(1).strip() if errno else _one_line(text)
 
 
 def _one_line(value: object) -> str:

@@ -124,9 +124,10 @@ def _mixed_load(fleet: FleetClient) -> dict[str, int]:
         refs = [fleet.submit("classifier", classifier, priority="foreground") for _ in range(3)]
         refs += [fleet.submit("heavy", heavy, priority="background") for _ in range(24)]
         refs += [fleet.submit("heavy", heavy, priority="offline") for _ in range(8)]
+        # Frames of one camera: a newer one supersedes its queued predecessor.
         refs += [
-            fleet.submit("heavy", heavy, priority="background", key=f"cam-{burst}")
-            for _ in range(4)
+            fleet.submit("heavy", heavy, priority="foreground", key=f"cam-{burst}")
+            for _ in range(6)
         ]
         refs += [fleet.submit("heavy", heavy, priority="inline") for _ in range(16)]
         refs += [fleet.submit("heavy", heavy, priority="foreground") for _ in range(8)]
@@ -142,7 +143,7 @@ def _mixed_load(fleet: FleetClient) -> dict[str, int]:
         missing = [k for k in WANTED_NODE if not seen.get(k)]
         missing += [k for k in WANTED_ROUTER if not seen.get(f"router_{k}")]
         if not missing:
-            return seen
+            return {"bursts": burst, **seen}
         assert time.monotonic() < deadline, f"after {burst} bursts no {missing} yet: {seen}"
 
 
