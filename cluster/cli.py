@@ -221,7 +221,7 @@ def overview_lines(o: Overview) -> list[str]:
     latency = "  ".join(f"{c} {ms(o.p50[c])}/{ms(o.p99[c])}" for c in classes) or "-"
     if o.seconds <= 0:
         return [
-            "overview (rates from the next refresh; latency since the nodes started)",
+            "overview since the nodes started (rates need a second snapshot: --watch)",
             f"  latency p50/p99 ms   {latency}",
             f"  rejected {o.rejected} in all   evicted {o.evicted} in all",
         ]

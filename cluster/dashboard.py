@@ -113,7 +113,10 @@ def timeseries(
     unit: str = "short",
     description: str = "",
     stack: bool = False,
+    no_data: str = "nothing recorded in this window",
 ) -> dict[str, Any]:
+    """A time-series panel; ``no_data`` is what Grafana shows while no query has data
+    (counters appear with their first event)."""
     return {
         "type": "timeseries",
         "title": title,
@@ -122,6 +125,7 @@ def timeseries(
         "fieldConfig": {
             "defaults": {
                 "unit": unit,
+                "noValue": no_data,
                 "custom": {
                     "drawStyle": "line",
                     "fillOpacity": 20 if stack else 5,
@@ -281,6 +285,7 @@ def node_panels() -> list[dict[str, Any]]:
 
 def generation_panels() -> list[dict[str, Any]]:
     where = NODE_FILTER
+    idle = "no generation recorded in this window"
     return [
         timeseries(
             "Tokens per second",
@@ -288,7 +293,7 @@ def generation_panels() -> list[dict[str, Any]]:
                 Query(per_second(m.TOKENS, "priority", where), "{{priority}}"),
                 Query(per_second(m.TOKENS, "model", where), "{{model}}"),
             ],
-            stack=False,
+            no_data=idle,
         ),
         timeseries(
             "Paused generations",
@@ -298,6 +303,7 @@ def generation_panels() -> list[dict[str, Any]]:
                     "{{priority}}",
                 )
             ],
+            no_data=idle,
         ),
         timeseries(
             "Pauses and resumes",
@@ -306,17 +312,20 @@ def generation_panels() -> list[dict[str, Any]]:
                 Query(per_second(m.RESUMES, "priority", where), "resumed {{priority}}"),
             ],
             unit="ops",
+            no_data=idle,
         ),
         timeseries(
             "Token budget cuts",
             [Query(per_second(m.BUDGET_CUTS, "priority", where), "{{priority}}")],
             unit="ops",
             description="Generations ended by their token budget (lifecycle-driven).",
+            no_data=idle,
         ),
         timeseries(
             "KV cache",
             [Query(f"sum by (kind) ({current(m.KV_BYTES, 'node, kind', where)})", "{{kind}}")],
             unit="bytes",
+            no_data=idle,
         ),
         timeseries(
             "Lifecycle state",
@@ -326,6 +335,7 @@ def generation_panels() -> list[dict[str, Any]]:
                     "{{node}}: {{lifecycle}}",
                 )
             ],
+            no_data=idle,
         ),
     ]
 
