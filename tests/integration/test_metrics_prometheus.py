@@ -24,6 +24,7 @@ import pytest
 import ray
 
 from actors.metrics import REQUESTS, ROUTER_REQUESTS
+from cluster.cli import main
 from cluster.client import FleetClient
 from cluster.dashboard import check, prometheus_query, series
 from cluster.deploy import init_loopback_ray
@@ -268,6 +269,8 @@ def test_every_dashboard_panel_returns_data_from_prometheus(models_dir, tmp_path
                     break
                 time.sleep(0.5)
             assert got == expected
+            # The command an operator runs says the same.
+            assert main(["dashboard", "check", "--prometheus", prometheus, "--fleet", FLEET]) == 0
         print(
             f"\nprometheus test: bursts done at {loaded_at - started:.1f} s, every panel had "
             f"data at {checked_at - started:.1f} s, total {time.monotonic() - started:.1f} s; "
