@@ -24,6 +24,7 @@ import numpy as np
 from actors.decoder import DecoderEngine, Generation, check_generation, common_prefix
 from actors.engine import Engine, RunAborted, check_inputs
 from actors.kvstore import KVStore, prefix_key, session_key
+from actors.metrics import MetricsSummary, NodeMetrics
 from actors.models import Loader, ModelManager, load_onnx
 from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
 from edgefleet.clock import Clock, MonotonicClock
@@ -130,6 +131,7 @@ class NodeStatus:
     lifecycle: str = "foreground"
     kv_bytes: dict[str, int] = field(default_factory=dict)  # paused / cached -> bytes
     sessions: tuple[str, ...] = ()  # chat sessions whose KV the node holds
+    metrics: MetricsSummary = field(default_factory=MetricsSummary)  # latency by priority
 
     @property
     def queue_length(self) -> int:
@@ -140,9 +142,15 @@ class NodeRuntime:
     """An edge node. Create it, ``await start()``, then ``infer`` from many callers."""
 
     def __init__(
-        self, spec: NodeSpec, *, clock: Clock | None = None, loader: Loader | None = None
+        self,
+        spec: NodeSpec,
+        *,
+        clock: Clock | None = None,
+        loader: Loader | None = None,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.spec = spec
+        self._metrics = metrics or NodeMetrics(spec.fleet, spec.name, spec.priorities)
         self._clock = clock or MonotonicClock()
         self._models = ModelManager(spec.models, spec.memory_budget_mb, loader or load_onnx)
         self._sched = LocalScheduler(
@@ -292,6 +300,7 @@ class NodeRuntime:
         self._settle(admission.settled)
         if admission.accepted:
             self._counters["admitted"] += 1
+            self._metrics.admitted(req.priority, req.model)
             assert self._wake is not None and self._idle is not None
             self._idle.clear()
             if admission.preempt:
@@ -516,12 +525,14 @@ class NodeRuntime:
         if engine is not None:
             return engine
         self._switching = model
+        t0 = self._clock.now()
         try:
             loop = asyncio.get_running_loop()
             engine = await loop.run_in_executor(self._executor, self._models.ensure, model)
         finally:
             self._switching = None
         self._counters["model_loads"] += 1
+        self._metrics.model_loaded(model, self._clock.now() - t0)
         return engine
 
     async def _execute(self, plan: Plan) -> None:
@@ -542,6 +553,7 @@ class NodeRuntime:
             if requeued:  # aborted for a more urgent arrival, not (only) for a cancel
                 self._counters["preemptions"] += 1
                 self._counters["preempted"] += requeued
+                self._metrics.preempted(plan)
             outcomes = self._sched.finish(plan, aborted=True)
         except EdgeFleetError as exc:
             outcomes = self._sched.finish(plan, error=exc)
@@ -555,6 +567,7 @@ class NodeRuntime:
         service = self._clock.now() - t0
         self._counters["engine_calls"] += 1
         self._counters["batched_requests"] += len(plan.requests)
+        self._metrics.engine_call(plan, service)
         by_id = {}
         if results is not None:
             by_id = {r.id: out for r, out in zip(plan.requests, results, strict=True)}
@@ -575,6 +588,7 @@ class NodeRuntime:
             self._engine = engine
             if req.preemptions:
                 self._counters["resumed"] += 1
+                self._metrics.resumed(req.priority)
             if gen.fed == 0 and gen.cache is None:  # first step: reuse cached KV if any
                 r = gen.request
                 cache, n = self._kv.lookup(
@@ -591,6 +605,8 @@ class NodeRuntime:
             self._engine = self._stop = None
         self._counters["engine_calls"] += 1
         self._counters["tokens"] += len(gen.tokens) - before
+        self._metrics.tokens(plan.model, req.priority, len(gen.tokens) - before)
+        self._metrics.engine_call(plan, self._clock.now() - t0)
         if error is not None:
             outcomes = self._sched.finish(plan, error=error)
         elif reason is None:  # paused for more urgent work, or stopped by a cancel
@@ -598,10 +614,13 @@ class NodeRuntime:
             if not req.cancel_requested:
                 self._counters["preemptions"] += 1
                 self._counters["paused"] += 1
+                self._metrics.paused(req.priority)
                 self._release_kv()
         else:
             gen.finish_reason = reason
             self._counters[f"finish_{reason}"] += 1
+            if reason == "budget":
+                self._metrics.budget_cut(req.priority)
             outcomes = self._sched.finish(plan)
             self._keep_kv(gen)
         self._settle(outcomes, plan=plan, service_s=self._clock.now() - t0)
@@ -679,6 +698,7 @@ class NodeRuntime:
             gen = self._gens.get(o.request.id)
             if gen is not None:
                 gen.cache = None  # its caller keeps the tokens; the KV memory goes now
+            self._metrics.settled(o, self._clock.now(), service_s)
             timer = self._timers.pop(o.request.id, None)
             if timer is not None:
                 timer.cancel()
@@ -730,7 +750,7 @@ class NodeRuntime:
             )
             for i in self._models.models()
         )
-        return NodeStatus(
+        status = NodeStatus(
             name=self.spec.name,
             state=self._state,
             queued=self._sched.queued_by_priority(),
@@ -753,7 +773,10 @@ class NodeRuntime:
             lifecycle=self._lifecycle,
             kv_bytes=self._kv_bytes(),
             sessions=tuple(self._kv.sessions()[:MAX_REPORTED_SESSIONS]),
+            metrics=self._metrics.summary(),
         )
+        self._metrics.observe(status)
+        return status
 
 
 def _forward(

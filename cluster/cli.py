@@ -16,6 +16,7 @@ from edgefleet.errors import EdgeFleetError
 
 if TYPE_CHECKING:
     from cluster.client import FleetStatus
+    from cluster.metrics import Overview
     from edgefleet.config import FleetConfig
 
 DEFAULT_CONFIG = Path("configs/local.yaml")
@@ -107,6 +108,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         jobs = f"; dashboard and job API on http://127.0.0.1:{port}" if port else ""
         _say(f"started a Ray head on {address} (loopback only{jobs})")
         _connect(address, fleet)
+        _write_service_discovery(fleet)
     else:
         _say("starting an embedded Ray cluster on 127.0.0.1")
         start_local_ray(config)
@@ -129,6 +131,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         stop_fleet(nodes, router)
         ray.shutdown()
     return 0
+
+
+def _write_service_discovery(fleet: str) -> None:
+    from cluster.head import head_dir
+    from cluster.metrics import write_service_discovery
+
+    try:
+        path = write_service_discovery(head_dir(fleet))
+    except OSError as exc:
+        _err(f"note: no Prometheus service-discovery file ({exc})")
+        return
+    _say(f"Prometheus finds its metrics through {path} (`edgefleet dashboard prometheus-config`)")
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -154,15 +168,20 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from cluster.client import FleetClient
+    from cluster.metrics import OverviewWindow
 
     _connect(args.address, args.fleet)
     client = FleetClient.connect(fleet=args.fleet)
+    window = OverviewWindow(args.window)
+    live = args.watch and not args.json and sys.stdout.isatty()
     while True:
         status = client.status()
+        overview = window.add(status)
         if args.json:
-            _say(json.dumps(status_dict(status), indent=2))
+            _say(json.dumps(status_dict(status, overview), indent=2))
         else:
-            _say(status_table(status))
+            screen = status_table(status, overview)
+            _say(CLEAR_SCREEN + screen if live else screen)
         if not args.watch:
             return 0
         time.sleep(args.interval)
@@ -232,8 +251,20 @@ def _priority(value: str) -> str | int:
     return int(value) if value.isdigit() else value
 
 
-def status_dict(status: FleetStatus) -> dict[str, Any]:
-    return {
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear: --watch redraws in place
+
+
+def _no_nan(value: Any) -> Any:
+    """JSON has no NaN: a latency with no requests behind it becomes null."""
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return None if isinstance(value, float) and value != value else value
+
+
+def status_dict(status: FleetStatus, overview: Overview | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "fleet": status.fleet,
         "router": status.router,
         "totals": status.totals,
@@ -242,6 +273,9 @@ def status_dict(status: FleetStatus) -> dict[str, Any]:
             for n in status.nodes
         ],
     }
+    if overview is not None:
+        out["overview"] = _no_nan(dataclasses.asdict(overview))
+    return out
 
 
 def status_line(status: FleetStatus) -> str:
@@ -254,8 +288,34 @@ def status_line(status: FleetStatus) -> str:
     )
 
 
-def status_table(status: FleetStatus) -> str:
+def overview_lines(o: Overview) -> list[str]:
+    """The dashboard's overview row as text: the same figures over the same window."""
+
+    def ms(v: float) -> str:
+        return "-" if v != v else f"{v * 1000:.0f}"
+
+    classes = [c for c in o.classes if c in o.p50]
+    latency = "  ".join(f"{c} {ms(o.p50[c])}/{ms(o.p99[c])}" for c in classes) or "-"
+    if o.seconds <= 0:
+        return [
+            "overview since the nodes started (rates need a second snapshot: --watch)",
+            f"  latency p50/p99 ms   {latency}",
+            f"  rejected {o.rejected} in all   evicted {o.evicted} in all",
+        ]
+    per_class = "  ".join(f"{c} {o.throughput.get(c, 0.0):.1f}" for c in classes)
+    return [
+        f"overview over the last {o.seconds:.0f} s (the dashboard's Fleet overview)",
+        f"  throughput {o.total_throughput:.1f} req/s   {per_class}",
+        f"  latency p50/p99 ms   {latency}",
+        f"  rejected {o.rejected_per_s or 0.0:.2f}/s ({o.rejected} in all)   "
+        f"evicted {o.evicted_per_s or 0.0:.2f}/s ({o.evicted} in all)",
+    ]
+
+
+def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
     lines = [f"fleet {status.fleet}", ""]
+    if overview is not None:
+        lines += [*overview_lines(overview), ""]
     lines.append(
         f"{'node':<12}{'health':<9}{'state':<10}{'queued by priority':<28}{'running':<22}models"
     )
@@ -295,6 +355,56 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args.rest)
 
 
+def cmd_dashboard_export(args: argparse.Namespace) -> int:
+    from cluster.dashboard import export
+
+    path = export(Path(args.file))
+    _say(f"wrote the Grafana dashboard to {path} (import it in Grafana, or `dashboard push`)")
+    return 0
+
+
+def cmd_dashboard_push(args: argparse.Namespace) -> int:
+    from cluster.dashboard import FOLDER_TITLE, push
+
+    result = push(args.url, os.environ.get("GRAFANA_TOKEN"))
+    verb = "created" if result.created else "updated"
+    folder = f"new folder {FOLDER_TITLE!r}" if result.folder_created else f"folder {FOLDER_TITLE!r}"
+    _say(f"dashboard {verb} in {folder} (version {result.version}): {result.url}")
+    return 0
+
+
+def cmd_dashboard_prometheus(args: argparse.Namespace) -> int:
+    from cluster.head import head_dir, recorded_address
+    from cluster.metrics import SERVICE_DISCOVERY_FILE, default_temp_dir, prometheus_config
+
+    if args.sd_file:
+        sd_file = Path(args.sd_file)
+    elif recorded_address(args.fleet) is not None:
+        sd_file = head_dir(args.fleet) / SERVICE_DISCOVERY_FILE
+    else:
+        sd_file = default_temp_dir() / SERVICE_DISCOVERY_FILE
+    text = prometheus_config(sd_file.absolute(), scrape_interval=args.scrape_interval)
+    if args.out:
+        Path(args.out).write_text(text)
+        _say(f"wrote {args.out}: Prometheus scrapes the Ray metrics agents listed in {sd_file}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_dashboard_check(args: argparse.Namespace) -> int:
+    from cluster.dashboard import check
+
+    results = check(args.prometheus, fleet=args.fleet, window=args.window)
+    for r in results:
+        mark = "ok     " if r.has_data else "NO DATA"
+        detail = f"  ({r.error})" if r.error else ""
+        _say(f"{mark} {r.query.panel} [{r.query.legend}]{detail}")
+    missing = sum(not r.has_data for r in results)
+    _say(f"{len(results) - missing} of {len(results)} panel queries return data")
+    return 1 if missing else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgefleet",
@@ -310,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
               edgefleet models make configs/models    # generate the built-in test models
               edgefleet validate configs/local.yaml   # check a fleet file
               edgefleet bench --quick                 # benchmarks (from the source checkout)
+              edgefleet dashboard export fleet.json   # the Grafana dashboard
             """
         ),
     )
@@ -359,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="machine-readable output")
             p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
             p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+            p.add_argument(
+                "--window",
+                type=float,
+                default=60.0,
+                help="seconds the overview's rates cover (default: %(default)s, as the dashboard)",
+            )
 
     infer = sub.add_parser(
         "infer",
@@ -403,6 +520,53 @@ def build_parser() -> argparse.ArgumentParser:
         "--duration", type=float, default=60.0, help="seconds of traffic (default: %(default)s)"
     )
     demo.set_defaults(func=cmd_demo)
+
+    dash = sub.add_parser(
+        "dashboard",
+        help="the Grafana dashboard and the Prometheus configuration that feeds it",
+        epilog="examples:\n"
+        "  edgefleet dashboard export edgefleet.json\n"
+        "  GRAFANA_TOKEN=... edgefleet dashboard push --url http://127.0.0.1:3000\n"
+        "  edgefleet dashboard prometheus-config --out prometheus.yml\n"
+        "  edgefleet dashboard check --prometheus http://127.0.0.1:9090",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    dash_sub = dash.add_subparsers(dest="dashboard_command", required=True, metavar="ACTION")
+    export = dash_sub.add_parser("export", help="write the dashboard's JSON to FILE")
+    export.add_argument("file", metavar="FILE")
+    export.set_defaults(func=cmd_dashboard_export)
+    push = dash_sub.add_parser(
+        "push",
+        help="create or update the dashboard in Grafana (token from GRAFANA_TOKEN)",
+        description="Create or update the dashboard (same uid each time) in the folder "
+        "'edgefleet', created if missing. The token is read from the GRAFANA_TOKEN "
+        "environment variable only: a Grafana service-account token with the Editor role.",
+    )
+    push.add_argument("--url", required=True, help="Grafana's URL, e.g. http://127.0.0.1:3000")
+    push.set_defaults(func=cmd_dashboard_push)
+    prom = dash_sub.add_parser(
+        "prometheus-config",
+        help="a Prometheus configuration that scrapes the fleet's Ray metrics agents",
+    )
+    prom.add_argument("--out", metavar="FILE", help="write here (default: standard output)")
+    prom.add_argument(
+        "--fleet",
+        default="local",
+        help="a fleet started with `up --detach`: use its Ray head (default: %(default)s; "
+        "without one, the embedded Ray's default folder)",
+    )
+    prom.add_argument("--sd-file", metavar="PATH", help="Ray's service-discovery file to follow")
+    prom.add_argument("--scrape-interval", default="5s", help="default: %(default)s")
+    prom.set_defaults(func=cmd_dashboard_prometheus)
+    chk = dash_sub.add_parser(
+        "check", help="evaluate every panel's query against a Prometheus; non-zero if any is empty"
+    )
+    chk.add_argument(
+        "--prometheus", required=True, metavar="URL", help="e.g. http://127.0.0.1:9090"
+    )
+    chk.add_argument("--fleet", default=".*", help="fleet name (regex; default: every fleet)")
+    chk.add_argument("--window", default="1m", help="rate window (default: %(default)s)")
+    chk.set_defaults(func=cmd_dashboard_check)
 
     bench = sub.add_parser(
         "bench",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import ray
 from ray._private import ray_constants
@@ -74,8 +75,15 @@ def connect_ray(address: str | None, fleet: str, *, token_auth: bool = False) ->
     )
 
 
-def init_loopback_ray(*, num_cpus: int) -> None:
-    """Start a private Ray instance whose processes all listen on 127.0.0.1 only."""
+def init_loopback_ray(*, num_cpus: int, system_config: Mapping[str, Any] | None = None) -> None:
+    """Start a private Ray instance whose processes all listen on 127.0.0.1 only.
+
+    Its metrics agent (loopback too) is listed in Ray's Prometheus service-discovery
+    file, so a Prometheus configured by ``edgefleet dashboard prometheus-config`` finds
+    it. ``system_config`` goes to Ray (e.g. ``metrics_report_interval_ms``).
+    """
+    from cluster.metrics import write_service_discovery
+
     pin_loopback()
     ray.init(
         address="local",
@@ -84,11 +92,16 @@ def init_loopback_ray(*, num_cpus: int) -> None:
         include_dashboard=False,
         _node_ip_address=LOOPBACK,
         logging_level=logging.WARNING,
+        _system_config=dict(system_config or {}),
     )
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         ray.shutdown()
         raise RuntimeError(f"the embedded Ray came up on {node_ip}, not {LOOPBACK}")
+    try:
+        write_service_discovery()
+    except OSError as exc:  # Prometheus discovery is a convenience; the fleet runs without it
+        logging.getLogger(__name__).warning("no Prometheus service-discovery file: %s", exc)
 
 
 def start_local_ray(config: FleetConfig) -> None:

@@ -22,6 +22,7 @@ from ray.actor import ActorHandle
 
 from actors.node import GenerationResult, NodeStatus, Reply, TokenChunk
 from cluster.deploy import NAMESPACE, actor_name
+from cluster.metrics import RouterMetrics
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import (
@@ -136,8 +137,10 @@ class Router:
         handles: Mapping[str, NodeHandle],
         *,
         clock: Clock | None = None,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.config = config
+        self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
         rc = config.router
         pc = rc.placement
         shed = {config.priorities[name]: frac for name, frac in pc.shed.items()}
@@ -189,15 +192,24 @@ class Router:
         if not entry.healthy:
             self._counters["rejoined" if entry.report is not None else "joined"] += 1
         entry.report, entry.reported_at, entry.healthy = report, self._clock.now(), True
+        self._metrics.node_health(entry.spec.name, True)
 
     def _lose(self, entry: NodeEntry) -> None:
         if entry.healthy:
             entry.healthy = False
             self._counters["nodes_lost"] += 1
+            self._metrics.node_lost(entry.spec.name)
 
     # -------------------------------------------------------------------- requests
 
     async def infer(self, request: InferRequest, inputs: Any = None) -> Reply:
+        """Place ``request`` and answer it once (see :meth:`_place`); records the answer."""
+        started = self._clock.now()
+        reply = await self._place(request, inputs)
+        self._metrics.answered(request, reply.error, self._clock.now() - started)
+        return reply
+
+    async def _place(self, request: InferRequest, inputs: Any = None) -> Reply:
         """Place ``request``; try candidates until one serves it; exactly one Reply.
 
         ``inputs`` is an optional Ray object reference (in a list, so Ray passes it
@@ -222,6 +234,7 @@ class Router:
             except NodeGone:
                 self._lose(entry)
                 self._counters["replaced"] += 1  # its node died: place it again
+                self._metrics.replaced(request.priority, "node_lost")
                 continue
             finally:
                 entry.work.pop(request.id, None)
@@ -229,10 +242,12 @@ class Router:
             if isinstance(reply.error, Rejected):
                 refusals.append(reply.error)
                 self._counters["spilled"] += 1
+                self._metrics.spilled(request.priority)
                 continue
             if isinstance(reply.error, Evicted):
                 evicted = reply
                 self._counters["replaced"] += 1
+                self._metrics.replaced(request.priority, "evicted")
                 continue
             return self._answer(reply)
         if evicted is not None:
@@ -248,10 +263,19 @@ class Router:
         generation continues on another node from the tokens already sent (prompt
         plus output so far), so the caller sees each token once.
         """
+        started = self._clock.now()
+        async for item in self._stream(request):
+            if isinstance(item, GenerationResult):
+                self._counters[_kind(item.error)] += 1
+                self._metrics.answered(request, item.error, self._clock.now() - started)
+            yield item
+
+    async def _stream(
+        self, request: GenerateRequest
+    ) -> AsyncIterator[TokenChunk | GenerationResult]:
         self._counters["received"] += 1
         unknown = self._unknown_model(request)
         if unknown is not None:
-            self._counters["modelnotfound"] += 1
             yield GenerationResult(request.id, "", error=unknown)
             return
         preq = PlacementRequest(request.model, request.priority, session=request.session)
@@ -294,12 +318,11 @@ class Router:
                 refusals += [result.error] if isinstance(result.error, Rejected) else []
                 self._counters["spilled" if isinstance(result.error, Rejected) else "replaced"] += 1
                 continue
-            self._counters[_kind(result.error)] += 1
             yield replace(result, tokens=tuple(sent))
             return
-        err = self._refusal(request, refusals, tried)
-        self._counters[_kind(err)] += 1
-        yield GenerationResult(request.id, "", tuple(sent), error=err)
+        yield GenerationResult(
+            request.id, "", tuple(sent), error=self._refusal(request, refusals, tried)
+        )
 
     async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
         """Tell ``node`` its lifecycle state changed (an event, e.g. the device's app
@@ -356,6 +379,7 @@ class Router:
             )
         limit = self._shed.limit(request.priority)
         self._counters["shed"] += 1
+        self._metrics.shed(request.priority)
         return Rejected(
             f"shed: every node serving {request.model!r} is over {limit:.0%} full, the share "
             f"priority-{request.priority} work may use; capacity is kept for urgent work",

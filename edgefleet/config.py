@@ -205,6 +205,7 @@ class NodeSpec(_Strict):
     name: str
     models: dict[str, ModelConfig]
     priorities: dict[str, int]
+    fleet: str = "edgefleet"  # the fleet it belongs to (a label of its metrics)
     queue: QueueConfig
     preemption: PreemptionConfig
     memory_budget_mb: float
@@ -285,6 +286,7 @@ class FleetConfig(_Strict):
         return [
             NodeSpec(
                 name=n.name,
+                fleet=self.fleet.name,
                 models={m: self.models[m] for m in (n.models or list(self.models))},
                 priorities=dict(self.priorities),
                 queue=n.queue or d.queue,

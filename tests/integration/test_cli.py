@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,10 @@ def test_up_detach_status_client_down(tmp_path):
         up = edgefleet("up", str(config), "--detach")
         assert up.returncode == 0, up.stderr[-3000:]
         assert f"fleet '{fleet}' is up: 2 node(s)" in up.stdout
+        # Prometheus finds the head's metrics agent, on loopback, where Ray would say.
+        sd_file = head_dir(fleet) / "prom_metrics_service_discovery.json"
+        (entry,) = json.loads(sd_file.read_text())
+        assert [t.split(":")[0] for t in entry["targets"]] == ["127.0.0.1"]
 
         status = edgefleet("status", "--fleet", fleet, "--json")
         assert status.returncode == 0, status.stderr[-3000:]
@@ -138,6 +143,23 @@ def test_up_detach_status_client_down(tmp_path):
 
         table = edgefleet("status", "--fleet", fleet)
         assert "edge-0" in table.stdout and "completed 1" in table.stdout
+        assert re.search(r"latency p50/p99 ms .* inline \d+/\d+ ", table.stdout), table.stdout
+
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", "status", "--fleet", fleet, "--watch"]
+            + ["--interval", "0.5"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            out, _ = watch.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            watch.terminate()
+            out, _ = watch.communicate(timeout=30)
+        assert "overview since the nodes started" in out
+        assert "overview over the last" in out and "throughput 0.0 req/s" in out
 
         gen = edgefleet(
             "generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", "5", "17", "42",

@@ -1,0 +1,572 @@
+"""Metrics of a node (and the definitions the router's metrics share).
+
+Every metric edgefleet exports is defined once in this module as a :class:`MetricDef`
+(name, kind, labels, help, buckets). Recorders turn events into records on a
+:class:`Sink`: in a Ray process that is Ray's metric API (``ray.util.metrics``), which
+Ray's own metrics agent exports for Prometheus with the prefix ``ray_``; outside Ray
+(a node run in-process in a test) nothing is recorded, unless a test passes a
+:class:`MemorySink` to look at what would have been.
+
+Recording never breaks a node: a record that fails is dropped and counted
+(``NodeMetrics.errors``, reported in ``NodeStatus.metrics``).
+
+Priorities are labelled by their class name (``foreground``, ``inline``,
+``background``, ``offline`` by default): a priority between two classes is labelled
+with the class below it, so a label never has more values than there are classes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from edgefleet.request import DEFAULT_PRIORITIES, RequestState
+from policies.budget import LIFECYCLE_STATES
+
+if TYPE_CHECKING:
+    from actors.node import NodeStatus
+    from actors.scheduler import Outcome, Plan
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["counter", "gauge", "histogram"]
+EXPORT_PREFIX = "ray_"  # Ray's metrics agent puts this in front of every metric name
+
+# Seconds, for request latencies: 1 ms to 30 s.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+NODE_STATES = ("starting", "serving", "draining", "drained", "stopped")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    """One exported metric. ``labels`` are all its label names, ``fleet`` first."""
+
+    name: str
+    kind: Kind
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exported(self) -> str:
+        """The name Prometheus sees."""
+        return EXPORT_PREFIX + self.name
+
+
+_NODE = ("fleet", "node")
+
+
+def _counter(name: str, labels: tuple[str, ...], text: str) -> MetricDef:
+    return MetricDef(name, "counter", labels, text)
+
+
+def _gauge(name: str, labels: tuple[str, ...], text: str) -> MetricDef:
+    return MetricDef(name, "gauge", labels, text)
+
+
+def _histogram(
+    name: str, labels: tuple[str, ...], text: str, buckets: tuple[float, ...]
+) -> MetricDef:
+    return MetricDef(name, "histogram", labels, text, buckets)
+
+
+# --------------------------------------------------------------------- node metrics
+
+QUEUE_DEPTH = _gauge(
+    "edgefleet_queue_depth", (*_NODE, "priority"), "Requests queued on the node, by priority class"
+)
+RUNNING = _gauge(
+    "edgefleet_running",
+    (*_NODE, "priority"),
+    "Requests in the engine call in progress, by priority class",
+)
+PAUSED = _gauge(
+    "edgefleet_paused", (*_NODE, "priority"), "Paused generations kept on the node, by priority"
+)
+NODE_STATE = _gauge(
+    "edgefleet_node_state",
+    (*_NODE, "state"),
+    "1 for the node's current service state (starting, serving, draining, drained, stopped)",
+)
+NODE_LIFECYCLE = _gauge(
+    "edgefleet_node_lifecycle",
+    (*_NODE, "lifecycle"),
+    "1 for the node's current lifecycle state (foreground, background)",
+)
+MODEL_RESIDENT = _gauge(
+    "edgefleet_model_resident", (*_NODE, "model"), "1 while the model is loaded on the node"
+)
+RSS_BYTES = _gauge("edgefleet_node_rss_bytes", _NODE, "Resident memory of the node's process")
+KV_BYTES = _gauge(
+    "edgefleet_kv_cache_bytes",
+    (*_NODE, "kind"),
+    "KV cache bytes held: kind=paused (paused generations), kind=cached (sessions and "
+    "shared prefixes)",
+)
+ADMITTED = _counter(
+    "edgefleet_admitted_total",
+    (*_NODE, "priority", "model"),
+    "Requests the node admitted into its queue",
+)
+REQUESTS = _counter(
+    "edgefleet_requests_total",
+    (*_NODE, "priority", "model", "state"),
+    "Requests that reached a terminal state on the node (completed, failed, rejected, "
+    "evicted, superseded, expired, cancelled)",
+)
+PREEMPTED = _counter(
+    "edgefleet_preempted_total",
+    (*_NODE, "priority", "model"),
+    "Requests sent back to their queue because a more urgent arrival aborted their call",
+)
+ENGINE_CALLS = _counter(
+    "edgefleet_engine_calls_total", (*_NODE, "model"), "Engine calls (batches) the node ran"
+)
+BATCHED = _counter(
+    "edgefleet_batched_requests_total",
+    (*_NODE, "model"),
+    "Requests in those engine calls; divided by engine calls: the mean batch size",
+)
+ENGINE_BUSY = _counter(
+    "edgefleet_engine_busy_seconds_total",
+    (*_NODE, "model"),
+    "Seconds the engine spent in calls; its rate is the engine's utilisation",
+)
+MODEL_LOADS = _counter(
+    "edgefleet_model_loads_total", (*_NODE, "model"), "Models loaded on demand (switches)"
+)
+TOKENS = _counter(
+    "edgefleet_tokens_total",
+    (*_NODE, "priority", "model"),
+    "Tokens generated; its rate is tokens per second",
+)
+PAUSES = _counter(
+    "edgefleet_generations_paused_total",
+    (*_NODE, "priority"),
+    "Generations paused for more urgent work",
+)
+RESUMES = _counter(
+    "edgefleet_generations_resumed_total", (*_NODE, "priority"), "Paused generations resumed"
+)
+BUDGET_CUTS = _counter(
+    "edgefleet_budget_cuts_total",
+    (*_NODE, "priority"),
+    "Generations ended by their token budget",
+)
+QUEUE_WAIT = _histogram(
+    "edgefleet_queue_wait_seconds",
+    (*_NODE, "priority", "model"),
+    "Arrival on the node to the start of the engine call that ran the request",
+    LATENCY_BUCKETS,
+)
+SERVICE = _histogram(
+    "edgefleet_service_seconds",
+    (*_NODE, "priority", "model"),
+    "Engine time of the call that completed the request",
+    LATENCY_BUCKETS,
+)
+LATENCY = _histogram(
+    "edgefleet_latency_seconds",
+    (*_NODE, "priority", "model"),
+    "Arrival on the node to the answer, for completed requests (end to end on the node)",
+    LATENCY_BUCKETS,
+)
+BATCH_SIZE = _histogram(
+    "edgefleet_batch_size",
+    (*_NODE, "model"),
+    "Requests per engine call",
+    BATCH_BUCKETS,
+)
+MODEL_LOAD_SECONDS = _histogram(
+    "edgefleet_model_load_seconds",
+    (*_NODE, "model"),
+    "Time to make a model resident on demand (the switch time)",
+    LOAD_BUCKETS,
+)
+
+# ------------------------------------------------------------------- router metrics
+
+ROUTER_REQUESTS = _counter(
+    "edgefleet_router_requests_total",
+    ("fleet", "priority", "outcome"),
+    "Answers the router gave callers, by outcome (completed, or the error: rejected, "
+    "evicted, nodelost, invalidinput, ...)",
+)
+ROUTER_LATENCY = _histogram(
+    "edgefleet_router_latency_seconds",
+    ("fleet", "priority", "model"),
+    "Router receipt to answer of completed requests, spills included (the caller's view)",
+    LATENCY_BUCKETS,
+)
+ROUTER_SPILLED = _counter(
+    "edgefleet_router_spilled_total",
+    ("fleet", "priority"),
+    "Requests a node refused that the router tried on another node",
+)
+ROUTER_REPLACED = _counter(
+    "edgefleet_router_replaced_total",
+    ("fleet", "priority", "reason"),
+    "Requests placed again: reason=evicted (pushed out of a full node) or node_lost",
+)
+ROUTER_SHED = _counter(
+    "edgefleet_router_shed_total",
+    ("fleet", "priority"),
+    "Low-priority requests refused to keep headroom for urgent work",
+)
+NODE_HEALTHY = _gauge(
+    "edgefleet_node_healthy", _NODE, "1 while the router hears from the node, 0 once it is lost"
+)
+NODES_LOST = _counter("edgefleet_nodes_lost_total", _NODE, "Times the router declared a node lost")
+
+NODE_METRICS = (
+    QUEUE_DEPTH,
+    RUNNING,
+    PAUSED,
+    NODE_STATE,
+    NODE_LIFECYCLE,
+    MODEL_RESIDENT,
+    RSS_BYTES,
+    KV_BYTES,
+    ADMITTED,
+    REQUESTS,
+    PREEMPTED,
+    ENGINE_CALLS,
+    BATCHED,
+    ENGINE_BUSY,
+    MODEL_LOADS,
+    TOKENS,
+    PAUSES,
+    RESUMES,
+    BUDGET_CUTS,
+    QUEUE_WAIT,
+    SERVICE,
+    LATENCY,
+    BATCH_SIZE,
+    MODEL_LOAD_SECONDS,
+)
+ROUTER_METRICS = (
+    ROUTER_REQUESTS,
+    ROUTER_LATENCY,
+    ROUTER_SPILLED,
+    ROUTER_REPLACED,
+    ROUTER_SHED,
+    NODE_HEALTHY,
+    NODES_LOST,
+)
+CATALOGUE: tuple[MetricDef, ...] = NODE_METRICS + ROUTER_METRICS
+
+
+# ------------------------------------------------------------------------- sinks
+
+
+class Sink(Protocol):
+    def record(self, metric: MetricDef, value: float, tags: Mapping[str, str]) -> None:
+        """Counters add ``value``, gauges take it, histograms observe it. MAY raise;
+        recorders catch and count."""
+        ...
+
+
+class NullSink:
+    """Records nothing (a node outside Ray)."""
+
+    def record(self, metric: MetricDef, value: float, tags: Mapping[str, str]) -> None:
+        pass
+
+
+_RAY_METRICS: dict[str, Any] = {}  # one Ray metric object per name and process
+
+
+class RaySink:
+    """Ray's metric API; Ray's metrics agent exports what this records."""
+
+    def record(self, metric: MetricDef, value: float, tags: Mapping[str, str]) -> None:
+        m = _RAY_METRICS.get(metric.name)
+        if m is None:
+            m = _RAY_METRICS[metric.name] = _make_ray_metric(metric)
+        if metric.kind == "counter":
+            if value > 0:  # Ray refuses a zero increment
+                m.inc(value, tags=dict(tags))
+        elif metric.kind == "gauge":
+            m.set(value, tags=dict(tags))
+        else:
+            m.observe(value, tags=dict(tags))
+
+
+def _make_ray_metric(metric: MetricDef) -> Any:
+    from ray.util import metrics
+
+    if metric.kind == "counter":
+        return metrics.Counter(metric.name, metric.help, tag_keys=metric.labels)
+    if metric.kind == "gauge":
+        return metrics.Gauge(metric.name, metric.help, tag_keys=metric.labels)
+    return metrics.Histogram(
+        metric.name, metric.help, boundaries=list(metric.buckets), tag_keys=metric.labels
+    )
+
+
+@dataclass
+class MemorySink:
+    """Keeps what was recorded, for tests: counter sums, last gauge values and every
+    histogram observation, keyed by metric name and labels."""
+
+    values: dict[tuple[str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
+    observations: dict[tuple[str, frozenset[tuple[str, str]]], list[float]] = field(
+        default_factory=dict
+    )
+
+    def record(self, metric: MetricDef, value: float, tags: Mapping[str, str]) -> None:
+        missing = set(metric.labels) - set(tags)
+        if missing or set(tags) - set(metric.labels):
+            raise ValueError(f"{metric.name}: labels {sorted(tags)}, defined {metric.labels}")
+        key = (metric.name, frozenset(tags.items()))
+        if metric.kind == "counter":
+            self.values[key] = self.values.get(key, 0.0) + value
+        elif metric.kind == "gauge":
+            self.values[key] = value
+        else:
+            self.observations.setdefault(key, []).append(value)
+
+    def value(self, metric: MetricDef, **labels: str) -> float:
+        """Counters and gauges: the sum over the series whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(
+            v for (name, tags), v in self.values.items() if name == metric.name and want <= tags
+        )
+
+    def observed(self, metric: MetricDef, **labels: str) -> list[float]:
+        want = set(labels.items())
+        return [
+            v
+            for (name, tags), vs in self.observations.items()
+            if name == metric.name and want <= tags
+            for v in vs
+        ]
+
+
+def default_sink() -> Sink:
+    """Ray's metric API inside a Ray process, nothing elsewhere."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return RaySink()
+    except Exception:  # a broken Ray install must not stop a node from serving
+        log.warning("Ray metrics unavailable; recording nothing", exc_info=True)
+    return NullSink()
+
+
+# --------------------------------------------------------------------- recorders
+
+
+def priority_label(priority: int, classes: Mapping[str, int]) -> str:
+    """The class a priority belongs to: the highest class at or below it (the lowest
+    class for a priority below all of them)."""
+    if not classes:
+        return str(priority)
+    below = [(value, name) for name, value in classes.items() if value <= priority]
+    if below:
+        return max(below)[1]
+    return min((value, name) for name, value in classes.items())[1]
+
+
+class Recorder:
+    """Shared plumbing: fixed labels, priority labels, and records that cannot fail."""
+
+    def __init__(
+        self,
+        base: Mapping[str, str],
+        priorities: Mapping[str, int],
+        sink: Sink | None,
+    ) -> None:
+        self._base = dict(base)
+        self._classes = dict(priorities) or dict(DEFAULT_PRIORITIES)
+        self._labels = {p: priority_label(p, self._classes) for p in range(0, 11)}
+        self._sink = sink if sink is not None else default_sink()
+        self.errors = 0  # records that failed and were dropped
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """Priority class names, most urgent first."""
+        return tuple(sorted(self._classes, key=lambda n: -self._classes[n]))
+
+    def label(self, priority: int) -> str:
+        return self._labels.get(priority) or priority_label(priority, self._classes)
+
+    def emit(self, metric: MetricDef, value: float, **labels: str) -> None:
+        try:
+            self._sink.record(metric, float(value), {**self._base, **labels})
+        except Exception:
+            self.errors += 1
+            if self.errors == 1:  # once: a broken metric must not flood the log either
+                log.warning("dropping a record of %s", metric.name, exc_info=True)
+
+
+@dataclass(frozen=True)
+class MetricsSummary:
+    """What a node reports about its metrics in its status: cumulative latency bucket
+    counts of completed requests by priority class (the same buckets as the exported
+    ``edgefleet_latency_seconds``, so the same quantiles come out), and failed records."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    latency: dict[str, tuple[int, ...]] = field(default_factory=dict)  # class -> le counts, +Inf
+    errors: int = 0
+
+    def completed(self, priority: str) -> int:
+        counts = self.latency.get(priority)
+        return counts[-1] if counts else 0
+
+
+class NodeMetrics(Recorder):
+    """Everything one node records. The node calls one method per event."""
+
+    def __init__(
+        self,
+        fleet: str,
+        node: str,
+        priorities: Mapping[str, int] = DEFAULT_PRIORITIES,
+        *,
+        sink: Sink | None = None,
+    ) -> None:
+        super().__init__({"fleet": fleet, "node": node}, priorities, sink)
+        self._latency = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in self.classes}
+
+    # ------------------------------------------------------------------- requests
+
+    def admitted(self, priority: int, model: str) -> None:
+        self.emit(ADMITTED, 1, priority=self.label(priority), model=model)
+
+    def settled(self, outcome: Outcome, now: float, service_s: float) -> None:
+        """A request reached a terminal state at ``now`` (the node's clock);
+        ``service_s`` is the engine time of the call that ended it, if one did."""
+        r = outcome.request
+        labels = {"priority": self.label(r.priority), "model": r.model}
+        self.emit(REQUESTS, 1, state=outcome.state.value, **labels)
+        if r.started is not None:
+            self.emit(QUEUE_WAIT, max(0.0, r.started - r.arrival), **labels)
+        if outcome.state is RequestState.COMPLETED:
+            latency = max(0.0, now - r.arrival)
+            self.emit(LATENCY, latency, **labels)
+            self.emit(SERVICE, service_s, **labels)
+            counts = self._latency.setdefault(labels["priority"], [0] * (len(LATENCY_BUCKETS) + 1))
+            counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
+
+    def preempted(self, plan: Plan) -> None:
+        """The call ``plan`` was aborted for more urgent work; its requests requeue."""
+        for r in plan.requests:
+            if not r.cancel_requested:
+                self.emit(PREEMPTED, 1, priority=self.label(r.priority), model=r.model)
+
+    # --------------------------------------------------------------------- engine
+
+    def engine_call(self, plan: Plan, service_s: float) -> None:
+        model = plan.model
+        self.emit(ENGINE_CALLS, 1, model=model)
+        self.emit(BATCHED, len(plan.requests), model=model)
+        self.emit(BATCH_SIZE, len(plan.requests), model=model)
+        self.emit(ENGINE_BUSY, service_s, model=model)
+
+    def model_loaded(self, model: str, seconds: float) -> None:
+        self.emit(MODEL_LOADS, 1, model=model)
+        self.emit(MODEL_LOAD_SECONDS, seconds, model=model)
+
+    # ----------------------------------------------------------------- generation
+
+    def tokens(self, model: str, priority: int, n: int) -> None:
+        """``n`` tokens were generated for a request of ``priority``."""
+        if n > 0:
+            self.emit(TOKENS, n, priority=self.label(priority), model=model)
+
+    def paused(self, priority: int) -> None:
+        """A generation was paused (its KV cache kept)."""
+        self.emit(PAUSES, 1, priority=self.label(priority))
+
+    def resumed(self, priority: int) -> None:
+        """A paused generation runs again."""
+        self.emit(RESUMES, 1, priority=self.label(priority))
+
+    def budget_cut(self, priority: int) -> None:
+        """A generation ended because it reached its token budget."""
+        self.emit(BUDGET_CUTS, 1, priority=self.label(priority))
+
+    # --------------------------------------------------------------------- status
+
+    def observe(self, status: NodeStatus) -> None:
+        """Set the gauges from a status snapshot (the router asks for one every
+        ``router.report_interval_s``): Ray's metrics agent drops a gauge that is not
+        set again for two report intervals (20 s by default)."""
+        queued = dict.fromkeys(self.classes, 0)
+        for p, n in status.queued.items():
+            label = self.label(p)
+            queued[label] = queued.get(label, 0) + n
+        running = dict.fromkeys(self.classes, 0)
+        if status.running is not None:
+            label = self.label(status.running.priority)
+            running[label] = running.get(label, 0) + len(status.running.request_ids)
+        for label, n in queued.items():
+            self.emit(QUEUE_DEPTH, n, priority=label)
+        for label, n in running.items():
+            self.emit(RUNNING, n, priority=label)
+        paused = dict.fromkeys(self.classes, 0)
+        for p, n in status.paused.items():
+            label = self.label(p)
+            paused[label] = paused.get(label, 0) + n
+        for label, n in paused.items():
+            self.emit(PAUSED, n, priority=label)
+        for s in {*LIFECYCLE_STATES, status.lifecycle}:
+            self.emit(NODE_LIFECYCLE, 1 if s == status.lifecycle else 0, lifecycle=s)
+        for kind, n in status.kv_bytes.items():
+            self.emit(KV_BYTES, n, kind=kind)
+        for s in {*NODE_STATES, status.state}:
+            self.emit(NODE_STATE, 1 if s == status.state else 0, state=s)
+        for m in status.models:
+            self.emit(MODEL_RESIDENT, 1 if m.loaded else 0, model=m.name)
+        self.emit(RSS_BYTES, status.rss_mb * 1024 * 1024)
+
+    def summary(self) -> MetricsSummary:
+        latency = {}
+        for name, counts in self._latency.items():
+            total, cumulative = 0, []
+            for c in counts:
+                total += c
+                cumulative.append(total)
+            latency[name] = tuple(cumulative)
+        return MetricsSummary(LATENCY_BUCKETS, latency, self.errors)
+
+
+def bucket_quantile(q: float, bounds: tuple[float, ...], cumulative: tuple[int, ...]) -> float:
+    """The ``q`` quantile from cumulative bucket counts, interpolated as Prometheus's
+    ``histogram_quantile`` does (NaN without observations)."""
+    total = cumulative[-1] if cumulative else 0
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    i = next(i for i, c in enumerate(cumulative) if c >= rank)
+    if i >= len(bounds):  # in the +Inf bucket: the highest finite bound
+        return bounds[-1]
+    lower = 0.0 if i == 0 else bounds[i - 1]
+    below = 0 if i == 0 else cumulative[i - 1]
+    count = cumulative[i] - below
+    if count <= 0:
+        return bounds[i]
+    return lower + (bounds[i] - lower) * (rank - below) / count
