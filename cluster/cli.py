@@ -532,7 +532,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     dash_sub = dash.add_subparsers(dest="dashboard_command", required=True, metavar="ACTION")
-    export = dash_sub.add_parser("export", help="write the dashboard's JSON to FILE")
+    export = dash_sub.add_parser(
+        "export",
+        help="write the dashboard's JSON to FILE",
+        epilog="example: edgefleet dashboard export edgefleet.json",
+    )
     export.add_argument("file", metavar="FILE")
     export.set_defaults(func=cmd_dashboard_export)
     push = dash_sub.add_parser(
@@ -541,12 +545,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Create or update the dashboard (same uid each time) in the folder "
         "'edgefleet', created if missing. The token is read from the GRAFANA_TOKEN "
         "environment variable only: a Grafana service-account token with the Editor role.",
+        epilog="example: GRAFANA_TOKEN=glsa_... edgefleet dashboard push --url http://127.0.0.1:3000",
     )
     push.add_argument("--url", required=True, help="Grafana's URL, e.g. http://127.0.0.1:3000")
     push.set_defaults(func=cmd_dashboard_push)
     prom = dash_sub.add_parser(
         "prometheus-config",
         help="a Prometheus configuration that scrapes the fleet's Ray metrics agents",
+        epilog="example: edgefleet dashboard prometheus-config --fleet local --out prometheus.yml",
     )
     prom.add_argument("--out", metavar="FILE", help="write here (default: standard output)")
     prom.add_argument(
@@ -559,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     prom.add_argument("--scrape-interval", default="5s", help="default: %(default)s")
     prom.set_defaults(func=cmd_dashboard_prometheus)
     chk = dash_sub.add_parser(
-        "check", help="evaluate every panel's query against a Prometheus; non-zero if any is empty"
+        "check",
+        help="evaluate every panel's query against a Prometheus; non-zero if any is empty",
+        epilog="example: edgefleet dashboard check --prometheus http://127.0.0.1:9090",
     )
     chk.add_argument(
         "--prometheus", required=True, metavar="URL", help="e.g. http://127.0.0.1:9090"

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,51 @@ def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.
         text=True,
         timeout=timeout,
     )
+
+
+COMMANDS = [
+    ["up"], ["down"], ["status"], ["infer"], ["generate"], ["demo"], ["validate"],
+    ["bench"], ["models", "make"], ["dashboard", "export"], ["dashboard", "push"],
+    ["dashboard", "prometheus-config"], ["dashboard", "check"],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_has_help_with_an_example(command):
+    result = edgefleet(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "example" in result.stdout and f"edgefleet {' '.join(command)}" in result.stdout
+
+
+def test_up_in_the_foreground_serves_until_interrupted(tmp_path):
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        f"fleet: {{name: fg{os.getpid()}}}\nlocal: {{nodes: 1}}\n"
+        "models:\n  classifier: {path: models/classifier.onnx}\n"
+    )
+    up = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "up", str(config), "--interval", "0.5"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:  # the built-in model is written, Ray starts, the fleet serves
+            lines.append(line)
+            if "completed 0" in line:
+                break
+        up.send_signal(signal.SIGINT)
+        out, err = up.communicate(timeout=60)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    text = "".join(lines) + out
+    assert up.returncode == 0, err[-3000:]
+    assert "generating model classifier" in text and "serving until Ctrl-C" in text
+    assert "stopping the fleet" in text
 
 
 def test_help_lists_commands_with_examples():
