@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,13 +42,18 @@ def test_ray_job_submit_deploys_a_fleet_other_jobs_and_clients_use(tmp_path):
     def job(*command: str, working_dir: Path | None = None) -> subprocess.CompletedProcess:
         where = ["--working-dir", str(working_dir)] if working_dir else []
         submit = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{port}"]
-        return subprocess.run(
-            [*submit, *where, "--", *command],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        for _ in range(30):  # Ray's job agent may still be starting: it says to retry
+            result = subprocess.run(
+                [*submit, *where, "--", *command],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if "No available agent to submit job" not in result.stderr + result.stdout:
+                break
+            time.sleep(1.0)
+        return result
 
     address = start_head(head, 4, dashboard_port=port)
     try:
