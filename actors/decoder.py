@@ -5,10 +5,11 @@ Models follow the Hugging Face Optimum decoder layout: inputs ``input_ids``,
 ``.value``; outputs ``logits`` and ``present.{i}.key`` / ``.value``. Layers, heads,
 head size and dtypes are read from the model, so a user's own export works unchanged.
 
-A generation is prefilled once, then decoded one token per engine step. Between two
-steps it can stop: it is then *paused* with its KV cache, and a later ``advance``
-continues exactly where it stopped. A cache trimmed to a prefix (or dropped) is rebuilt
-by prefilling the tokens it no longer covers, so the output does not change.
+A generation is prefilled in chunks of ``prefill_chunk`` tokens, then decoded one
+token per engine step. Between two steps (or chunks) it can stop: it is then *paused*
+with its KV cache, and a later ``advance`` continues exactly where it stopped. A cache
+trimmed to a prefix (or dropped) is rebuilt by prefilling the tokens it no longer
+covers, so the output does not change.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     reused: int = 0  # prompt tokens whose KV came from a cached prefix or session
     fed: int = 0  # tokens run through the model (prefill, re-prefill and steps)
-    engine_s: float = 0.0
+    engine_s: float = 0.0  # wall time in the engine
+    engine_cpu_s: float = 0.0  # CPU time of the engine thread (no time lost to others)
     rng: np.random.Generator | None = None
     finish_reason: str | None = None
 
@@ -183,11 +185,13 @@ class DecoderEngine:
         threads: int = 1,
         max_context: int | None = None,
         stop_ids: Sequence[int] = (),
+        prefill_chunk: int = 0,
     ) -> None:
         self._session = open_session(name, path, threads)
         self.name = name
         self.path = path
         self.stop_ids = tuple(stop_ids)
+        self.prefill_chunk = prefill_chunk
         self._sig = Signature(
             tuple(_spec(i) for i in self._session.get_inputs()),
             tuple(_spec(o) for o in self._session.get_outputs()),
@@ -260,7 +264,7 @@ class DecoderEngine:
     def advance(self, gen: Generation, stop: threading.Event | None = None) -> str | None:
         """Decode until the generation ends (return its finish reason) or ``stop`` is
         set (return None: paused at a token boundary, cache kept)."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             while True:
                 reason = gen.end_reason()
@@ -271,11 +275,19 @@ class DecoderEngine:
                 self.step(gen)
         finally:
             gen.engine_s += time.perf_counter() - t0
+            gen.engine_cpu_s += time.thread_time() - cpu0
 
-    def step(self, gen: Generation) -> int:
-        """Produce one token: feed every token the cache does not cover yet."""
+    def step(self, gen: Generation) -> int | None:
+        """Feed the tokens the cache does not cover yet and produce the next token; a
+        prompt longer than ``prefill_chunk`` is fed one chunk per step (None: no token
+        yet), so a pause never waits for a whole long prefill."""
         start = gen.cache.length if gen.cache is not None else 0
         new = gen.tokens[start:]
+        if 0 < self.prefill_chunk < len(new):
+            _, arrays = self.forward(new[: self.prefill_chunk], start, gen.cache)
+            gen.cache = KVCache(arrays, start + self.prefill_chunk)
+            gen.fed += self.prefill_chunk
+            return None
         logits, arrays = self.forward(new, start, gen.cache)
         gen.cache = KVCache(arrays, start + len(new))
         gen.fed += len(new)

@@ -30,6 +30,7 @@ def load_onnx(name: str, config: ModelConfig) -> Engine:
             threads=config.threads,
             max_context=config.generation.max_context,
             stop_ids=config.generation.stop_ids,
+            prefill_chunk=config.generation.prefill_chunk,
         )
     return OnnxEngine(name, config.path, threads=config.threads, pad_to=config.batching.pad_to)
 

@@ -82,6 +82,7 @@ class GenerationResult:
     first_token_s: float | None = None  # arrival to first token
     total_s: float = 0.0  # arrival to end
     engine_s: float = 0.0  # engine time, over every resumption
+    engine_cpu_s: float = 0.0  # CPU time of the engine thread within engine_s
     pauses: int = 0
     reused_tokens: int = 0  # prompt tokens whose KV came from a session or shared prefix
     fed_tokens: int = 0  # tokens run through the model, re-prefills included
@@ -371,6 +372,7 @@ class NodeRuntime:
             first_token_s=times[0] if times else None,
             total_s=self._clock.now() - arrival,
             engine_s=gen.engine_s,
+            engine_cpu_s=gen.engine_cpu_s,
             pauses=req.preemptions,
             reused_tokens=gen.reused,
             fed_tokens=gen.fed,

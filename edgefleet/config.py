@@ -60,6 +60,12 @@ class GenerationConfig(_Strict):
         default_factory=list, description="token ids that end every generation (e.g. EOS)"
     )
     max_new_tokens: int = Field(4096, ge=1, description="the most a request may ask for")
+    prefill_chunk: int = Field(
+        32,
+        ge=0,
+        description="prompt tokens fed per engine step; a pause waits at most one chunk "
+        "(0: the whole prompt at once)",
+    )
 
 
 class ModelConfig(_Strict):

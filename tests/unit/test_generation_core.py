@@ -5,6 +5,7 @@ continuation on another node after a node loss)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +227,18 @@ def test_generation_result_unwrap():
     assert ok.unwrap() == (1, 2)
     with pytest.raises(InvalidInput):
         GenerationResult("r", "n", error=InvalidInput("bad")).unwrap()
+
+
+def test_chunked_prefill_stops_between_chunks_and_keeps_the_output(lm_path):
+    prompt = tuple(range(1, 40))
+    expected = reference(lm_path, prompt, 20)  # the whole prompt in one call
+    engine = DecoderEngine("lm", lm_path, prefill_chunk=8)
+    gen = Generation(GenerateRequest("lm", prompt, max_new_tokens=20), 20, emit=lambda t: None)
+    assert engine.step(gen) is None and gen.cache.length == 8  # one chunk, no token yet
+    stop = threading.Event()
+    stop.set()
+    assert engine.advance(gen, stop) is None and gen.cache.length == 8  # paused between
+    assert engine.step(gen) is None and gen.cache.length == 16
+    assert engine.advance(gen) == "length"
+    assert gen.generated == expected
+    assert gen.fed == len(prompt) + 19
