@@ -5,9 +5,11 @@ Models follow the Hugging Face Optimum decoder layout: inputs ``input_ids``,
 ``.value``; outputs ``logits`` and ``present.{i}.key`` / ``.value``. Layers, heads,
 head size and dtypes are read from the model, so a user's own export works unchanged.
 
-A generation is prefilled in chunks of ``prefill_chunk`` tokens, then decoded one
-token per engine step. Between two steps (or chunks) it can stop: it is then *paused*
-with its KV cache, and a later ``advance`` continues exactly where it stopped. A cache
+A generation is prefilled (in chunks of ``prefill_chunk`` tokens when set), then
+decoded one token per engine step. Between two steps it can stop: it is then *paused*
+with its KV cache, and a later ``advance`` continues exactly where it stopped. A stop
+that arrives during a prefill call aborts that call (ONNX Runtime's terminate flag);
+the prefill runs again on resume, so urgent work never waits for a long prompt. A cache
 trimmed to a prefix (or dropped) is rebuilt by prefilling the tokens it no longer
 covers, so the output does not change.
 """
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from actors.engine import InputInfo, Signature, _spec, open_session
+from actors.engine import InputInfo, RunAborted, Signature, _spec, open_session
 from edgefleet.errors import EngineError, InvalidInput
 from edgefleet.request import GenerateRequest
 
@@ -192,6 +194,8 @@ class DecoderEngine:
         self.path = path
         self.stop_ids = tuple(stop_ids)
         self.prefill_chunk = prefill_chunk
+        self._lock = threading.Lock()
+        self._prefilling: ort.RunOptions | None = None  # the prefill call in progress
         self._sig = Signature(
             tuple(_spec(i) for i in self._session.get_inputs()),
             tuple(_spec(o) for o in self._session.get_outputs()),
@@ -253,8 +257,11 @@ class DecoderEngine:
         raise InvalidInput(f"model {self.name!r} is a decoder: use generate(), not infer()")
 
     def abort(self) -> None:
-        """Generations stop at the next token boundary (the call's stop event); a step
-        in progress is short and always completes, so no work is thrown away."""
+        """Abort a prefill in progress (a decode step is short and always completes;
+        generations stop at the next token boundary through the call's stop event)."""
+        with self._lock:
+            if self._prefilling is not None:
+                self._prefilling.terminate = True
 
     def close(self) -> None:
         del self._session
@@ -272,23 +279,25 @@ class DecoderEngine:
                     return reason
                 if stop is not None and stop.is_set():
                     return None
-                self.step(gen)
+                self.step(gen, stop)
+        except RunAborted:
+            return None  # a prefill aborted for a pause: its cache is as it was
         finally:
             gen.engine_s += time.perf_counter() - t0
             gen.engine_cpu_s += time.thread_time() - cpu0
 
-    def step(self, gen: Generation) -> int | None:
+    def step(self, gen: Generation, stop: threading.Event | None = None) -> int | None:
         """Feed the tokens the cache does not cover yet and produce the next token; a
         prompt longer than ``prefill_chunk`` is fed one chunk per step (None: no token
-        yet), so a pause never waits for a whole long prefill."""
+        yet). Raises RunAborted when ``stop`` aborted a prefill."""
         start = gen.cache.length if gen.cache is not None else 0
         new = gen.tokens[start:]
         if 0 < self.prefill_chunk < len(new):
-            _, arrays = self.forward(new[: self.prefill_chunk], start, gen.cache)
+            _, arrays = self.forward(new[: self.prefill_chunk], start, gen.cache, stop)
             gen.cache = KVCache(arrays, start + self.prefill_chunk)
             gen.fed += self.prefill_chunk
             return None
-        logits, arrays = self.forward(new, start, gen.cache)
+        logits, arrays = self.forward(new, start, gen.cache, stop)
         gen.cache = KVCache(arrays, start + len(new))
         gen.fed += len(new)
         token = sample(logits, gen.request.temperature, gen.request.top_k, gen.rng)
@@ -297,9 +306,14 @@ class DecoderEngine:
         return token
 
     def forward(
-        self, ids: Sequence[int], start: int, cache: KVCache | None
+        self,
+        ids: Sequence[int],
+        start: int,
+        cache: KVCache | None,
+        stop: threading.Event | None = None,
     ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-        """Logits of the last of ``ids`` (at positions ``start``...) and the new cache."""
+        """Logits of the last of ``ids`` (at positions ``start``...) and the new cache.
+        A call of several tokens (a prefill) can be aborted through ``stop``."""
         end = start + len(ids)
         if end > self._ones.shape[1]:
             self._grow(2 * end)
@@ -314,10 +328,24 @@ class DecoderEngine:
         feed.update(
             zip(self._past, cache.arrays if cache is not None else self._empty, strict=True)
         )
+        if len(ids) == 1 or stop is None:
+            options = None
+        else:
+            options = ort.RunOptions()
+            with self._lock:
+                if stop.is_set():
+                    raise RunAborted(self.name)
+                self._prefilling = options
         try:
-            out = self._session.run(self._outputs, feed)
+            out = self._session.run(self._outputs, feed, options)
         except Exception as exc:
+            if options is not None and options.terminate:
+                raise RunAborted(self.name) from None
             raise EngineError(f"model {self.name!r} failed: {exc}") from None
+        finally:
+            if options is not None:
+                with self._lock:
+                    self._prefilling = None
         return out[0][0, -1], tuple(out[1:])
 
     def warmup(self) -> dict[int, float]:

@@ -318,7 +318,7 @@ def _bare_loop(path: Path, prompt: tuple[int, ...], n: int) -> Callable[[], floa
 
 
 def _engine_loop(path: Path, prompt: tuple[int, ...], n: int) -> Callable[[], float]:
-    engine = DecoderEngine("m", path, prefill_chunk=32)  # as a node runs it by default
+    engine = DecoderEngine("m", path)
 
     def run() -> float:
         gen = Generation(GenerateRequest("m", prompt, max_new_tokens=n), n, _ignore)

@@ -61,10 +61,10 @@ class GenerationConfig(_Strict):
     )
     max_new_tokens: int = Field(4096, ge=1, description="the most a request may ask for")
     prefill_chunk: int = Field(
-        32,
+        0,
         ge=0,
-        description="prompt tokens fed per engine step; a pause waits at most one chunk "
-        "(0: the whole prompt at once)",
+        description="prompt tokens fed per engine call (0: the whole prompt at once); a "
+        "pause aborts the prefill call in progress, so this bounds the work redone",
     )
 
 

@@ -242,3 +242,28 @@ def test_chunked_prefill_stops_between_chunks_and_keeps_the_output(lm_path):
     assert engine.advance(gen) == "length"
     assert gen.generated == expected
     assert gen.fed == len(prompt) + 19
+
+
+def test_a_pause_aborts_a_prefill_in_progress_and_loses_nothing(tmp_path):
+    path = make_tiny_lm(tmp_path / "wide.onnx", layers=4, heads=8, head_dim=64)
+    engine = DecoderEngine("wide", path)
+    prompt = tuple(1 + i % 500 for i in range(480))
+    gen = Generation(GenerateRequest("wide", prompt, max_new_tokens=3), 3, emit=lambda t: None)
+    stop = threading.Event()
+    stop.set()
+    assert engine.advance(gen, stop) is None and gen.fed == 0  # stopped before starting
+
+    stop.clear()
+    result: list[str | None] = []
+    worker = threading.Thread(target=lambda: result.append(engine.advance(gen, stop)))
+    worker.start()
+    while engine._prefilling is None and worker.is_alive():
+        pass  # wait until the prefill call is in ONNX Runtime
+    stop.set()
+    engine.abort()
+    worker.join(10)
+    assert result == [None] and gen.cache is None and gen.generated == []
+    assert engine.advance(gen) == "length"  # resumes with a whole prefill
+    fresh = Generation(GenerateRequest("wide", prompt, max_new_tokens=3), 3, emit=lambda t: None)
+    engine.advance(fresh)
+    assert gen.generated == fresh.generated
