@@ -300,6 +300,7 @@ class Router:
             except NodeGone:
                 self._lose(entry)
                 self._counters["replaced"] += 1
+                self._metrics.replaced(request.priority, "node_lost")
                 left = request.max_new_tokens - len(sent)
                 if left <= 0:
                     result = GenerationResult(request.id, "", tuple(sent), finish_reason="length")
@@ -313,10 +314,17 @@ class Router:
             finally:
                 entry.work.pop(request.id, None)
             attempts += 1
-            assert result is not None, "a node stream ends with its result"
-            if isinstance(result.error, Rejected | Evicted) and not sent:
-                refusals += [result.error] if isinstance(result.error, Rejected) else []
-                self._counters["spilled" if isinstance(result.error, Rejected) else "replaced"] += 1
+            if result is None:  # cannot happen with a live node: its stream ends with one
+                err = NodeLost(f"node {entry.spec.name} ended the stream without a result")
+                result = GenerationResult(request.id, entry.spec.name, error=err)
+            if isinstance(result.error, Rejected) and not sent:
+                refusals.append(result.error)
+                self._counters["spilled"] += 1
+                self._metrics.spilled(request.priority)
+                continue
+            if isinstance(result.error, Evicted) and not sent:
+                self._counters["replaced"] += 1
+                self._metrics.replaced(request.priority, "evicted")
                 continue
             yield replace(result, tokens=tuple(sent))
             return
