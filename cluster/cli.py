@@ -327,6 +327,12 @@ def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
         models = ", ".join(m.name + ("*" if m.loaded else "") for m in n.models)
         health = "ok" if status.healthy.get(n.name) else "LOST"
         lines.append(f"{n.name:<12}{health:<9}{n.state:<10}{queued:<28}{running:<22}{models}")
+        if n.paused or n.lifecycle != "foreground" or any(n.kv_bytes.values()):
+            paused = " ".join(f"{p}:{c}" for p, c in sorted(n.paused.items(), reverse=True))
+            kv = sum(n.kv_bytes.values()) / (1024 * 1024)
+            lines.append(
+                f"{'':<12}lifecycle {n.lifecycle}; paused {paused or '-'}; KV cache {kv:.1f} MiB"
+            )
     lost = [name for name, ok in status.healthy.items() if not ok]
     for name in lost:
         if all(n.name != name for n in status.nodes):

@@ -267,3 +267,18 @@ def test_a_pause_aborts_a_prefill_in_progress_and_loses_nothing(tmp_path):
     fresh = Generation(GenerateRequest("wide", prompt, max_new_tokens=3), 3, emit=lambda t: None)
     engine.advance(fresh)
     assert gen.generated == fresh.generated
+
+
+def test_status_table_shows_lifecycle_paused_work_and_kv():
+    from actors.node import NodeStatus
+    from cluster.cli import status_table
+    from cluster.client import FleetStatus
+
+    kv = {"paused": 3 << 20, "cached": 1 << 20}
+    node = NodeStatus(
+        "edge-1", "serving", {}, 0, None, (), paused={3: 1}, lifecycle="background", kv_bytes=kv
+    )
+    quiet = NodeStatus("edge-0", "serving", {}, 0, None, ())
+    table = status_table(FleetStatus("f", (quiet, node), {"edge-0": True, "edge-1": True}))
+    assert "lifecycle background; paused 3:1; KV cache 4.0 MiB" in table
+    assert table.count("lifecycle") == 1  # a node with nothing to say gets no extra line
