@@ -79,6 +79,9 @@ def start_head(
             ]
         ),
         f"--ray-client-server-port={_free_port()}",
+        # Free ports, not Ray's fixed default: another Ray on this machine (an embedded
+        # fleet, another head) may hold it, and the head dies with its agent.
+        f"--dashboard-agent-listen-port={_free_port()}",
         f"--num-cpus={num_cpus}",
         f"--temp-dir={directory}",
         "--disable-usage-stats",
