@@ -186,7 +186,7 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
             t.join()
         fleet = client.status()
     out("")
-    out(report(stats, fleet.totals, ran_on, config))
+    out(report(stats, fleet.totals, ran_on, config, fleet.router))
     if chats:
         out("")
         out(generation_report(chats, fleet.totals))
@@ -266,6 +266,7 @@ def report(
     totals: dict[str, int],
     ran_on: Counter[str],
     config: FleetConfig,
+    router: dict[str, int] | None = None,
 ) -> str:
     lines = [
         "priority class   p50 ms   p99 ms  completed  rejected  evicted  superseded  "
@@ -282,7 +283,7 @@ def report(
         )
     lines.append("")
     lines.append(
-        "fleet: "
+        "nodes: "
         + ", ".join(
             f"{k} {totals.get(k, 0)}"
             for k in ("admitted", "completed", "rejected", "evicted", "superseded", "expired")
@@ -290,5 +291,11 @@ def report(
         + f"; {totals.get('preemptions', 0)} engine calls preempted"
         + f" ({totals.get('preempted', 0)} requests requeued)"
     )
+    if router is not None:
+        lines.append(
+            f"router: shed {router.get('shed', 0)} low-priority requests to keep room for "
+            f"urgent work, spilled {router.get('spilled', 0)} to another node, re-placed "
+            f"{router.get('replaced', 0)}"
+        )
     lines.append("ran on: " + ", ".join(f"{n} {c}" for n, c in sorted(ran_on.items())))
     return "\n".join(lines)

@@ -119,6 +119,7 @@ def test_demo_runs_to_its_report(tmp_path):
     for cls in ("foreground", "inline", "background", "offline"):
         assert any(line.startswith(cls) for line in out.splitlines()), cls
     assert "ran on: edge-0" in out
+    assert "router: shed " in out and "nodes: admitted " in out
     chat = next(line for line in out.splitlines() if line.startswith("chat "))
     assert int(chat.split()[1]) > 0, chat  # chat turns completed
     assert "event: edge-1 is now in the background" in out
