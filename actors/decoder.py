@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from actors.engine import InputInfo, RunAborted, Signature, _spec, open_session
+from actors.engine import InputInfo, RunAborted, Signature, open_session, session_signature
 from edgefleet.errors import EngineError, InvalidInput
 from edgefleet.request import GenerateRequest
 
@@ -196,10 +196,7 @@ class DecoderEngine:
         self.prefill_chunk = prefill_chunk
         self._lock = threading.Lock()
         self._prefilling: ort.RunOptions | None = None  # the prefill call in progress
-        self._sig = Signature(
-            tuple(_spec(i) for i in self._session.get_inputs()),
-            tuple(_spec(o) for o in self._session.get_outputs()),
-        )
+        self._sig = session_signature(self._session)
         inputs = {s.name: s for s in self._sig.inputs}
         outputs = {s.name for s in self._sig.outputs}
         for required in ("input_ids", "attention_mask"):

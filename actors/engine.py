@@ -194,10 +194,7 @@ class OnnxEngine:
         self.name = name
         self.path = path
         self._pad_to = tuple(sorted(pad_to))
-        self._sig = Signature(
-            tuple(_spec(i) for i in self._session.get_inputs()),
-            tuple(_spec(o) for o in self._session.get_outputs()),
-        )
+        self._sig = session_signature(self._session)
         self._output_names = [o.name for o in self._sig.outputs]
         self._lock = threading.Lock()
         self._options: ort.RunOptions | None = None  # of the call in progress
@@ -260,6 +257,14 @@ class OnnxEngine:
     def close(self) -> None:
         self.abort()
         del self._session
+
+
+def session_signature(session: ort.InferenceSession) -> Signature:
+    """The inputs and outputs of a loaded model."""
+    return Signature(
+        tuple(_spec(i) for i in session.get_inputs()),
+        tuple(_spec(o) for o in session.get_outputs()),
+    )
 
 
 def _spec(arg: Any) -> TensorSpec:
