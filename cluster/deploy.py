@@ -123,6 +123,7 @@ def deploy_nodes(
             namespace=NAMESPACE,
             num_cpus=spec.num_cpus,
             resources=spec.resources or None,
+            label_selector=spec.labels or None,
             max_concurrency=max_concurrency(spec),
             max_restarts=-1,  # Ray brings a crashed node back; the router restarts its loop
             lifetime="detached" if detached else None,

@@ -142,6 +142,11 @@ class NodeConfig(_Strict):
         default_factory=dict,
         description="Ray custom resources the node actor needs: pins it to matching machines",
     )
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Ray node labels the node actor's machine must carry "
+        "(`ray start --labels key=value`), e.g. {device: camera}",
+    )
 
 
 class LocalConfig(_Strict):
@@ -221,6 +226,7 @@ class NodeSpec(_Strict):
     order: Literal["priority", "fifo"] = "priority"
     num_cpus: float = 0
     resources: dict[str, float] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
 
 
 class FleetConfig(_Strict):
@@ -304,6 +310,7 @@ class FleetConfig(_Strict):
                 order=n.order or d.order,
                 num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
                 resources=dict(n.resources),
+                labels=dict(n.labels),
             )
             for n in nodes
         ]

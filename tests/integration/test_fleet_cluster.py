@@ -40,7 +40,9 @@ def cluster_fleet(models_dir):
         },
     )
     raylets = {
-        name: cluster.add_node(num_cpus=1, resources={name: 1}, node_ip_address=LOOPBACK)
+        name: cluster.add_node(
+            num_cpus=1, resources={name: 1}, labels={"device": name}, node_ip_address=LOOPBACK
+        )
         for name in NODES
     }
     cluster.wait_for_nodes()
@@ -50,7 +52,12 @@ def cluster_fleet(models_dir):
             "fleet": {"name": "cluster"},
             "models": {"slow25": {"path": "slow25.onnx"}, "slow": {"path": "slow.onnx"}},
             "node_defaults": {"queue": {"capacity": 16}},
-            "nodes": [{"name": n, "resources": {n: 0.5}} for n in NODES],
+            # edge-2 finds its machine by a node label, the others by a custom resource.
+            "nodes": [
+                {"name": "edge-0", "resources": {"edge-0": 0.5}},
+                {"name": "edge-1", "resources": {"edge-1": 0.5}},
+                {"name": "edge-2", "labels": {"device": "edge-2"}},
+            ],
             "router": {
                 "resources": {"head": 0.5},
                 "report_interval_s": 0.2,
@@ -88,6 +95,11 @@ def test_nodes_are_on_their_own_raylets(cluster_fleet):
     status = client.status()
     assert sorted(n.name for n in status.nodes) == NODES
     assert all(status.healthy.values())
+    for name, raylet in raylets.items():
+        where = node_actor(name).__ray_call__.remote(
+            lambda _: ray.get_runtime_context().get_node_id()
+        )
+        assert ray.get(where, timeout=30) == raylet.node_id, name
 
 
 def test_foreground_goes_where_least_higher_priority_work_waits(cluster_fleet):
