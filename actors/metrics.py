@@ -23,11 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from edgefleet.messages import LATENCY_BUCKETS, MetricsSummary, NodeStatus
 from edgefleet.request import DEFAULT_PRIORITIES, RequestState
 from policies.budget import LIFECYCLE_STATES
 
 if TYPE_CHECKING:
-    from actors.node import NodeStatus
     from actors.scheduler import Outcome, Plan
 
 log = logging.getLogger(__name__)
@@ -35,23 +35,6 @@ log = logging.getLogger(__name__)
 Kind = Literal["counter", "gauge", "histogram"]
 EXPORT_PREFIX = "ray_"  # Ray's metrics agent puts this in front of every metric name
 
-# Seconds, for request latencies: 1 ms to 30 s.
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
 LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
@@ -420,21 +403,6 @@ class Recorder:
             self.errors += 1
             if self.errors == 1:  # once: a broken metric must not flood the log either
                 log.warning("dropping a record of %s", metric.name, exc_info=True)
-
-
-@dataclass(frozen=True)
-class MetricsSummary:
-    """What a node reports about its metrics in its status: cumulative latency bucket
-    counts of completed requests by priority class (the same buckets as the exported
-    ``edgefleet_latency_seconds``, so the same quantiles come out), and failed records."""
-
-    bounds: tuple[float, ...] = LATENCY_BUCKETS
-    latency: dict[str, tuple[int, ...]] = field(default_factory=dict)  # class -> le counts, +Inf
-    errors: int = 0
-
-    def completed(self, priority: str) -> int:
-        counts = self.latency.get(priority)
-        return counts[-1] if counts else 0
 
 
 class NodeMetrics(Recorder):

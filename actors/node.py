@@ -17,19 +17,27 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
 from actors.decoder import DecoderEngine, Generation, check_generation, common_prefix
 from actors.engine import Engine, RunAborted, check_inputs
 from actors.kvstore import KVStore, prefix_key, session_key
-from actors.metrics import MetricsSummary, NodeMetrics
+from actors.metrics import NodeMetrics
 from actors.models import Loader, ModelManager, load_onnx
 from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import MiB, NodeSpec
 from edgefleet.errors import EdgeFleetError, EngineError, InvalidInput, Rejected
+from edgefleet.messages import (
+    GenerationResult,
+    ModelStatus,
+    NodeStatus,
+    Reply,
+    RunningStatus,
+    TokenChunk,
+)
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
 from policies import QUEUE_ORDERS, BatchParams, PreemptionParams, QueueLimits
 from policies.budget import LIFECYCLE_STATES, TokenBudgets, token_limit
@@ -40,103 +48,6 @@ RECENT_REPLIES = 1024  # answers kept to serve retries of the same request id...
 RECENT_BYTES = 32 * 1024 * 1024  # ...within this many bytes of outputs
 STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together
 MAX_REPORTED_SESSIONS = 256  # sessions named in a status report (most recent first)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """The one answer to one request."""
-
-    request_id: str
-    node: str
-    outputs: dict[str, np.ndarray] | None = None
-    error: EdgeFleetError | None = None
-    queue_s: float = 0.0  # arrival to engine start
-    service_s: float = 0.0  # engine time of the call that served it
-    batch_size: int = 0  # requests in that call
-
-    def unwrap(self) -> dict[str, np.ndarray]:
-        if self.error is not None:
-            raise self.error
-        assert self.outputs is not None
-        return self.outputs
-
-
-@dataclass(frozen=True)
-class TokenChunk:
-    """New tokens of a generation, in order (several when they came faster than sent)."""
-
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """The end of one generation: why it ended (``stop``, ``length``, ``budget``,
-    ``cancelled``) or the typed error that ended it, and what it cost."""
-
-    request_id: str
-    node: str
-    tokens: tuple[int, ...] = ()  # every generated token
-    finish_reason: str | None = None
-    error: EdgeFleetError | None = None
-    queue_s: float = 0.0  # arrival to first engine step
-    first_token_s: float | None = None  # arrival to first token
-    total_s: float = 0.0  # arrival to end
-    engine_s: float = 0.0  # engine time, over every resumption
-    engine_cpu_s: float = 0.0  # CPU time of the engine thread within engine_s
-    pauses: int = 0
-    reused_tokens: int = 0  # prompt tokens whose KV came from a session or shared prefix
-    fed_tokens: int = 0  # tokens run through the model, re-prefills included
-    token_times: tuple[float, ...] = ()  # seconds from arrival until each token was made
-    arrival: float = 0.0  # on the node's monotonic clock
-
-    def unwrap(self) -> tuple[int, ...]:
-        if self.error is not None:
-            raise self.error
-        return self.tokens
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    name: str
-    loaded: bool
-    batchable: bool
-    batch_limit: int
-    cost_ms: dict[int, float]  # measured at warm-up: engine ms per call, by batch rows
-    row_ms: float | None  # observed recently, per row
-    loads: int
-    kind: str = "tensor"
-
-
-@dataclass(frozen=True)
-class RunningStatus:
-    model: str
-    request_ids: tuple[str, ...]
-    priority: int
-    elapsed_s: float
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    name: str
-    state: str  # starting | serving | draining | drained | stopped
-    queued: dict[int, int]  # priority -> requests
-    queued_bytes: int
-    running: RunningStatus | None
-    models: tuple[ModelStatus, ...]
-    counters: dict[str, int] = field(default_factory=dict)
-    switching: str | None = None
-    rss_mb: float = 0.0
-    peak_rss_mb: float = 0.0
-    pid: int = 0  # the node's process
-    paused: dict[int, int] = field(default_factory=dict)  # priority -> paused generations
-    lifecycle: str = "foreground"
-    kv_bytes: dict[str, int] = field(default_factory=dict)  # paused / cached -> bytes
-    sessions: tuple[str, ...] = ()  # chat sessions whose KV the node holds
-    metrics: MetricsSummary = field(default_factory=MetricsSummary)  # latency by priority
-
-    @property
-    def queue_length(self) -> int:
-        return sum(self.queued.values())
 
 
 class NodeRuntime:
@@ -749,6 +660,7 @@ class NodeRuntime:
                 row_ms=None if (c := self._sched.row_cost(i.name)) is None else c * 1000,
                 loads=i.loads,
                 kind=i.config.kind,
+                load_ms=i.load_s * 1000 if i.loads else None,
             )
             for i in self._models.models()
         )
@@ -764,6 +676,7 @@ class NodeRuntime:
                 tuple(r.id for r in running.requests),
                 max(r.priority for r in running.requests),
                 now - running.started,
+                sum(r.rows for r in running.requests),
             ),
             models=models,
             counters=dict(self._counters),
@@ -776,6 +689,7 @@ class NodeRuntime:
             kv_bytes=self._kv_bytes(),
             sessions=tuple(self._kv.sessions()[:MAX_REPORTED_SESSIONS]),
             metrics=self._metrics.summary(),
+            queued_rows=self._sched.queued_rows(),
         )
         self._metrics.observe(status)
         return status

@@ -406,6 +406,14 @@ class LocalScheduler:
             counts[r.priority] = counts.get(r.priority, 0) + 1
         return counts
 
+    def queued_rows(self) -> dict[int, dict[str, int]]:
+        """Rows waiting, by priority and model (what placement prices queued work by)."""
+        out: dict[int, dict[str, int]] = {}
+        for r in self._queued.values():
+            by_model = out.setdefault(r.priority, {})
+            by_model[r.model] = by_model.get(r.model, 0) + r.rows
+        return out
+
     def paused_by_priority(self) -> dict[int, int]:
         counts: dict[int, int] = {}
         for r in self._paused.values():

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import ray
 
-from actors.node import Reply
 from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
@@ -63,6 +62,7 @@ from cluster.client import FleetClient
 from cluster.deploy import NAMESPACE, router_name
 from edgefleet.config import FleetConfig
 from edgefleet.errors import Evicted, Rejected
+from edgefleet.messages import Reply
 from edgefleet.request import InferRequest, new_request_id
 
 TITLE = "Fleet behind the router (fleet)"

@@ -27,7 +27,6 @@ import onnxruntime as ort
 import ray
 from ray.actor import ActorHandle
 
-from actors.node import Reply
 from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
@@ -49,6 +48,7 @@ from bench.common import (
     slow_feed,
 )
 from cluster.client import FleetClient
+from edgefleet.messages import Reply
 from edgefleet.request import InferRequest
 
 TITLE = "Node overhead at saturation (b)"

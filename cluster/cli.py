@@ -267,6 +267,8 @@ def status_dict(status: FleetStatus, overview: Overview | None = None) -> dict[s
     out: dict[str, Any] = {
         "fleet": status.fleet,
         "router": status.router,
+        "callers": status.callers,
+        "placement": status.placement,
         "totals": status.totals,
         "nodes": [
             {**dataclasses.asdict(n), "healthy": status.healthy.get(n.name, False)}
@@ -314,6 +316,12 @@ def overview_lines(o: Overview) -> list[str]:
 
 def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
     lines = [f"fleet {status.fleet}", ""]
+    if status.placement:
+        lines += [
+            f"placement: {status.placement}; placed by {status.callers} caller(s) "
+            "straight to the nodes",
+            "",
+        ]
     if overview is not None:
         lines += [*overview_lines(overview), ""]
     lines.append(

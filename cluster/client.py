@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import time
+import asyncio
+import concurrent.futures as cf
+import logging
+import random
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,6 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
-from actors.node import GenerationResult, NodeStatus, Reply, TokenChunk
 from cluster.deploy import (
     connect_ray,
     deploy_nodes,
@@ -24,51 +26,32 @@ from cluster.deploy import (
     start_local_ray,
     teardown,
 )
+from cluster.dispatch import Dispatcher
+from cluster.names import NAMESPACE, actor_name
+from cluster.nodes import RayNode
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost
+from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest, new_request_id, resolve_priority
+
+__all__ = ["FleetClient", "FleetStatus", "TokenStream"]
+
+log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 CONTROL_TIMEOUT_S = 30.0
 LARGE_INPUT_BYTES = 1024 * 1024
-ROUTER_RETRIES = 3
-ROUTER_RETRY_S = 1.0
 SWITCH_TIMEOUT_S = 300.0
-
-
-@dataclass(frozen=True)
-class FleetStatus:
-    """A snapshot of every node, which are healthy, and the router's counters
-    (received, completed, spilled, replaced, shed, nodes_lost, ...)."""
-
-    fleet: str
-    nodes: tuple[NodeStatus, ...]
-    healthy: dict[str, bool] = field(default_factory=dict)
-    router: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def totals(self) -> dict[str, int]:
-        """Node counters added up over the fleet."""
-        out: dict[str, int] = {}
-        for node in self.nodes:
-            for k, v in node.counters.items():
-                out[k] = out.get(k, 0) + v
-        return out
-
-    def node(self, name: str) -> NodeStatus:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
 
 
 class FleetClient:
     """Send inference to a fleet and watch it.
 
     Use :meth:`local` to run a fleet inside an embedded Ray cluster on loopback.
-    Requests go through the fleet's router, which places each on the node where it
-    would finish soonest at its priority and spills to the next when a node refuses;
-    a request every node refuses raises :class:`Rejected` with a retry-after hint.
+    The client places each request itself, on the node where it would finish soonest
+    at its priority (the fleet's placement pipeline, on the view the router publishes),
+    sends it there directly and spills to the next node when one refuses; a request
+    every node refuses raises :class:`Rejected` with a retry-after hint. Thread-safe.
     """
 
     def __init__(
@@ -86,6 +69,12 @@ class FleetClient:
         self._owns_fleet = owns_fleet
         self._owns_ray = owns_ray
         self._served = {m for spec in config.node_specs() for m in spec.models}
+        handles = {
+            name: RayNode(actor_name(config.fleet.name, name), NAMESPACE, actor)
+            for name, actor in self._nodes.items()
+        }
+        self._dispatcher = Dispatcher(config, handles)
+        self._feed = _ViewFeed(router, self._dispatcher, config)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -133,6 +122,8 @@ class FleetClient:
 
     def close(self) -> None:
         """Tear down what this client started (nodes, and Ray if it started it)."""
+        self._feed.stop()
+        self._dispatcher.close()
         if self._owns_fleet and self._nodes:
             teardown(self._nodes, self._router)
             self._nodes = {}
@@ -166,19 +157,7 @@ class FleetClient:
     def infer_reply(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> Reply:
         """Like :meth:`infer`, but returns the :class:`Reply` (outputs or error, node,
         queue and service time, batch size) without raising."""
-        if kw.get("request_id") is None:  # one id for every retry of this request
-            kw["request_id"] = new_request_id()
-        for attempt in range(ROUTER_RETRIES + 1):
-            try:
-                (reply,) = _get([self.submit(model, inputs, **kw)], None, "infer")
-                return reply
-            except NodeLost:
-                # The router died; Ray restarts it. The same id lets nodes answer a
-                # request that already ran instead of running it twice.
-                if attempt == ROUTER_RETRIES:
-                    raise
-                time.sleep(ROUTER_RETRY_S)
-        raise AssertionError("unreachable")
+        return self.submit(model, inputs, **kw).result()
 
     def submit(
         self,
@@ -189,12 +168,13 @@ class FleetClient:
         deadline_s: float | None = None,
         key: str | None = None,
         request_id: str | None = None,
-    ) -> ray.ObjectRef:
-        """Send one request without waiting; returns a Ray reference to its :class:`Reply`.
+    ) -> cf.Future[Reply]:
+        """Send one request without waiting; returns a future of its :class:`Reply`.
 
-        For pipelining many requests from one process (``ray.wait`` / ``ray.get`` on the
-        references). Inputs larger than 1 MiB are put in Ray's object store once and
-        travel to the chosen node by reference, not through the router.
+        For pipelining many requests from one thread (``concurrent.futures.wait``).
+        The future never raises: errors are in ``Reply.error``. Inputs larger than
+        1 MiB are put in Ray's object store once and the node reads them from there.
+        A retry with the same ``request_id`` is answered once by the node holding it.
         """
         self._check_model(model)
         request = InferRequest(
@@ -206,9 +186,8 @@ class FleetClient:
             key=key,
         )
         if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
-            ref = ray.put(dict(inputs))
-            return self._router.infer.remote(replace(request, inputs={}), [ref])
-        return self._router.infer.remote(request)
+            return self._dispatcher.submit(request, ray.put(dict(inputs)))
+        return self._dispatcher.submit(request)
 
     async def infer_async(
         self,
@@ -221,9 +200,10 @@ class FleetClient:
         request_id: str | None = None,
     ) -> dict[str, np.ndarray]:
         """Awaitable :meth:`infer`, for asyncio services."""
-        reply: Reply = await self.submit(
+        future = self.submit(
             model, inputs, priority=priority, deadline_s=deadline_s, key=key, request_id=request_id
         )
+        reply: Reply = await asyncio.wrap_future(future)
         return reply.unwrap()
 
     def generate(
@@ -269,7 +249,7 @@ class FleetClient:
             stop_ids=tuple(int(t) for t in stop_ids),
             deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
         )
-        return TokenStream(request.id, self._router.generate.remote(request))
+        return TokenStream(request.id, self._dispatcher.stream(request))
 
     # -------------------------------------------------------------------- control
 
@@ -284,9 +264,17 @@ class FleetClient:
         return status
 
     def status(self, timeout_s: float = CONTROL_TIMEOUT_S) -> FleetStatus:
-        """Fresh reports from every reachable node, with the router's view."""
-        (rs,) = _get([self._router.status.remote()], timeout_s, "status")
-        return FleetStatus(rs.fleet, rs.nodes, rs.healthy, rs.counters)
+        """Fresh reports from every reachable node, with the fleet-wide counters (this
+        client's included)."""
+        counters = self._dispatcher.take_counters()
+        try:
+            (rs,) = _get([self._router.status.remote(dict(counters))], timeout_s, "status")
+        except BaseException:
+            self._dispatcher.give_back(counters)
+            raise
+        return FleetStatus(
+            rs.fleet, rs.nodes, rs.healthy, rs.counters, rs.callers, rs.placement
+        )
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""
@@ -322,14 +310,17 @@ class TokenStream(Iterator[int]):
 
     Iterating raises the typed error of a generation that never ran (``Rejected``,
     ``InvalidInput``, ...). After the last token, :attr:`result` holds the
-    :class:`GenerationResult` (finish reason, node, timings).
+    :class:`GenerationResult` (finish reason, node, timings). Closing the stream (or
+    dropping it) before the end cancels the generation.
     """
 
-    def __init__(self, request_id: str, refs: Any) -> None:
+    def __init__(
+        self, request_id: str, items: Iterator[TokenChunk | GenerationResult]
+    ) -> None:
         self.request_id = request_id
         self.tokens: list[int] = []
         self.result: GenerationResult | None = None
-        self._refs = refs
+        self._items = items
         self._ready: deque[int] = deque()
 
     def __next__(self) -> int:
@@ -337,7 +328,7 @@ class TokenStream(Iterator[int]):
             if self.result is not None:
                 raise StopIteration
             try:
-                (item,) = _get([next(self._refs)], None, "generate")
+                item = next(self._items)
             except StopIteration:
                 raise NodeLost("the generation stream ended without a result") from None
             if isinstance(item, TokenChunk):
@@ -348,6 +339,11 @@ class TokenStream(Iterator[int]):
                 if item.error is not None:
                     raise item.error
         return self._ready.popleft()
+
+    def close(self) -> None:
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
 
     def collect(self) -> list[int]:
         """Wait for the whole generation; its token ids."""
@@ -362,6 +358,57 @@ class TokenStream(Iterator[int]):
     @property
     def node(self) -> str | None:
         return self.result.node if self.result is not None else None
+
+
+class _ViewFeed:
+    """Keeps a dispatcher's fleet view fresh: fetches the router's view every
+    ``report_interval_s`` and hands over the counters counted meanwhile. A router that
+    does not answer (restarting, say) is asked again with exponential backoff and
+    jitter; meanwhile requests are placed on the last view and the caller's own
+    accounting. The first view is fetched before the client is returned."""
+
+    def __init__(self, router: ActorHandle, dispatcher: Dispatcher, config: FleetConfig) -> None:
+        self._router = router
+        self._dispatcher = dispatcher
+        self._interval = config.router.report_interval_s
+        self._timeout = max(2.0, config.router.lost_after_s)
+        self._caller = new_request_id()
+        self._stop = threading.Event()
+        self.failures = 0
+        self._fetch()
+        self._thread = threading.Thread(target=self._run, name="edgefleet-view", daemon=True)
+        self._thread.start()
+
+    def _fetch(self) -> None:
+        counters = self._dispatcher.take_counters()
+        try:
+            ref = self._router.fleet_view.remote(self._caller, dict(counters))
+            (view,) = _get([ref], self._timeout, "fleet view")
+        except BaseException:
+            self._dispatcher.give_back(counters)
+            raise
+        self._dispatcher.update(view)
+
+    def _run(self) -> None:
+        jitter = random.Random()
+        delay = self._interval
+        while not self._stop.wait(delay):
+            try:
+                self._fetch()
+            except Exception as exc:  # supervised: the feed keeps going, with backoff
+                self.failures += 1
+                if self.failures == 1:
+                    log.warning("the fleet view could not be refreshed (%s); retrying", exc)
+                backoff = min(self._timeout, self._interval * 2**self.failures)
+                delay = backoff * (0.5 + jitter.random())
+                continue
+            if self.failures:
+                log.info("the fleet view is fresh again after %d failures", self.failures)
+            self.failures = 0
+            delay = self._interval
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _get(refs: list[ray.ObjectRef], timeout_s: float | None, what: str) -> list[Any]:

@@ -10,6 +10,7 @@ report shows what the scheduler did for each class.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 import time
 from collections import Counter
@@ -18,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import ray
 
-from actors.node import Reply
 from cluster.client import FleetClient
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import EdgeFleetError, Rejected
+from edgefleet.messages import Reply
 from edgefleet.modelgen import make_missing_models, random_inputs
 
 Print = Callable[[str], None]
@@ -137,7 +137,7 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
     stats = {s.priority: ClassStats() for s in streams}
     ran_on: Counter[str] = Counter()
     with FleetClient.local(config, progress=out) as client:
-        pending: dict[ray.ObjectRef, tuple[Stream, float]] = {}
+        pending: dict[cf.Future[Reply], tuple[Stream, float]] = {}
         start = time.monotonic()
         last_report = start
         out(f"running a mixed workload for {duration_s:.0f} s on {len(config.node_specs())} nodes")
@@ -163,11 +163,11 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
                     _send(client, s, inputs, pending)
             if not pending and not sending:
                 break
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.005)
+            ready, _ = cf.wait(list(pending), timeout=0.005, return_when=cf.FIRST_COMPLETED)
             for ref in ready:
                 stream, sent = pending.pop(ref)
                 stream.outstanding -= 1
-                reply: Reply = ray.get(ref)
+                reply: Reply = ref.result()
                 st = stats[stream.priority]
                 if reply.error is None:
                     st.latencies.append(time.monotonic() - sent)
@@ -236,7 +236,7 @@ def _send(
     client: FleetClient,
     stream: Stream,
     inputs: dict[str, dict[str, np.ndarray]],
-    pending: dict[ray.ObjectRef, tuple[Stream, float]],
+    pending: dict[cf.Future[Reply], tuple[Stream, float]],
 ) -> None:
     ref = client.submit(
         stream.model,

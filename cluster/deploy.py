@@ -11,12 +11,11 @@ import ray
 from ray._private import ray_constants
 from ray.actor import ActorHandle
 
-from actors.node import NodeRuntime
 from cluster.head import LOOPBACK, recorded_address, recorded_token_auth
+from cluster.names import NAMESPACE, actor_name, router_name
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import ModelNotFound
 
-NAMESPACE = "edgefleet"
 ROUTER_MAX_CONCURRENCY = 100_000  # requests one router holds open across the fleet
 START_TIMEOUT_S = 300.0
 
@@ -28,10 +27,6 @@ def max_concurrency(spec: NodeSpec) -> int:
 
 
 Progress = Callable[[str], None]
-
-
-def actor_name(fleet: str, node: str) -> str:
-    return f"{fleet}/node/{node}"
 
 
 def pin_loopback() -> None:
@@ -114,6 +109,8 @@ def deploy_nodes(
 ) -> dict[str, ActorHandle]:
     """Create and start one node actor per node spec; returns handles by node name.
     Detached nodes outlive the process that deployed them (``edgefleet up --detach``)."""
+    from actors.node import NodeRuntime  # the node runtime (ONNX Runtime) only where deployed
+
     remote_node = ray.remote(NodeRuntime)
     handles: dict[str, ActorHandle] = {}
     specs: list[NodeSpec] = config.node_specs()
@@ -142,10 +139,6 @@ def deploy_nodes(
         teardown(handles)
         raise
     return handles
-
-
-def router_name(fleet: str) -> str:
-    return f"{fleet}/router"
 
 
 def deploy_router(config: FleetConfig) -> ActorHandle:

@@ -32,7 +32,7 @@ from actors.metrics import (
 from edgefleet.request import DEFAULT_PRIORITIES, GenerateRequest, InferRequest
 
 if TYPE_CHECKING:
-    from cluster.client import FleetStatus
+    from edgefleet.messages import FleetStatus
 
 # Ray's name for it (ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE).
 SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edgefleet.errors import ConfigError, ModelNotFound
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
+
+if TYPE_CHECKING:
+    from policies.placement import PlacementParams
 
 MiB = 1024 * 1024
 
@@ -159,13 +162,33 @@ class FleetMeta(_Strict):
 
 
 class PlacementConfig(_Strict):
-    """How the router chooses a node (see policies/placement)."""
+    """How callers choose a node: a pipeline of named plugins (see policies/placement).
+
+    ``policy`` is a preset of scorers and picker; ``scorers`` (name -> weight) and
+    ``picker`` replace the preset's.
+    """
 
     policy: Literal["expected_completion", "power_of_two", "round_robin", "random"] = (
         "expected_completion"
     )
-    load_weight: float = Field(1.0, ge=0, description="weight of the model-load cost")
-    affinity_penalty_s: float = Field(0.5, ge=0)
+    scorers: dict[str, float] | None = Field(
+        None,
+        description="scorer -> weight (expected_completion, model_load, session_affinity); "
+        "default: the policy's",
+    )
+    picker: str | None = Field(
+        None,
+        description="best, near_best, power_of_two, round_robin or random; default: the "
+        "policy's (expected_completion: near_best)",
+    )
+    tie_s: float = Field(0.001, ge=0, description="near_best: nodes this close to the best tie")
+    tie_ratio: float = Field(0.1, ge=0, description="near_best: ...or this share of the best")
+    affinity_penalty_s: float = Field(
+        0.5, ge=0, description="session_affinity: cost of moving a session from its KV cache"
+    )
+    load_default_s: float = Field(
+        1.0, ge=0, description="model_load: load time assumed before a node has measured it"
+    )
     shed: dict[str, float] = Field(
         default_factory=lambda: {"background": 0.75, "offline": 0.5},
         description="priority class -> largest queue occupancy (0-1] that work of that "
@@ -180,6 +203,28 @@ class PlacementConfig(_Strict):
             if not 0 < frac <= 1:
                 raise ValueError(f"shed.{name} is {frac}; allowed: a fraction in (0, 1]")
         return v
+
+    @model_validator(mode="after")
+    def _plugins(self) -> PlacementConfig:
+        from policies.placement.registry import check_names
+
+        check_names(self.policy, self.scorers, self.picker)
+        return self
+
+    def params(self, priorities: Mapping[str, int]) -> PlacementParams:
+        """The pipeline's parameters, with shedding limits by integer priority."""
+        from policies.placement import PlacementParams
+
+        return PlacementParams(
+            policy=self.policy,
+            scorers=self.scorers,
+            picker=self.picker,
+            tie_s=self.tie_s,
+            tie_ratio=self.tie_ratio,
+            affinity_penalty_s=self.affinity_penalty_s,
+            load_default_s=self.load_default_s,
+            shed={priorities[name]: frac for name, frac in self.shed.items()},
+        )
 
 
 class RouterConfig(_Strict):

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
+import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from actors.engine import InputInfo, RunAborted, Signature, TensorSpec, check_inputs
-from edgefleet.config import ModelConfig, NodeSpec, PreemptionConfig, QueueConfig
+from actors.node import NodeRuntime
+from cluster.dispatch import Dispatcher, NodeGone
+from cluster.router import Router
+from edgefleet.config import FleetConfig, ModelConfig, NodeSpec, PreemptionConfig, QueueConfig
 from edgefleet.errors import EngineError
+from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
+from edgefleet.request import GenerateRequest, InferRequest
 
 F32 = np.dtype(np.float32)
 
@@ -99,3 +107,132 @@ class FakeLoader:
 
 def x(value: float, rows: int = 1) -> dict[str, np.ndarray]:
     return {"x": np.full((rows, 4), value, dtype=np.float32)}
+
+
+# --------------------------------------------------------------- a fleet in-process
+
+
+class LocalNode:
+    """A NodeRuntime on a background event loop behind the handles a dispatcher and a
+    router use; ``dead = True`` makes it behave like a dead actor (calls in progress
+    fail with NodeGone, as Ray's would)."""
+
+    def __init__(self, node: NodeRuntime, loop: asyncio.AbstractEventLoop) -> None:
+        self.node = node
+        self.loop = loop
+        self.dead = False
+        self.calls = 0
+
+    def _gone(self) -> NodeGone:
+        return NodeGone(self.node.spec.name)
+
+    # dispatcher side (any thread)
+    def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+        self.calls += 1
+        if self.dead:
+            raise self._gone()
+        return asyncio.run_coroutine_threadsafe(self._infer(request, inputs), self.loop)
+
+    async def _infer(self, request: InferRequest, inputs: Any) -> Reply:
+        task = asyncio.ensure_future(self.node.infer(request, inputs))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.01)
+            if self.dead:
+                task.cancel()
+                raise self._gone()
+        return task.result()
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+        self.calls += 1
+        if self.dead:
+            raise self._gone()
+        stream = self.node.generate(request)
+        try:
+            while True:
+                try:
+                    item = asyncio.run_coroutine_threadsafe(stream.__anext__(), self.loop).result(
+                        60
+                    )
+                except StopAsyncIteration:
+                    return
+                if self.dead:
+                    raise self._gone()
+                yield item
+        finally:
+            asyncio.run_coroutine_threadsafe(stream.aclose(), self.loop).result(60)
+
+    # router side (on the loop)
+    async def status(self) -> NodeStatus:
+        if self.dead:
+            raise self._gone()
+        return self.node.status()
+
+    async def start(self) -> NodeStatus:
+        return await self.node.start()
+
+    async def cancel(self, request_id: str) -> bool:
+        return self.node.cancel(request_id)
+
+    async def set_lifecycle(self, state: str) -> NodeStatus:
+        return self.node.set_lifecycle(state)
+
+
+class LocalFleet:
+    """Nodes, their router and a dispatcher in this process (no Ray): the nodes and the
+    router on one background event loop, the dispatcher called from the test's thread
+    as FleetClient calls it. ``refresh()`` hands the router's view to the dispatcher
+    (a client's view feed does that every report interval)."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        make_node: Callable[[NodeSpec], NodeRuntime],
+        *,
+        metrics: Any = None,
+        router_metrics: Any = None,
+    ) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.handles = {s.name: LocalNode(make_node(s), self.loop) for s in config.node_specs()}
+        for h in self.handles.values():
+            self.run(h.node.start())
+        self.router = Router(config, self.handles, metrics=router_metrics)
+        self.run(self.router.start())
+        self.dispatcher = Dispatcher(config, self.handles, metrics=metrics)
+        self.refresh()
+
+    def run(self, coro: Any, timeout: float = 60) -> Any:
+        """Run ``coro`` on the fleet's loop and wait for it."""
+        return self.spawn(coro).result(timeout)
+
+    def spawn(self, coro: Any) -> cf.Future[Any]:
+        """Start ``coro`` on the fleet's loop; its future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def refresh(self) -> None:
+        async def view() -> Any:
+            await self.router.status()  # polls every node now
+            return self.router.fleet_view("test", self.dispatcher.take_counters())
+
+        self.dispatcher.update(self.run(view()))
+
+    def infer(self, request: InferRequest, timeout: float = 60) -> Reply:
+        return self.dispatcher.submit(request).result(timeout)
+
+    def counters(self) -> dict[str, int]:
+        self.refresh()
+        return self.router.status_now().counters
+
+    def node(self, name: str) -> NodeRuntime:
+        return self.handles[name].node
+
+    def close(self) -> None:
+        self.run(self.router.stop(), 10)
+        for h in self.handles.values():
+            with contextlib.suppress(Exception):
+                self.run(h.node.stop(), 10)
+        self.dispatcher.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)

@@ -1,15 +1,27 @@
 """Placement of requests on nodes: filters, scorers, pickers and named policies."""
 
-from policies.placement.base import NodeView, Placement, PlacementRequest
+from policies.placement.base import NodeView, Placement, PlacementRequest, drain, row_cost
 from policies.placement.filters import ShedBelowPriority
-from policies.placement.registry import PLACEMENT_POLICIES, PlacementParams, make_placement
+from policies.placement.registry import (
+    PICKERS,
+    PLACEMENT_POLICIES,
+    POLICIES,
+    SCORERS,
+    PlacementParams,
+    make_placement,
+)
 
 __all__ = [
+    "PICKERS",
     "PLACEMENT_POLICIES",
+    "POLICIES",
+    "SCORERS",
     "NodeView",
     "Placement",
     "PlacementParams",
     "PlacementRequest",
     "ShedBelowPriority",
+    "drain",
     "make_placement",
+    "row_cost",
 ]

@@ -1,5 +1,5 @@
 """Placement: which node should run this request. Filters, then weighted scorers, then a
-picker that orders the survivors (the router tries them in that order, spilling on
+picker that orders the survivors (the caller tries them in that order, spilling on
 refusal). Everything here is pure: views in, decisions out."""
 
 from __future__ import annotations
@@ -12,8 +12,13 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class NodeView:
-    """What placement knows of one node: its latest report plus the router's own count
-    of work it dispatched there and has not seen finish."""
+    """What placement knows of one node: its latest report, aged to now, plus the work
+    this caller sent there since that report.
+
+    ``work`` counts unfinished requests by priority (for occupancy and shedding);
+    ``backlog_s`` is the engine time that work needs, by priority, priced at the cost
+    of each request's own model.
+    """
 
     name: str
     models: frozenset[str]  # models the node serves
@@ -22,6 +27,7 @@ class NodeView:
     draining: bool = False
     capacity: int = 64  # queue capacity, requests
     work: Mapping[int, int] = field(default_factory=dict)  # unfinished requests by priority
+    backlog_s: Mapping[int, float] = field(default_factory=dict)  # their engine seconds
     row_cost_s: Mapping[str, float] = field(default_factory=dict)  # engine seconds per row
     load_cost_s: Mapping[str, float] = field(default_factory=dict)  # seconds to load a model
     running_left_s: float = 0.0  # expected remaining time of the call in progress
@@ -29,6 +35,9 @@ class NodeView:
 
     def work_at_or_above(self, priority: int) -> int:
         return sum(n for p, n in self.work.items() if p >= priority)
+
+    def backlog_at_or_above(self, priority: int) -> float:
+        return sum(s for p, s in self.backlog_s.items() if p >= priority)
 
     @property
     def occupancy(self) -> float:
@@ -76,7 +85,7 @@ class Placement:
     def rank(
         self, nodes: Sequence[NodeView], request: PlacementRequest, rng: random.Random
     ) -> list[NodeView]:
-        """Candidates for ``request`` in the order the router should try them."""
+        """Candidates for ``request`` in the order they should be tried."""
         alive = [n for n in nodes if all(f.keep(n, request) for f in self.filters)]
         scored = [(n, sum(w * s.cost(n, request) for s, w in self.scorers)) for n in alive]
         return self.picker.order(scored, rng)
@@ -90,3 +99,34 @@ def row_cost(node: NodeView, model: str) -> float:
         if node.row_cost_s
         else DEFAULT_ROW_COST_S
     )
+
+
+def drain(
+    work: Mapping[int, int], backlog_s: Mapping[int, float], running_left_s: float, elapsed_s: float
+) -> tuple[dict[int, int], dict[int, float], float]:
+    """What is left of a node's reported work ``elapsed_s`` after the report.
+
+    The node works the call in progress first, then its queue from the highest
+    priority down, so the time elapsed comes off in that order; a priority drained
+    part way keeps the matching share of its requests. Arrivals since the report are
+    not known here: callers add what they sent themselves.
+    """
+    left = max(0.0, elapsed_s)
+    running = max(0.0, running_left_s - left)
+    left = max(0.0, left - running_left_s)
+    counts: dict[int, int] = {}
+    seconds: dict[int, float] = {}
+    for p in sorted(backlog_s, reverse=True):
+        s = backlog_s[p]
+        n = work.get(p, 0)
+        if left >= s:
+            left -= s
+            continue
+        remaining = s - left
+        counts[p] = max(1, round(n * remaining / s)) if s > 0 and n else n
+        seconds[p] = remaining
+        left = 0.0
+    for p, n in work.items():  # work without a known cost cannot be drained by time
+        if p not in backlog_s:
+            counts[p] = n
+    return counts, seconds, running

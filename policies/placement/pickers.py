@@ -54,3 +54,24 @@ class Uniform:
         nodes = [n for n, _ in scored]
         rng.shuffle(nodes)
         return nodes
+
+
+class NearBest:
+    """The best candidate, chosen at random among those within a tie band of the best
+    (``tie_s`` seconds or ``tie_ratio`` of its cost, whichever is larger); the rest by
+    cost. Callers that share a stale view then spread over the near-best nodes instead
+    of all picking the same one."""
+
+    def __init__(self, tie_s: float = 0.001, tie_ratio: float = 0.1) -> None:
+        self.tie_s = tie_s
+        self.tie_ratio = tie_ratio
+
+    def order(self, scored: Sequence[tuple[NodeView, float]], rng: random.Random) -> list[NodeView]:
+        if len(scored) <= 1:
+            return [n for n, _ in scored]
+        ranked = sorted(scored, key=lambda s: (s[1], s[0].name))
+        best = ranked[0][1]
+        band = best + max(self.tie_s, self.tie_ratio * best)
+        near = sum(1 for _, c in ranked if c <= band)
+        first = ranked.pop(rng.randrange(near))
+        return [first[0], *(n for n, _ in ranked)]

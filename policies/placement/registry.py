@@ -1,56 +1,108 @@
-"""Placement policies by the names used in YAML (``router.placement.policy``)."""
+"""Placement plugins by the names used in YAML (``router.placement``), and the named
+policies: presets of scorers and a picker.
+
+A pipeline is always the filters ``serves_model``, ``healthy`` and ``shed`` (with the
+configured shedding limits), then the weighted scorers, then one picker.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.placement.base import Filter, Placement, Scorer
+from policies.placement.base import Filter, Picker, Placement, Scorer
 from policies.placement.filters import Healthy, ServesModel, ShedBelowPriority
-from policies.placement.pickers import Best, PowerOfTwo, RoundRobin, Uniform
+from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin, Uniform
 from policies.placement.scorers import ExpectedCompletion, ModelLoad, SessionAffinity
 
 
 class PlacementParams(BaseModel):
-    """Parameters every placement policy accepts (checked when the YAML loads)."""
+    """A placement pipeline's plugins and their parameters (checked when the YAML loads).
+
+    ``scorers`` and ``picker`` default to those of ``policy``; give them to build
+    another pipeline from the same plugins.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    load_weight: float = Field(1.0, ge=0, description="weight of the model-load cost")
+    policy: str = Field("expected_completion", description="a preset of scorers and picker")
+    scorers: dict[str, float] | None = Field(
+        None, description="scorer name -> weight; default: the policy's"
+    )
+    picker: str | None = Field(None, description="picker name; default: the policy's")
+    tie_s: float = Field(0.001, ge=0, description="near_best: absolute tie band, seconds")
+    tie_ratio: float = Field(0.1, ge=0, description="near_best: tie band relative to the best")
     affinity_penalty_s: float = Field(
         0.5, ge=0, description="cost of sending a session away from the node holding it"
+    )
+    load_default_s: float = Field(
+        1.0, ge=0, description="load time assumed for a model a node has not loaded yet"
     )
     shed: dict[int, float] = Field(
         default_factory=lambda: {3: 0.75, 0: 0.5},
         description="priority -> largest queue occupancy work at or below it may fill",
     )
 
+    @model_validator(mode="after")
+    def _known(self) -> PlacementParams:
+        check_names(self.policy, self.scorers, self.picker)
+        return self
 
-def _base_filters(p: PlacementParams) -> tuple[Filter, ...]:
-    return (ServesModel(), Healthy(), ShedBelowPriority(p.shed))
+    def resolved(self) -> tuple[dict[str, float], str]:
+        """The scorer weights and the picker this pipeline uses."""
+        preset_scorers, preset_picker = POLICIES[self.policy]
+        scorers = dict(preset_scorers) if self.scorers is None else dict(self.scorers)
+        return scorers, self.picker or preset_picker
 
 
-def _scorers(p: PlacementParams) -> tuple[tuple[Scorer, float], ...]:
-    return (
-        (ExpectedCompletion(), 1.0),
-        (ModelLoad(), p.load_weight),
-        (SessionAffinity(p.affinity_penalty_s), 1.0),
-    )
-
-
-PLACEMENT_POLICIES: Mapping[str, Callable[[PlacementParams], Placement]] = {
-    "expected_completion": lambda p: Placement(_base_filters(p), _scorers(p), Best()),
-    "power_of_two": lambda p: Placement(_base_filters(p), _scorers(p), PowerOfTwo()),
-    "round_robin": lambda p: Placement(_base_filters(p), (), RoundRobin()),
-    "random": lambda p: Placement(_base_filters(p), (), Uniform()),
+SCORERS: Mapping[str, Callable[[PlacementParams], Scorer]] = {
+    "expected_completion": lambda p: ExpectedCompletion(),
+    "model_load": lambda p: ModelLoad(p.load_default_s),
+    "session_affinity": lambda p: SessionAffinity(p.affinity_penalty_s),
 }
 
+PICKERS: Mapping[str, Callable[[PlacementParams], Picker]] = {
+    "best": lambda p: Best(),
+    "near_best": lambda p: NearBest(p.tie_s, p.tie_ratio),
+    "power_of_two": lambda p: PowerOfTwo(),
+    "round_robin": lambda p: RoundRobin(),
+    "random": lambda p: Uniform(),
+}
 
-def make_placement(name: str, params: PlacementParams | None = None) -> Placement:
-    try:
-        factory = PLACEMENT_POLICIES[name]
-    except KeyError:
-        known = ", ".join(PLACEMENT_POLICIES)
-        raise ValueError(f"unknown placement policy {name!r}; known: {known}") from None
-    return factory(params or PlacementParams())
+_LOAD_AWARE = {"expected_completion": 1.0, "model_load": 1.0, "session_affinity": 1.0}
+
+# policy name -> (scorer weights, picker)
+POLICIES: Mapping[str, tuple[Mapping[str, float], str]] = {
+    "expected_completion": (_LOAD_AWARE, "near_best"),
+    "power_of_two": (_LOAD_AWARE, "power_of_two"),
+    "round_robin": ({}, "round_robin"),
+    "random": ({}, "random"),
+}
+PLACEMENT_POLICIES = tuple(POLICIES)
+
+
+def check_names(policy: str, scorers: Mapping[str, float] | None, picker: str | None) -> None:
+    """Raise ValueError naming the unknown plugin and the known ones."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown placement policy {policy!r}; known: {', '.join(POLICIES)}")
+    for name, weight in (scorers or {}).items():
+        if name not in SCORERS:
+            raise ValueError(f"unknown scorer {name!r}; known: {', '.join(SCORERS)}")
+        if weight < 0:
+            raise ValueError(f"scorer {name!r} has weight {weight}; allowed: >= 0")
+    if picker is not None and picker not in PICKERS:
+        raise ValueError(f"unknown picker {picker!r}; known: {', '.join(PICKERS)}")
+
+
+def make_placement(params: PlacementParams | str | None = None) -> Placement:
+    """The pipeline ``params`` describe (a policy name alone: that preset)."""
+    if params is None or isinstance(params, str):
+        params = PlacementParams(policy=params or "expected_completion")
+    scorers, picker = params.resolved()
+    filters: tuple[Filter, ...] = (ServesModel(), Healthy(), ShedBelowPriority(params.shed))
+    return Placement(
+        filters,
+        tuple((SCORERS[name](params), w) for name, w in scorers.items() if w > 0),
+        PICKERS[picker](params),
+    )

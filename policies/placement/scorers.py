@@ -9,22 +9,26 @@ class ExpectedCompletion:
     """When would *this* request finish here, at *its* priority?
 
     Only work of equal or higher priority is ahead of it (lower work waits behind it,
-    or is preempted), plus what is left of the call in progress, plus its own rows.
+    or is preempted), each request priced at its own model's cost, plus what is left
+    of the call in progress, plus its own rows.
     """
 
     def cost(self, node: NodeView, request: PlacementRequest) -> float:
-        per_row = row_cost(node, request.model)
-        ahead = node.work_at_or_above(request.priority)
-        return node.running_left_s + (ahead + request.rows) * per_row
+        ahead = node.backlog_at_or_above(request.priority)
+        return node.running_left_s + ahead + request.rows * row_cost(node, request.model)
 
 
 class ModelLoad:
-    """The time to load the model where it is not resident."""
+    """The time to load the model where it is not resident: the load time the node
+    measured for it, or ``default_s`` before it has loaded it once."""
+
+    def __init__(self, default_s: float = 1.0) -> None:
+        self.default_s = default_s
 
     def cost(self, node: NodeView, request: PlacementRequest) -> float:
         if request.model in node.loaded:
             return 0.0
-        return node.load_cost_s.get(request.model, 1.0)
+        return node.load_cost_s.get(request.model, self.default_s)
 
 
 class SessionAffinity:

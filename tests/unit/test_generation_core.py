@@ -4,8 +4,8 @@ continuation on another node after a node loss)."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,13 +13,13 @@ import pytest
 
 from actors.decoder import DecoderEngine, Generation, KVCache, check_generation, sample
 from actors.kvstore import KVStore, prefix_key, session_key
-from actors.node import GenerationResult, NodeRuntime, TokenChunk
-from cluster.router import NodeGone, Router
+from actors.node import NodeRuntime
 from edgefleet.config import parse_config
 from edgefleet.errors import InvalidInput, ModelNotFound
+from edgefleet.messages import GenerationResult, TokenChunk
 from edgefleet.modelgen import make_tiny_lm
 from edgefleet.request import GenerateRequest
-from tests.unit.test_router import LocalHandle
+from tests.fakes import LocalFleet
 
 
 def test_sampling_is_greedy_at_zero_and_seeded_otherwise():
@@ -101,28 +101,7 @@ def test_kv_store_prefers_the_longest_match_and_keeps_one_token_to_feed():
     ]
 
 
-# ------------------------------------------------------------- router over nodes
-
-
-class GenHandle(LocalHandle):
-    """An in-process node that can also stream generations, and die mid-stream."""
-
-    async def generate(self, request):
-        self.calls += 1
-        if self.dead:
-            raise NodeGone(self.node.spec.name)
-        stream = self.node.generate(request)
-        try:
-            async for item in stream:
-                if self.dead:
-                    raise NodeGone(self.node.spec.name)
-                yield item
-                await asyncio.sleep(0)
-        finally:
-            await stream.aclose()
-
-    async def set_lifecycle(self, state):
-        return self.node.set_lifecycle(state)
+# ------------------------------------------------------- placement over nodes
 
 
 @pytest.fixture(scope="module")
@@ -130,29 +109,32 @@ def lm_path(tmp_path_factory) -> Path:
     return make_tiny_lm(tmp_path_factory.mktemp("lm") / "lm.onnx")
 
 
-async def lm_fleet(lm_path: Path, names=("a", "b")):
-    config = parse_config(
-        {
-            "fleet": {"name": "g"},
-            "models": {"lm": {"path": str(lm_path), "kind": "decoder"}},
-            "nodes": [{"name": n} for n in names],
-            "router": {"report_interval_s": 0.02, "lost_after_s": 0.5},
-        },
-        lm_path.parent,
-    )
-    handles = {}
-    for spec in config.node_specs():
-        node = NodeRuntime(spec)
-        await node.start()
-        handles[spec.name] = GenHandle(node)
-    router = Router(config, handles)
-    await router.start()
-    return router, handles
+@pytest.fixture
+def lm_fleet(lm_path):
+    made = []
+
+    def make(names=("a", "b")):
+        config = parse_config(
+            {
+                "fleet": {"name": "g"},
+                "models": {"lm": {"path": str(lm_path), "kind": "decoder"}},
+                "nodes": [{"name": n} for n in names],
+                "router": {"report_interval_s": 0.02, "lost_after_s": 0.5},
+            },
+            lm_path.parent,
+        )
+        f = LocalFleet(config, NodeRuntime)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
 
 
-async def collect(router, request, on_chunk=None):
+def collect(fleet, request, on_chunk=None):
     tokens, result = [], None
-    async for item in router.generate(request):
+    for item in fleet.dispatcher.stream(request):
         if isinstance(item, TokenChunk):
             tokens.extend(item.tokens)
             if on_chunk:
@@ -168,58 +150,62 @@ def reference(lm_path: Path, prompt, n):
     return gen.generated
 
 
-def test_router_streams_spills_and_continues_after_node_loss(lm_path):
-    async def main():
-        router, handles = await lm_fleet(lm_path)
-        prompt = tuple(range(5, 25))
-        expected = reference(lm_path, prompt, 300)
+def test_streams_spill_and_continue_after_node_loss(lm_path, lm_fleet):
+    f = lm_fleet()
+    prompt = tuple(range(5, 25))
+    expected = reference(lm_path, prompt, 300)
 
-        tokens, result = await collect(router, GenerateRequest("lm", prompt, max_new_tokens=300))
-        assert tokens == expected == list(result.tokens) and result.finish_reason == "length"
+    tokens, result = collect(f, GenerateRequest("lm", prompt, max_new_tokens=300))
+    assert tokens == expected == list(result.tokens) and result.finish_reason == "length"
 
-        await handles["a"].node.drain()  # a refuses: the request spills to b
-        await handles["b"].node.drain()
-        tokens, result = await collect(router, GenerateRequest("lm", prompt, max_new_tokens=5))
-        assert result.error is not None and "refused" in str(result.error)
-        for h in handles.values():  # back in service
-            h.node._sched.draining = False
-            h.node._state = "serving"
-        await asyncio.sleep(0.1)  # the router hears of it
+    for name in ("a", "b"):  # both refuse
+        f.run(f.node(name).drain())
+    tokens, result = collect(f, GenerateRequest("lm", prompt, max_new_tokens=5))
+    assert result.error is not None and "refused" in str(result.error)
+    for name in ("a", "b"):  # back in service
+        f.node(name)._sched.draining = False
+        f.node(name)._state = "serving"
+    f.refresh()
 
-        victim: list[str] = []
+    victim: list[str] = []
 
-        def kill_after_some(sent):
-            if len(sent) >= 20 and not victim:
-                node = next(h for h in handles.values() if h.node._gens)
-                node.dead = True
-                victim.append(node.node.spec.name)
+    def kill_after_some(sent):
+        if len(sent) >= 20 and not victim:
+            handle = next(h for h in f.handles.values() if h.node._gens)
+            handle.dead = True
+            victim.append(handle.node.spec.name)
 
-        tokens, result = await collect(
-            router, GenerateRequest("lm", prompt, max_new_tokens=300), kill_after_some
-        )
-        assert victim and result.node != victim[0]
-        assert tokens == expected == list(result.tokens)  # each token once, none lost
-        assert router.status_now().counters["replaced"] >= 1
+    tokens, result = collect(f, GenerateRequest("lm", prompt, max_new_tokens=300), kill_after_some)
+    assert victim and result.node != victim[0]
+    assert tokens == expected == list(result.tokens)  # each token once, none lost
+    assert f.counters()["replaced"] >= 1
 
-        _, missing = await collect(router, GenerateRequest("nope", prompt))
-        assert isinstance(missing.error, ModelNotFound)
-
-    asyncio.run(main())
+    _, missing = collect(f, GenerateRequest("nope", prompt))
+    assert isinstance(missing.error, ModelNotFound)
 
 
-def test_router_sends_a_session_back_to_the_node_holding_its_kv(lm_path):
-    async def main():
-        router, handles = await lm_fleet(lm_path, names=("a", "b", "c"))
-        prompt = tuple(range(5, 25))
-        out, first = await collect(router, GenerateRequest("lm", prompt, 8, session="chat"))
-        await asyncio.sleep(0.1)  # a status report names the session
-        for turn in range(3):
-            prompt = (*prompt, *out, 1, 2, 3)
-            out, result = await collect(router, GenerateRequest("lm", prompt, 8, session="chat"))
-            assert result.node == first.node, turn
-            assert result.reused_tokens > 0
+def test_a_session_goes_back_to_the_node_holding_its_kv(lm_fleet):
+    f = lm_fleet(("a", "b", "c"))
+    prompt = tuple(range(5, 25))
+    out, first = collect(f, GenerateRequest("lm", prompt, 8, session="chat"))
+    f.refresh()  # a status report names the session
+    for turn in range(3):
+        prompt = (*prompt, *out, 1, 2, 3)
+        out, result = collect(f, GenerateRequest("lm", prompt, 8, session="chat"))
+        assert result.node == first.node, turn
+        assert result.reused_tokens > 0
 
-    asyncio.run(main())
+
+def test_a_stream_closed_early_stops_the_generation_and_frees_the_node(lm_fleet):
+    f = lm_fleet(("a",))
+    stream = f.dispatcher.stream(GenerateRequest("lm", tuple(range(5, 25)), 400))
+    assert isinstance(next(stream), TokenChunk)
+    stream.close()
+    end = time.monotonic() + 30
+    while f.node("a")._gens and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not f.node("a")._gens
+    assert not any(v.work for v in f.dispatcher.views())
 
 
 def test_generation_result_unwrap():
@@ -270,9 +256,9 @@ def test_a_pause_aborts_a_prefill_in_progress_and_loses_nothing(tmp_path):
 
 
 def test_status_table_shows_lifecycle_paused_work_and_kv():
-    from actors.node import NodeStatus
     from cluster.cli import status_table
     from cluster.client import FleetStatus
+    from edgefleet.messages import NodeStatus
 
     kv = {"paused": 3 << 20, "cached": 1 << 20}
     node = NodeStatus(

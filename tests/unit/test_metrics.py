@@ -22,15 +22,15 @@ from actors.metrics import (
     default_sink,
     priority_label,
 )
-from actors.node import NodeRuntime, NodeStatus, Reply
+from actors.node import NodeRuntime
 from cluster import dashboard
 from cluster.client import FleetStatus
 from cluster.metrics import OverviewWindow, RouterMetrics
-from cluster.router import Router
 from edgefleet.config import parse_config
 from edgefleet.errors import Rejected
+from edgefleet.messages import NodeStatus
 from edgefleet.request import DEFAULT_PRIORITIES, InferRequest
-from tests.fakes import FakeLoader, fake_spec, x
+from tests.fakes import FakeLoader, LocalFleet, fake_spec, x
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -222,24 +222,7 @@ def test_memory_sink_refuses_wrong_labels():
 # --------------------------------------------------------------------------- router
 
 
-class InProcess:
-    def __init__(self, node: NodeRuntime) -> None:
-        self.node = node
-
-    async def infer(self, request, inputs=None) -> Reply:
-        return await self.node.infer(request)
-
-    async def status(self) -> NodeStatus:
-        return self.node.status()
-
-    async def start(self) -> NodeStatus:
-        return await self.node.start()
-
-    async def cancel(self, request_id: str) -> bool:
-        return self.node.cancel(request_id)
-
-
-def test_router_records_answers_spills_shedding_and_health():
+def test_placement_records_answers_spills_shedding_and_the_router_health():
     config = parse_config(
         {
             "fleet": {"name": "t"},
@@ -250,21 +233,18 @@ def test_router_records_answers_spills_shedding_and_health():
         },
         Path("/nonexistent"),
     )
-
-    async def main():
-        handles = {}
-        for spec in config.node_specs():
-            node = NodeRuntime(spec, loader=FakeLoader(m={"cost_s": 0.2}))
-            await node.start()
-            handles[spec.name] = InProcess(node)
-        sink = MemorySink()
-        router = Router(config, handles, metrics=RouterMetrics("t", sink=sink))
-        await router.start()
+    sink = MemorySink()
+    fleet = LocalFleet(
+        config,
+        lambda spec: NodeRuntime(spec, loader=FakeLoader(m={"cost_s": 0.2})),
+        metrics=RouterMetrics("t", sink=sink),
+        router_metrics=RouterMetrics("t", sink=sink),
+    )
+    try:
         assert sink.value(m.NODE_HEALTHY, node="a") == 1
-        flood = [asyncio.create_task(router.infer(req(priority=10))) for _ in range(8)]
-        await asyncio.sleep(0.05)
-        offline = await router.infer(req(priority=0))  # the nodes are busy: shed
-        replies = await asyncio.gather(*flood)
+        flood = [fleet.dispatcher.submit(req(priority=10)) for _ in range(8)]
+        offline = fleet.infer(req(priority=0))  # the nodes are busy: shed
+        replies = [f.result(30) for f in flood]
         completed = sum(r.error is None for r in replies)
         rejected = sum(isinstance(r.error, Rejected) for r in replies)
         assert completed and rejected and isinstance(offline.error, Rejected)
@@ -273,13 +253,11 @@ def test_router_records_answers_spills_shedding_and_health():
         assert len(sink.observed(m.ROUTER_LATENCY, priority="foreground")) == completed
         assert sink.value(m.ROUTER_SPILLED, priority="foreground") >= rejected
         assert sink.value(m.ROUTER_SHED, priority="offline") == 1
-        router._lose(router._nodes["b"])
+        fleet.router._lose(fleet.router._nodes["b"])
         assert sink.value(m.NODE_HEALTHY, node="b") == 0
         assert sink.value(m.NODES_LOST, node="b") == 1
-        for h in handles.values():
-            await h.node.stop()
-
-    run(main())
+    finally:
+        fleet.close()
 
 
 # ------------------------------------------------------------------------ catalogue

@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
 from policies.placement import (
+    PICKERS,
     PLACEMENT_POLICIES,
+    SCORERS,
     NodeView,
     PlacementParams,
     PlacementRequest,
     ShedBelowPriority,
+    drain,
     make_placement,
 )
 from policies.placement.filters import Healthy, ServesModel
-from policies.placement.pickers import Best, PowerOfTwo, RoundRobin
+from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin
 from policies.placement.scorers import ExpectedCompletion, ModelLoad, SessionAffinity
 
 FG, BG, OFF = 10, 3, 0
 
 
 def node(name, work=None, **kw):
+    """A view whose queued work is all of model ``m`` (10 ms a row unless given)."""
     kw.setdefault("models", frozenset({"m"}))
     kw.setdefault("loaded", frozenset({"m"}))
     kw.setdefault("row_cost_s", {"m": 0.010})
-    return NodeView(name=name, work=work or {}, **kw)
+    work = work or {}
+    per_row = kw["row_cost_s"].get("m", 0.005)
+    kw.setdefault("backlog_s", {p: n * per_row for p, n in work.items()})
+    return NodeView(name=name, work=work, **kw)
 
 
 def names(nodes):
@@ -50,6 +58,8 @@ def test_foreground_goes_where_least_higher_priority_work_waits():
         (node("a", {FG: 1, BG: 2}, running_left_s=0.004), PlacementRequest("m", 7), 0.024),
         (node("a", {}, row_cost_s={}), PlacementRequest("m", FG, rows=2), 0.010),  # default cost
         (node("a", {}, row_cost_s={"x": 0.002}), PlacementRequest("m", FG), 0.002),  # other model
+        # queued work priced at its own model: 2 x 50 ms rows ahead, 10 ms for this one
+        (node("a", {FG: 2}, backlog_s={FG: 0.100}), PlacementRequest("m", FG), 0.110),
     ],
 )
 def test_expected_completion_table(view, request_, expected):
@@ -66,6 +76,7 @@ def test_expected_completion_table(view, request_, expected):
 )
 def test_model_load_table(view, request_, expected):
     assert ModelLoad().cost(view, request_) == expected
+    assert ModelLoad(2.0).cost(node("a", loaded=frozenset()), PlacementRequest("m", FG)) == 2.0
 
 
 @pytest.mark.parametrize(
@@ -115,10 +126,63 @@ def test_pickers():
     assert names(p2.order(big, random.Random(3))) == order  # seeded: reproducible
 
 
-@pytest.mark.parametrize("policy_name", sorted(PLACEMENT_POLICIES))
-def test_conformance_every_policy(policy_name):
-    """Every registered policy: returns only eligible nodes, each once; honours filters;
-    is deterministic for a seed; handles an empty fleet."""
+def test_near_best_picks_at_random_within_the_tie_band_only():
+    scored = [(node("a"), 0.0100), (node("b"), 0.0105), (node("c"), 0.0109), (node("d"), 0.05)]
+    picker = NearBest(tie_s=0.0, tie_ratio=0.1)  # within 1 ms of the 10 ms best
+    firsts = Counter(picker.order(scored, random.Random(i))[0].name for i in range(200))
+    assert set(firsts) == {"a", "b", "c"} and min(firsts.values()) > 30
+    for i in range(20):
+        order = names(picker.order(scored, random.Random(i)))
+        assert sorted(order) == ["a", "b", "c", "d"] and order[-1] == "d"
+    assert names(NearBest(tie_s=0.0, tie_ratio=0.0).order(scored, random.Random(0)))[0] == "a"
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "work", "backlog", "running", "expected"),
+    [
+        (
+            0.0,
+            {FG: 2, BG: 4},
+            {FG: 0.02, BG: 0.04},
+            0.005,
+            ({FG: 2, BG: 4}, {FG: 0.02, BG: 0.04}, 0.005),
+        ),
+        # the running call first, then foreground, then half of background
+        (0.045, {FG: 2, BG: 4}, {FG: 0.02, BG: 0.04}, 0.005, ({BG: 2}, {BG: 0.02}, 0.0)),
+        (1.0, {FG: 2, BG: 4}, {FG: 0.02, BG: 0.04}, 0.005, ({}, {}, 0.0)),
+        # work of no known cost is not drained by time
+        (1.0, {FG: 2}, {}, 0.0, ({FG: 2}, {}, 0.0)),
+    ],
+)
+def test_drain_ages_a_report_highest_priority_first(elapsed, work, backlog, running, expected):
+    counts, seconds, left = drain(work, backlog, running, elapsed)
+    assert counts == expected[0]
+    assert seconds == pytest.approx(expected[1])
+    assert left == pytest.approx(expected[2])
+
+
+def test_pipelines_are_built_from_named_plugins():
+    p = make_placement(PlacementParams(scorers={"expected_completion": 1.0}, picker="best"))
+    assert [type(s).__name__ for s, _ in p.scorers] == ["ExpectedCompletion"]
+    assert isinstance(p.picker, Best)
+    assert isinstance(make_placement("expected_completion").picker, NearBest)
+    with pytest.raises(ValueError, match="known: expected_completion, model_load"):
+        PlacementParams(scorers={"latency": 1.0})
+    with pytest.raises(ValueError, match="unknown picker 'first'; known: best, near_best"):
+        PlacementParams(picker="first")
+
+
+CONFORMANCE = (
+    [PlacementParams(policy=name) for name in sorted(PLACEMENT_POLICIES)]
+    + [PlacementParams(picker=picker) for picker in sorted(PICKERS)]
+    + [PlacementParams(scorers={name: 1.0}) for name in sorted(SCORERS)]
+)
+
+
+@pytest.mark.parametrize("params", CONFORMANCE, ids=lambda p: f"{p.policy}-{p.picker}-{p.scorers}")
+def test_conformance_every_policy_picker_and_scorer(params):
+    """Every registered policy, picker and scorer: returns only eligible nodes, each
+    once; honours filters; is deterministic for a seed; handles an empty fleet."""
     rng_nodes = random.Random(42)
     fleet = [
         node(
@@ -135,14 +199,14 @@ def test_conformance_every_policy(policy_name):
     eligible = {n.name for n in fleet if n.healthy and not n.draining and "m" in n.models}
     for priority in (FG, 7, BG, OFF):
         req = PlacementRequest("m", priority, session="s")
-        a = make_placement(policy_name, PlacementParams()).rank(fleet, req, random.Random(9))
-        b = make_placement(policy_name, PlacementParams()).rank(fleet, req, random.Random(9))
+        a = make_placement(params).rank(fleet, req, random.Random(9))
+        b = make_placement(params).rank(fleet, req, random.Random(9))
         assert names(a) == names(b)
         assert len(names(a)) == len(set(names(a)))
         assert set(names(a)) <= eligible
         if priority == FG:
             assert set(names(a)) == eligible  # nothing is shed for foreground
-    assert make_placement(policy_name).rank([], PlacementRequest("m", FG), random.Random(0)) == []
+    assert make_placement(params).rank([], PlacementRequest("m", FG), random.Random(0)) == []
 
 
 def test_unknown_policy_names_the_known_ones():

@@ -1,0 +1,576 @@
+"""Dispatch: place a request on a node and get its one answer, in the caller's process.
+
+The payload goes caller -> node -> caller in one hop; no router sits on the data path.
+Placement runs the pipeline of ``policies.placement`` on a fleet view the router
+publishes (node reports and health), aged to now and corrected with the work this
+caller sent since each report. A node that refuses (``Rejected``) or evicts
+(``Evicted``) a request is followed by the next candidate; a node that dies takes
+none of its requests with it: they are placed again elsewhere, under the same id.
+
+One attempt loop (:class:`_Attempt`) decides spill, re-placement, continuation and
+the final refusal for both inference and generation; :meth:`Dispatcher.submit` drives
+it from completion callbacks (no thread or event loop per request) and
+:meth:`Dispatcher.stream` from the caller's iteration.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import heapq
+import logging
+import random
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, Protocol
+
+from cluster.metrics import RouterMetrics
+from edgefleet.clock import Clock, MonotonicClock
+from edgefleet.config import FleetConfig, NodeSpec
+from edgefleet.errors import EdgeFleetError, Evicted, ModelNotFound, NodeLost, Rejected
+from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
+from edgefleet.request import GenerateRequest, InferRequest
+from policies.placement import (
+    NodeView,
+    PlacementRequest,
+    ShedBelowPriority,
+    drain,
+    make_placement,
+    row_cost,
+)
+
+log = logging.getLogger(__name__)
+
+Request = InferRequest | GenerateRequest
+Final = Reply | GenerationResult
+
+
+class NodeGone(Exception):
+    """The node's actor died or cannot be reached."""
+
+
+class NodeHandle(Protocol):
+    """How a dispatcher talks to one node (a Ray actor in production, a fake in tests)."""
+
+    def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+        """Send one request; the future MUST fail with NodeGone when the node died and
+        otherwise resolve with the node's Reply."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+        """Stream a generation; MUST raise NodeGone when the node died."""
+        ...
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What the router publishes of one node: its latest status, whether it is in
+    service, and how old the status was when published."""
+
+    status: NodeStatus | None
+    healthy: bool
+    age_s: float
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """The router's view of its nodes, as callers receive it."""
+
+    nodes: Mapping[str, NodeReport]
+
+
+@dataclass(frozen=True)
+class _Sent:
+    priority: int
+    cost_s: float
+    at: float
+
+
+@dataclass
+class _Base:
+    """The parts of a node's view that change only with a new report."""
+
+    loaded: frozenset[str]
+    draining: bool = False
+    work: dict[int, int] = field(default_factory=dict)
+    backlog_s: dict[int, float] = field(default_factory=dict)
+    running_left_s: float = 0.0
+    row_cost_s: dict[str, float] = field(default_factory=dict)
+    load_cost_s: dict[str, float] = field(default_factory=dict)
+    sessions: frozenset[str] = frozenset()
+
+
+class _Entry:
+    """One node as this caller sees it: the router's last report and the requests this
+    caller has in flight there."""
+
+    def __init__(self, spec: NodeSpec, handle: NodeHandle) -> None:
+        self.spec = spec
+        self.handle = handle
+        self.models = frozenset(spec.models)
+        self.healthy = True  # until the router or a call says otherwise
+        self.lost_at: float | None = None
+        self.report_at = float("-inf")  # when the report was taken, on this caller's clock
+        self.base = _Base(loaded=self.models)
+        self.inflight: dict[str, _Sent] = {}
+        # Requests sent after the report was taken, by priority: [count, engine seconds].
+        self.since: dict[int, list[float]] = {}
+
+    def report(self, status: NodeStatus | None, taken_at: float) -> None:
+        self.report_at = taken_at
+        if status is not None:
+            self.base = _base(status)
+        self.since = {}
+        for sent in self.inflight.values():
+            if sent.at > taken_at:
+                self._add(sent, 1)
+
+    def _add(self, sent: _Sent, sign: int) -> None:
+        agg = self.since.setdefault(sent.priority, [0.0, 0.0])
+        agg[0] += sign
+        agg[1] += sign * sent.cost_s
+        if agg[0] <= 0:
+            del self.since[sent.priority]
+
+    def sent(self, request_id: str, sent: _Sent) -> None:
+        self.inflight[request_id] = sent
+        self._add(sent, 1)
+
+    def done(self, request_id: str) -> None:
+        sent = self.inflight.pop(request_id, None)
+        if sent is not None and sent.at > self.report_at:
+            self._add(sent, -1)
+
+    def view(self, now: float) -> NodeView:
+        b = self.base
+        work, backlog, running = drain(b.work, b.backlog_s, b.running_left_s, now - self.report_at)
+        for p, (n, s) in self.since.items():
+            work[p] = work.get(p, 0) + round(n)
+            backlog[p] = backlog.get(p, 0.0) + s
+        return NodeView(
+            name=self.spec.name,
+            models=self.models,
+            loaded=b.loaded,
+            healthy=self.healthy,
+            draining=b.draining,
+            capacity=self.spec.queue.capacity,
+            work=work,
+            backlog_s=backlog,
+            row_cost_s=b.row_cost_s,
+            load_cost_s=b.load_cost_s,
+            running_left_s=running,
+            sessions=b.sessions,
+        )
+
+
+def _base(report: NodeStatus) -> _Base:
+    row_cost_s: dict[str, float] = {}
+    load_cost_s: dict[str, float] = {}
+    for m in report.models:
+        ms = m.row_ms if m.row_ms is not None else m.cost_ms.get(1)
+        if ms is not None:
+            row_cost_s[m.name] = ms / 1000
+        if m.load_ms is not None:
+            load_cost_s[m.name] = m.load_ms / 1000
+    probe = NodeView(name=report.name, models=frozenset(), row_cost_s=row_cost_s)
+    work: dict[int, int] = {}
+    backlog: dict[int, float] = {}
+    for p, by_model in report.queued_rows.items():
+        for model, rows in by_model.items():
+            backlog[p] = backlog.get(p, 0.0) + rows * row_cost(probe, model)
+    for p, n in report.queued.items():
+        work[p] = work.get(p, 0) + n
+    running_left = 0.0
+    r = report.running
+    if r is not None:
+        work[r.priority] = work.get(r.priority, 0) + len(r.request_ids)
+        expected = row_cost(probe, r.model) * max(r.rows, len(r.request_ids))
+        running_left = max(0.0, expected - r.elapsed_s)
+    return _Base(
+        loaded=frozenset(m.name for m in report.models if m.loaded),
+        draining=report.state in ("draining", "drained", "stopped", "starting"),
+        work=work,
+        backlog_s=backlog,
+        running_left_s=running_left,
+        row_cost_s=row_cost_s,
+        load_cost_s=load_cost_s,
+        sessions=frozenset(report.sessions),
+    )
+
+
+class Dispatcher:
+    """Places requests on a fleet's nodes from one process and returns their answers.
+
+    Thread-safe: callers on any thread, completions on Ray's threads. Counters
+    (received, completed, spilled, replaced, shed, ...) accumulate here; the caller
+    hands them to the router with :meth:`take_counters` so the fleet's status counts
+    every caller's work.
+    """
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        handles: Mapping[str, NodeHandle],
+        *,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.config = config
+        pc = config.router.placement
+        self.params = pc.params(config.priorities)
+        self._placement = make_placement(self.params)
+        self._shed = ShedBelowPriority(self.params.shed)
+        self._rng = rng or random.Random(pc.seed)
+        self._clock = clock or MonotonicClock()
+        self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
+        self._nodes = {s.name: _Entry(s, handles[s.name]) for s in config.node_specs()}
+        self._served = {m for e in self._nodes.values() for m in e.models}
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._pending: Counter[str] = Counter()  # not yet handed to the router
+        self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
+        self._retries = ThreadPoolExecutor(1, thread_name_prefix="edgefleet-dispatch")
+
+    # -------------------------------------------------------------------- the view
+
+    def update(self, view: FleetView) -> None:
+        """Take the router's latest view. A node this caller found dead stays out of
+        service until a report taken after that comes in."""
+        now = self._clock.now()
+        with self._lock:
+            for name, r in view.nodes.items():
+                entry = self._nodes.get(name)
+                if entry is None:
+                    continue
+                taken = now - r.age_s
+                if entry.lost_at is not None:
+                    if not (r.healthy and taken > entry.lost_at):
+                        continue
+                    entry.lost_at = None
+                entry.healthy = r.healthy
+                entry.report(r.status, taken)
+
+    def close(self) -> None:
+        self._retries.shutdown(wait=False)
+
+    def views(self) -> list[NodeView]:
+        now = self._clock.now()
+        with self._lock:
+            return [e.view(now) for e in self._nodes.values()]
+
+    def rank(self, request: PlacementRequest) -> list[str]:
+        """The order in which ``request`` would try the nodes now (nothing is sent)."""
+        now = self._clock.now()
+        with self._lock:
+            views = [e.view(now) for e in self._nodes.values()]
+            return [v.name for v in self._placement.rank(views, request, self._rng)]
+
+    def healthy(self) -> dict[str, bool]:
+        return {n: e.healthy for n, e in self._nodes.items()}
+
+    def take_counters(self) -> Counter[str]:
+        """What was counted since the last call (for the router's fleet-wide counts)."""
+        with self._lock:
+            out, self._pending = self._pending, Counter()
+        return out
+
+    def give_back(self, counters: Counter[str]) -> None:
+        """Counters taken but not delivered: counted again with the next ones."""
+        with self._lock:
+            self._pending.update(counters)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(self._counters)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[key] += n
+            self._pending[key] += n
+
+    # ------------------------------------------------------------------- requests
+
+    def submit(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+        """Place ``request`` and return a future of its one :class:`Reply`.
+
+        ``inputs`` optionally replaces ``request.inputs`` on the node (a Ray object
+        reference for a large request, resolved on the node). The future never fails:
+        every outcome, unexpected ones included, is a Reply.
+        """
+        out: cf.Future[Reply] = cf.Future()
+        self._try(_Attempt(self, request), out, inputs)
+        return out
+
+    def _try(self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any) -> None:
+        try:
+            while True:
+                entry = attempt.next_node()
+                if entry is None:
+                    _resolve(out, attempt.give_up())  # type: ignore[arg-type]
+                    return
+                try:
+                    call = entry.handle.infer(attempt.request_now, inputs)  # type: ignore[arg-type]
+                except NodeGone:
+                    attempt.lost(entry)
+                    continue
+                call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
+                return
+        except Exception as exc:  # never leave a caller waiting
+            log.exception("dispatch of %s failed", attempt.request.id)
+            _resolve(out, attempt.broken(exc))
+
+    def _done(
+        self,
+        attempt: _Attempt,
+        out: cf.Future[Reply],
+        inputs: Any,
+        entry: _Entry,
+        call: cf.Future[Reply],
+    ) -> None:
+        """A node answered (on whatever thread completed the call). Further attempts
+        go to the dispatcher's own thread: completion threads may belong to Ray."""
+        try:
+            try:
+                reply = call.result()
+            except NodeGone:
+                attempt.lost(entry)
+                final = None
+            else:
+                final = attempt.settle(entry, reply)
+        except Exception as exc:
+            log.exception("answer to %s failed", attempt.request.id)
+            final = attempt.broken(exc)
+        if final is None:
+            self._retries.submit(self._try, attempt, out, inputs)
+        else:
+            _resolve(out, final)  # type: ignore[arg-type]
+
+    def stream(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+        """Place a generation and yield its tokens; the last item is its result.
+
+        A refusal spills to the next node. When the node dies mid-stream, the
+        generation continues on another node from the tokens already sent (prompt plus
+        output so far), so the caller sees each token once.
+        """
+        attempt = _Attempt(self, request)
+        while True:
+            entry = attempt.next_node()
+            if entry is None:
+                yield attempt.give_up()  # type: ignore[misc]
+                return
+            final: Final | None = None
+            try:
+                for item in entry.handle.generate(attempt.request_now):  # type: ignore[arg-type]
+                    if isinstance(item, TokenChunk):
+                        attempt.tokens.extend(item.tokens)
+                        yield item
+                    else:
+                        final = item
+            except NodeGone:
+                final = attempt.lost(entry)
+            except BaseException:  # the consumer went away, or worse: stop counting it
+                attempt.release(entry)
+                raise
+            else:
+                final = attempt.settle(entry, final)
+            if final is not None:
+                yield final  # type: ignore[misc]
+                return
+
+    # -------------------------------------------------------------------- helpers
+
+    def _pick(self, request: PlacementRequest, tried: set[str], request_id: str) -> _Entry | None:
+        """The best node not tried yet; counts the request in flight there."""
+        now = self._clock.now()
+        with self._lock:
+            views = [e.view(now) for n, e in self._nodes.items() if n not in tried]
+            ranked = self._placement.rank(views, request, self._rng)
+            if not ranked:
+                return None
+            best = ranked[0]
+            tried.add(best.name)
+            entry = self._nodes[best.name]
+            cost = request.rows * row_cost(best, request.model)
+            entry.sent(request_id, _Sent(request.priority, cost, now))
+            return entry
+
+    def _release(self, entry: _Entry, request_id: str) -> None:
+        with self._lock:
+            entry.done(request_id)
+
+    def _lose(self, entry: _Entry) -> None:
+        with self._lock:
+            if entry.healthy:
+                entry.healthy = False
+                entry.lost_at = self._clock.now()
+
+    def unknown_model(self, request: Request) -> ModelNotFound | None:
+        if request.model in self._served:
+            return None
+        return ModelNotFound(
+            f"no node serves model {request.model!r}; the fleet serves: "
+            f"{', '.join(sorted(self._served))}",
+            request_id=request.id,
+        )
+
+    def refusal(
+        self, request: Request, refusals: list[Rejected], tried: set[str]
+    ) -> EdgeFleetError:
+        if refusals:
+            return Rejected(
+                f"every node refused the request ({len(refusals)} tried): {refusals[-1]}",
+                retry_after_s=min(
+                    (r.retry_after_s for r in refusals if r.retry_after_s > 0), default=1.0
+                ),
+                request_id=request.id,
+            )
+        serving = [e for e in self._nodes.values() if request.model in e.models]
+        healthy = [e for e in serving if e.healthy and e.spec.name not in tried]
+        if not healthy:
+            return NodeLost(
+                f"no healthy node serves model {request.model!r} right now",
+                request_id=request.id,
+            )
+        limit = self._shed.limit(request.priority)
+        self._count("shed")
+        self._metrics.shed(request.priority)
+        return Rejected(
+            f"shed: every node serving {request.model!r} is over {limit:.0%} full, the share "
+            f"priority-{request.priority} work may use; capacity is kept for urgent work",
+            retry_after_s=self._shed_retry_after(healthy, limit),
+            request_id=request.id,
+        )
+
+    def _shed_retry_after(self, entries: list[_Entry], limit: float) -> float:
+        """When a shed request should come back: after the node drains below ``limit``
+        *and* the requests shed before it, still waiting, have had their turn. Without
+        that queue of waiters every shed client would retry at the same moment."""
+        now = self._clock.now()
+        with self._lock:
+            while self._shed_waiting and self._shed_waiting[0] <= now:
+                heapq.heappop(self._shed_waiting)
+            waits = []
+            for e in entries:
+                view = e.view(now)
+                per_row = max(view.row_cost_s.values(), default=0.005)
+                excess = sum(view.work.values()) + 1 - int(limit * view.capacity)
+                waits.append((view.running_left_s + max(1, excess) * per_row, per_row))
+            first, per_row = min(waits)
+            # The nodes take the waiters in turn, in parallel.
+            delay = first + len(self._shed_waiting) * per_row / len(entries)
+            heapq.heappush(self._shed_waiting, now + delay)
+        return max(0.001, delay)
+
+
+class _Attempt:
+    """One request's way through the fleet: which nodes it tried, what they said, what
+    it has streamed so far. The single place that decides spill, re-placement,
+    continuation after a node loss and the final refusal."""
+
+    def __init__(self, dispatcher: Dispatcher, request: Request) -> None:
+        self.d = dispatcher
+        self.request = request
+        self.request_now: Request = request  # a continuation after a node loss differs
+        self.started = dispatcher._clock.now()
+        self.tried: set[str] = set()
+        self.refusals: list[Rejected] = []
+        self.evicted: Final | None = None
+        self.tokens: list[int] = []  # streamed to the caller so far
+        self.attempts = 0
+        session = request.session if isinstance(request, GenerateRequest) else None
+        rows = _rows(request)
+        self.preq = PlacementRequest(request.model, request.priority, rows, session)
+        self.error: EdgeFleetError | None = dispatcher.unknown_model(request)
+        dispatcher._count("received")
+
+    def next_node(self) -> _Entry | None:
+        if self.error is not None or self.attempts >= self.d.config.router.max_attempts:
+            return None
+        return self.d._pick(self.preq, self.tried, self.request.id)
+
+    def release(self, entry: _Entry) -> None:
+        self.d._release(entry, self.request.id)
+
+    def lost(self, entry: _Entry) -> Final | None:
+        """``entry``'s node died with the request: place it again (a generation goes on
+        from the tokens sent). None: try the next node."""
+        self.release(entry)
+        self.d._lose(entry)
+        self.d._count("replaced")
+        self.d._metrics.replaced(self.request.priority, "node_lost")
+        r = self.request
+        if isinstance(r, GenerateRequest) and self.tokens:
+            left = r.max_new_tokens - len(self.tokens)
+            if left <= 0:
+                return self.finish(GenerationResult(r.id, "", finish_reason="length"))
+            self.request_now = replace(
+                r, prompt_ids=(*r.prompt_ids, *self.tokens), max_new_tokens=left
+            )
+        return None
+
+    def settle(self, entry: _Entry, answer: Final | None) -> Final | None:
+        """The node answered. None: try the next node (it refused or evicted, and
+        nothing was streamed yet)."""
+        self.release(entry)
+        self.attempts += 1
+        if answer is None:  # cannot happen with a live node: its stream ends with one
+            err = NodeLost(f"node {entry.spec.name} ended the stream without a result")
+            answer = GenerationResult(self.request.id, entry.spec.name, error=err)
+        if not self.tokens:
+            if isinstance(answer.error, Rejected):
+                self.refusals.append(answer.error)
+                self.d._count("spilled")
+                self.d._metrics.spilled(self.request.priority)
+                return None
+            if isinstance(answer.error, Evicted):
+                self.evicted = answer
+                self.d._count("replaced")
+                self.d._metrics.replaced(self.request.priority, "evicted")
+                return None
+        return self.finish(answer)
+
+    def give_up(self) -> Final:
+        """No node left to try: the eviction, or a refusal naming why."""
+        if self.evicted is not None:
+            return self.finish(self.evicted)
+        error = self.error or self.d.refusal(self.request, self.refusals, self.tried)
+        return self.finish(_failure(self.request, error))
+
+    def broken(self, exc: Exception) -> Reply:
+        err = NodeLost(f"dispatch failed: {type(exc).__name__}: {exc}", request_id=self.request.id)
+        return self.finish(_failure(self.request, err))  # type: ignore[return-value]
+
+    def finish(self, answer: Final) -> Final:
+        if isinstance(answer, GenerationResult):
+            answer = replace(answer, tokens=tuple(self.tokens))
+        self.d._count(_kind(answer.error))
+        self.d._metrics.answered(self.request, answer.error, self.d._clock.now() - self.started)
+        return answer
+
+
+def _rows(request: Request) -> int:
+    if isinstance(request, GenerateRequest):
+        return 1
+    for v in request.inputs.values():
+        shape: tuple[int, ...] = tuple(getattr(v, "shape", ()))
+        return int(shape[0]) if len(shape) > 1 else 1
+    return 1
+
+
+def _failure(request: Request, error: EdgeFleetError) -> Final:
+    if isinstance(request, GenerateRequest):
+        return GenerationResult(request.id, "", error=error)
+    return Reply(request.id, "", error=error)
+
+
+def _kind(error: EdgeFleetError | None) -> str:
+    return "completed" if error is None else type(error).__name__.lower()
+
+
+def _resolve(out: cf.Future[Reply], reply: Reply) -> None:
+    if not out.done():
+        out.set_result(reply)

@@ -1,0 +1,93 @@
+"""The one place that talks to node actors through Ray: requests for the dispatcher
+(futures and a token iterator), control calls for the router (awaitables)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+
+from cluster.dispatch import NodeGone
+from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
+from edgefleet.request import GenerateRequest, InferRequest
+
+
+class RayNode:
+    """A node actor found by name. After the actor dies it is looked up again on the
+    next call, so a node redeployed under the same name rejoins by itself."""
+
+    def __init__(self, name: str, namespace: str, actor: ActorHandle | None = None) -> None:
+        self._name = name
+        self._namespace = namespace
+        self._actor = actor
+
+    def _handle(self) -> ActorHandle:
+        if self._actor is None:
+            try:
+                self._actor = ray.get_actor(self._name, namespace=self._namespace)
+            except ValueError as exc:  # no such actor (yet, or any more)
+                raise NodeGone(str(exc)) from None
+        return self._actor
+
+    def _gone(self, exc: Exception) -> NodeGone:
+        if isinstance(exc, ray.exceptions.ActorDiedError):
+            self._actor = None
+        return NodeGone(str(exc))
+
+    # ---------------------------------------------------------- requests (dispatcher)
+
+    def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+        """``inputs``: an object reference Ray resolves on the node (large requests)."""
+        actor = self._handle()
+        ref = actor.infer.remote(request) if inputs is None else actor.infer.remote(request, inputs)
+        out: cf.Future[Reply] = cf.Future()
+
+        def done(f: cf.Future[Reply]) -> None:
+            try:
+                out.set_result(f.result())
+            except ray.exceptions.RayActorError as exc:
+                out.set_exception(self._gone(exc))
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        ref.future().add_done_callback(done)
+        return out
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+        stream = self._handle().generate.remote(request)
+        finished = False
+        try:
+            for ref in stream:
+                item = ray.get(ref)
+                finished = isinstance(item, GenerationResult)
+                yield item
+        except ray.exceptions.RayActorError as exc:
+            raise self._gone(exc) from None
+        finally:
+            if not finished:  # the consumer went away: the node stops generating for nobody
+                with contextlib.suppress(Exception):
+                    ray.cancel(stream)
+
+    # ---------------------------------------------------------- control (router)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._handle(), method).remote(*args)
+        except ray.exceptions.RayActorError as exc:
+            raise self._gone(exc) from None
+
+    async def set_lifecycle(self, state: str) -> NodeStatus:
+        return await self._call("set_lifecycle", state)
+
+    async def status(self) -> NodeStatus:
+        return await self._call("status")
+
+    async def start(self) -> NodeStatus:
+        return await self._call("start")
+
+    async def cancel(self, request_id: str) -> bool:
+        return bool(await self._call("cancel", request_id))

@@ -1,0 +1,177 @@
+"""The messages nodes, the router and callers exchange: replies, token chunks,
+generation results and node status reports.
+
+Plain frozen dataclasses with no dependency on Ray, ONNX Runtime or the node
+runtime, so the router and clients import them without either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgefleet.errors import EdgeFleetError
+
+# Seconds, for request latencies: 1 ms to 30 s.
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+@dataclass(frozen=True)
+class MetricsSummary:
+    """What a node reports about its metrics in its status: cumulative latency bucket
+    counts of completed requests by priority class (the same buckets as the exported
+    ``edgefleet_latency_seconds``, so the same quantiles come out), and failed records."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    latency: dict[str, tuple[int, ...]] = field(default_factory=dict)  # class -> le counts, +Inf
+    errors: int = 0
+
+    def completed(self, priority: str) -> int:
+        counts = self.latency.get(priority)
+        return counts[-1] if counts else 0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The one answer to one request."""
+
+    request_id: str
+    node: str
+    outputs: dict[str, np.ndarray] | None = None
+    error: EdgeFleetError | None = None
+    queue_s: float = 0.0  # arrival to engine start
+    service_s: float = 0.0  # engine time of the call that served it
+    batch_size: int = 0  # requests in that call
+
+    def unwrap(self) -> dict[str, np.ndarray]:
+        if self.error is not None:
+            raise self.error
+        assert self.outputs is not None
+        return self.outputs
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """New tokens of a generation, in order (several when they came faster than sent)."""
+
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The end of one generation: why it ended (``stop``, ``length``, ``budget``,
+    ``cancelled``) or the typed error that ended it, and what it cost."""
+
+    request_id: str
+    node: str
+    tokens: tuple[int, ...] = ()  # every generated token
+    finish_reason: str | None = None
+    error: EdgeFleetError | None = None
+    queue_s: float = 0.0  # arrival to first engine step
+    first_token_s: float | None = None  # arrival to first token
+    total_s: float = 0.0  # arrival to end
+    engine_s: float = 0.0  # engine time, over every resumption
+    engine_cpu_s: float = 0.0  # CPU time of the engine thread within engine_s
+    pauses: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV came from a session or shared prefix
+    fed_tokens: int = 0  # tokens run through the model, re-prefills included
+    token_times: tuple[float, ...] = ()  # seconds from arrival until each token was made
+    arrival: float = 0.0  # on the node's monotonic clock
+
+    def unwrap(self) -> tuple[int, ...]:
+        if self.error is not None:
+            raise self.error
+        return self.tokens
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    name: str
+    loaded: bool
+    batchable: bool
+    batch_limit: int
+    cost_ms: dict[int, float]  # measured at warm-up: engine ms per call, by batch rows
+    row_ms: float | None  # observed recently, per row
+    loads: int
+    kind: str = "tensor"
+    load_ms: float | None = None  # measured at its last load
+
+
+@dataclass(frozen=True)
+class RunningStatus:
+    model: str
+    request_ids: tuple[str, ...]
+    priority: int
+    elapsed_s: float
+    rows: int = 0
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    state: str  # starting | serving | draining | drained | stopped
+    queued: dict[int, int]  # priority -> requests
+    queued_bytes: int
+    running: RunningStatus | None
+    models: tuple[ModelStatus, ...]
+    counters: dict[str, int] = field(default_factory=dict)
+    switching: str | None = None
+    rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0
+    pid: int = 0  # the node's process
+    paused: dict[int, int] = field(default_factory=dict)  # priority -> paused generations
+    lifecycle: str = "foreground"
+    kv_bytes: dict[str, int] = field(default_factory=dict)  # paused / cached -> bytes
+    sessions: tuple[str, ...] = ()  # chat sessions whose KV the node holds
+    metrics: MetricsSummary = field(default_factory=MetricsSummary)  # latency by priority
+    # priority -> model -> rows queued
+    queued_rows: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def queue_length(self) -> int:
+        return sum(self.queued.values())
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    """A snapshot of every node, which are healthy, and the fleet-wide counters of the
+    callers that place requests (received, completed, spilled, replaced, shed, ...) and
+    of the router (nodes_lost, joined, rejoined)."""
+
+    fleet: str
+    nodes: tuple[NodeStatus, ...]
+    healthy: dict[str, bool] = field(default_factory=dict)
+    router: dict[str, int] = field(default_factory=dict)
+    callers: int = 0  # processes placing requests lately
+    placement: str = ""  # the placement pipeline
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Node counters added up over the fleet."""
+        out: dict[str, int] = {}
+        for node in self.nodes:
+            for k, v in node.counters.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def node(self, name: str) -> NodeStatus:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)

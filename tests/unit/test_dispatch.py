@@ -1,0 +1,265 @@
+"""Placement in the caller (spill, shed, re-placement, failover, stale views, herding)
+and the router's membership, over real node runtimes with fake engines (no Ray)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actors.node import NodeRuntime
+from cluster.dispatch import Dispatcher, FleetView, NodeReport
+from edgefleet.config import parse_config
+from edgefleet.errors import Evicted, ModelNotFound, NodeLost, Rejected
+from edgefleet.request import InferRequest
+from policies.placement import PlacementRequest
+from tests.fakes import FakeLoader, LocalFleet, x
+
+
+def make_config(nodes, *, shed=None, capacity=8, placement=None):
+    return parse_config(
+        {
+            "fleet": {"name": "t"},
+            "models": {"m": {"path": "m.onnx", "warmup": False, "memory_mb": 1}},
+            "node_defaults": {"queue": {"capacity": capacity}},
+            "nodes": [{"name": n, **extra} for n, extra in nodes.items()],
+            "router": {
+                "placement": {
+                    "shed": shed if shed is not None else {"background": 0.75},
+                    **(placement or {}),
+                },
+                "report_interval_s": 0.05,
+                "lost_after_s": 0.5,
+            },
+        },
+        Path("/nonexistent"),
+    )
+
+
+@pytest.fixture
+def fleet():
+    made = []
+
+    def make(nodes, *, cost_s=0.0, **kw):
+        f = LocalFleet(
+            make_config(nodes, **kw),
+            lambda spec: NodeRuntime(spec, loader=FakeLoader(m={"cost_s": cost_s})),
+        )
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def req(priority=10, rid=None, value=1.0):
+    kw = {"id": rid} if rid else {}
+    return InferRequest(model="m", inputs=x(value), priority=priority, **kw)
+
+
+def wait_for(cond, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_spills_to_the_next_node_when_one_refuses(fleet):
+    f = fleet({"a": {}, "b": {"queue": {"capacity": 1}}}, cost_s=0.2)
+    # Fill b (one running, one queued) behind the dispatcher's back, and make a refuse.
+    blockers = [f.spawn(f.node("b").infer(req(10)))]
+    wait_for(lambda: f.node("b").status().running is not None)
+    blockers.append(f.spawn(f.node("b").infer(req(10))))
+    wait_for(lambda: f.node("b").status().queue_length == 1)
+    f.node("a")._sched.draining = True
+    reply = f.infer(req(10))
+    assert isinstance(reply.error, Rejected)
+    assert "every node refused" in str(reply.error) and reply.error.retry_after_s > 0
+    f.node("a")._sched.draining = False
+    reply = f.infer(req(10, value=3.0))
+    assert reply.error is None and reply.node == "a"
+    np.testing.assert_array_equal(reply.outputs["y"], x(6.0)["x"])
+    assert f.counters()["spilled"] >= 2
+    for b in blockers:
+        b.result(30)
+
+
+def reported(f, **queued_rows):
+    """A report of node ``name`` with ``queued_rows`` as {priority: rows of m}."""
+    idle = replace(f.node("a").status(), queued={}, queued_rows={}, running=None)
+    return {
+        name: NodeReport(
+            replace(
+                idle, name=name, queued=dict(q), queued_rows={p: {"m": n} for p, n in q.items()}
+            ),
+            True,
+            0.0,
+        )
+        for name, q in queued_rows.items()
+    }
+
+
+def test_foreground_goes_to_the_node_with_least_higher_priority_work(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, placement={"picker": "best"})
+    # a reports 30 background requests queued (a long queue), b 5 foreground ones.
+    f.dispatcher.update(FleetView(reported(f, a={3: 30}, b={10: 5})))
+    assert f.dispatcher.rank(PlacementRequest("m", 10))[0] == "a"  # background is not ahead
+    assert f.dispatcher.rank(PlacementRequest("m", 3))[0] == "b"
+
+
+def test_queued_work_is_priced_at_its_own_model_and_aged_by_the_report(fleet):
+    f = fleet({"a": {}, "b": {}}, capacity=64, placement={"picker": "best"})
+    base = replace(f.node("a").status(), queued={}, queued_rows={}, running=None)
+    models = tuple(replace(m, row_ms=1.0) for m in base.models) + (
+        replace(base.models[0], name="big", row_ms=50.0),
+    )
+    # a: 10 rows of a 1 ms model; b: 2 rows of a 50 ms model. Counting requests
+    # alone, b looks emptier; priced by model, a finishes sooner.
+    a = replace(base, name="a", models=models, queued={10: 10}, queued_rows={10: {"m": 10}})
+    b = replace(base, name="b", models=models, queued={10: 2}, queued_rows={10: {"big": 2}})
+    f.dispatcher.update(FleetView({"a": NodeReport(a, True, 0.0), "b": NodeReport(b, True, 0.0)}))
+    assert f.dispatcher.rank(PlacementRequest("m", 10))[0] == "a"
+    # The same reports 0.2 s old: b has worked off its 100 ms since, a its 10 ms.
+    f.dispatcher.update(FleetView({"a": NodeReport(a, True, 0.2), "b": NodeReport(b, True, 0.2)}))
+    views = {v.name: v for v in f.dispatcher.views()}
+    assert views["a"].backlog_s == {} and views["b"].backlog_s == {}
+
+
+def test_work_sent_since_the_report_counts_until_it_is_answered(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.3, capacity=64, placement={"picker": "best"})
+    first = [f.dispatcher.submit(req(10, rid=f"r{i}")) for i in range(6)]
+    # One stale view of two idle nodes: without local accounting all six go to a.
+    wait_for(
+        lambda: all(
+            n.status().queue_length + (n.status().running is not None) >= 2
+            for n in (f.node("a"), f.node("b"))
+        )
+    )
+    views = {v.name: v for v in f.dispatcher.views()}
+    assert views["a"].work.get(10) == 3 and views["b"].work.get(10) == 3
+    replies = [r.result(30) for r in first]
+    assert Counter(r.node for r in replies) == {"a": 3, "b": 3}
+    assert all(not v.work for v in f.dispatcher.views())  # answered: no longer counted
+
+
+def test_background_is_shed_before_foreground(fleet):
+    f = fleet({"a": {}}, cost_s=0.3, capacity=4, shed={"background": 0.5})
+    first = [f.dispatcher.submit(req(3)) for _ in range(2)]
+    shed = f.infer(req(3))
+    assert isinstance(shed.error, Rejected) and "shed" in str(shed.error)
+    assert shed.error.retry_after_s > 0
+    fg = f.infer(req(10))
+    assert fg.error is None
+    assert f.counters()["shed"] == 1
+    for r in first:
+        assert r.result(30).error is None
+
+
+def test_evicted_request_is_placed_again_on_another_node(fleet):
+    f = fleet({"a": {"queue": {"capacity": 1}}, "b": {}}, cost_s=0.2, shed={})
+    running = f.spawn(f.node("a").infer(req(10)))  # a busy...
+    wait_for(lambda: f.node("a").status().running is not None)
+    f.dispatcher.update(FleetView(reported(f, a={}, b={10: 50})))  # ...b looks worse
+    victim = f.dispatcher.submit(req(3, rid="victim"))
+    wait_for(lambda: f.node("a").status().queue_length == 1)
+    f.run(f.node("a").infer(req(10)))  # evicts the victim from a's one-slot queue
+    reply = victim.result(30)
+    assert reply.error is None and reply.node == "b"
+    assert f.counters()["replaced"] == 1
+    running.result(30)
+
+
+def test_evicted_fails_only_when_no_node_has_room(fleet):
+    f = fleet({"a": {"queue": {"capacity": 1}}}, cost_s=0.2, shed={})
+    running = f.spawn(f.node("a").infer(req(10)))
+    wait_for(lambda: f.node("a").status().running is not None)
+    victim = f.dispatcher.submit(req(3))
+    wait_for(lambda: f.node("a").status().queue_length == 1)
+    f.run(f.node("a").infer(req(10)))
+    assert isinstance(victim.result(30).error, Evicted)
+    running.result(30)
+
+
+def test_requests_on_a_dying_node_are_placed_again_and_answered_once(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, shed={})
+    futures = [f.dispatcher.submit(req(10, rid=f"r{i}")) for i in range(40)]
+    wait_for(lambda: f.node("a").status().queue_length > 0)
+    f.handles["a"].dead = True
+    replies = [r.result(60) for r in futures]
+    assert sorted(r.request_id for r in replies) == sorted(f"r{i}" for i in range(40))
+    assert all(r.error is None for r in replies), [r.error for r in replies if r.error]
+    counters = f.counters()
+    assert counters["nodes_lost"] == 1 and counters["replaced"] >= 1
+    assert not f.router.status_now().healthy["a"] and not f.dispatcher.healthy()["a"]
+    late = f.infer(req(10))
+    assert late.node == "b"
+    f.handles["a"].dead = False  # the node comes back: the next poll lets it rejoin
+    f.refresh()
+    assert f.router.status_now().healthy["a"] and f.router.status_now().counters["rejoined"] == 1
+    assert f.dispatcher.healthy()["a"]
+
+
+def test_every_node_lost_or_unknown_model(fleet):
+    f = fleet({"a": {}})
+    f.handles["a"].dead = True
+    reply = f.infer(req(10))
+    assert isinstance(reply.error, NodeLost)
+    unknown = f.infer(InferRequest(model="zzz", inputs=x(1.0)))
+    assert isinstance(unknown.error, ModelNotFound)
+    assert "the fleet serves: m" in str(unknown.error)
+
+
+def test_shed_clients_are_told_to_come_back_in_turn(fleet):
+    f = fleet({"a": {}}, cost_s=0.3, capacity=4, shed={"background": 0.5})
+    first = [f.dispatcher.submit(req(3)) for _ in range(2)]
+    hints = [f.infer(req(3)).error.retry_after_s for _ in range(5)]
+    assert hints == sorted(hints) and hints[-1] > hints[0]  # later waiters wait longer
+    for r in first:
+        r.result(30)
+
+
+def test_a_failing_node_handle_gives_a_typed_answer_not_a_hang(fleet):
+    f = fleet({"a": {}})
+
+    def broken(request, inputs=None):
+        raise RuntimeError("handle bug")
+
+    f.handles["a"].infer = broken  # type: ignore[method-assign]
+    reply = f.infer(req(10))
+    assert isinstance(reply.error, NodeLost) and "handle bug" in str(reply.error)
+
+
+@pytest.mark.parametrize(("picker", "herd"), [("best", True), ("near_best", False)])
+def test_four_callers_on_one_stale_view_do_not_herd(fleet, picker, herd):
+    """Four callers see the same view of four idle nodes (a report that will not change
+    while they place). Each places 8 slow requests at once. With the near-best picker
+    and each caller's own in-flight accounting they spread over the nodes; the best
+    picker sends every caller's first request to the same node."""
+    f = fleet(
+        {n: {} for n in "abcd"}, cost_s=0.5, capacity=64, shed={}, placement={"picker": picker}
+    )
+    view = FleetView(reported(f, a={}, b={}, c={}, d={}))
+    callers = []
+    for i in range(4):
+        d = Dispatcher(f.config, f.handles, rng=random.Random(i))
+        d.update(view)
+        callers.append(d)
+    firsts = [d.submit(req(3, rid=f"c{i}-0")) for i, d in enumerate(callers)]
+    rest = [d.submit(req(3, rid=f"c{i}-{k}")) for k in range(1, 8) for i, d in enumerate(callers)]
+    replies = [r.result(60) for r in firsts + rest]
+    assert all(r.error is None for r in replies)
+    first_nodes = {r.node for r in replies[:4]}
+    per_node = Counter(r.node for r in replies)
+    if herd:
+        assert first_nodes == {"a"}
+    else:
+        assert len(first_nodes) >= 2, first_nodes
+        assert max(per_node.values()) <= 12, per_node  # 8 each when even
+    for d in callers:
+        d.close()
