@@ -690,6 +690,7 @@ class NodeRuntime:
             sessions=tuple(self._kv.sessions()[:MAX_REPORTED_SESSIONS]),
             metrics=self._metrics.summary(),
             queued_rows=self._sched.queued_rows(),
+            busy=self._sched.busy_share(),
         )
         self._metrics.observe(status)
         return status

@@ -42,6 +42,10 @@ from policies.admission import retry_after
 S = RequestState
 DEFAULT_ROW_COST_S = 0.01  # until the first call of a model has been timed
 DRAIN_RETRY_S = 1.0  # a draining node will not take work again soon: try elsewhere
+# Weight of each call in the running per-row cost: small, so one call slowed by a busy
+# machine does not make the node look slow to placement (noise steers placement badly).
+ROW_COST_WEIGHT = 0.05
+BUSY_WINDOW_S = 2.0  # engine time by priority is reported over this window
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class LocalScheduler:
         self._running: Plan | None = None
         self._preempting = False
         self._row_cost: dict[str, float] = {}
+        self._busy: deque[tuple[float, int, float]] = deque()  # (end, priority, seconds)
         self.draining = False
 
     # ----------------------------------------------------------------- configuration
@@ -260,6 +265,7 @@ class LocalScheduler:
         self._running = None
         self._preempting = False
         now = self._clock.now()
+        self._busy.append((now, max(r.priority for r in plan.requests), now - plan.started))
         settled: list[Outcome] = []
         requeue: list[Request] = []
         for r in plan.requests:
@@ -385,7 +391,8 @@ class LocalScheduler:
 
     def _observe(self, model: str, row_cost: float) -> None:
         old = self._row_cost.get(model)
-        self._row_cost[model] = row_cost if old is None else 0.8 * old + 0.2 * row_cost
+        w = ROW_COST_WEIGHT
+        self._row_cost[model] = row_cost if old is None else (1 - w) * old + w * row_cost
 
     def _retry_after(self, rank: int) -> float:
         ahead = sum(
@@ -405,6 +412,17 @@ class LocalScheduler:
         for r in self._queued.values():
             counts[r.priority] = counts.get(r.priority, 0) + 1
         return counts
+
+    def busy_share(self) -> dict[int, float]:
+        """Share of the last ``BUSY_WINDOW_S`` the engine spent on each priority (the
+        priority a call ran at): how much of the node later arrivals of a priority take."""
+        now = self._clock.now()
+        while self._busy and self._busy[0][0] < now - BUSY_WINDOW_S:
+            self._busy.popleft()
+        out: dict[int, float] = {}
+        for _, priority, seconds in self._busy:
+            out[priority] = out.get(priority, 0.0) + seconds / BUSY_WINDOW_S
+        return out
 
     def queued_rows(self) -> dict[int, dict[str, int]]:
         """Rows waiting, by priority and model (what placement prices queued work by)."""

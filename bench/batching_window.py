@@ -20,12 +20,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import ray
 
 from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
     ModelEntry,
+    Pending,
     Route,
     RunContext,
     Section,
@@ -41,6 +41,9 @@ from bench.common import (
     node_costs_ms,
     only_node,
     raw_session,
+    ready_among,
+    replies_of,
+    reply_of,
     slow_feed,
 )
 
@@ -146,7 +149,7 @@ def open_loop(
     after the last submit whatever is still outstanding.
     """
     interval = 1.0 / rate
-    sent: dict[ray.ObjectRef, float] = {}
+    sent: dict[Pending, float] = {}
     samples: list[Sample] = []
     max_lag = 0.0
     i = 0
@@ -166,14 +169,11 @@ def open_loop(
         if not sent:
             time.sleep(max(0.0, wait_s))
             continue
-        ready, rest = ray.wait(list(sent), num_returns=1, timeout=max(0.0, wait_s))
+        ready = ready_among(list(sent), max(0.0, wait_s))
         if not ready:
             continue
         done_at = time.perf_counter()
-        if rest:
-            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-            ready += more
-        for ref, reply in zip(ready, ray.get(ready, timeout=GET_TIMEOUT_S), strict=True):
+        for ref, reply in zip(ready, replies_of(ready), strict=True):
             samples.append(
                 Sample(
                     latency_s=done_at - sent.pop(ref),
@@ -239,7 +239,7 @@ def run(ctx: RunContext) -> Section:
         batch1_ms = costs.get(1, TARGET_COST_MS)
         high_rate = round(0.5 * 1000.0 / batch1_ms / 5) * 5  # half of batch-1 capacity
         for _ in range(20):  # warm the path (actor, sessions) before timing anything
-            ray.get(route.submit(entry_name(0.0), feed), timeout=GET_TIMEOUT_S)
+            reply_of(route.submit(entry_name(0.0), feed))
         for rate, seconds in (
             (REFERENCE_RATE, ctx.pick(4.0, 1.6)),
             (high_rate, ctx.pick(2.0, 0.8)),

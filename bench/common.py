@@ -5,6 +5,7 @@ Importing this module before Ray matters: see :func:`_pin_ray_to_loopback`.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import datetime as _dt
 import math
@@ -27,6 +28,7 @@ from ray.actor import ActorHandle
 from cluster.client import FleetClient, FleetStatus
 from cluster.deploy import NAMESPACE, actor_name, init_loopback_ray
 from edgefleet.config import FleetConfig, parse_config
+from edgefleet.messages import Reply
 from edgefleet.modelgen import calibrate_slow
 from edgefleet.request import DEFAULT_PRIORITIES, InferRequest, new_request_id, resolve_priority
 
@@ -605,6 +607,49 @@ def node_submit(
     return node_actor(fleet, node).infer.remote(request)
 
 
+Pending = Any  # a ray.ObjectRef (straight to a node) or a Future of FleetClient.submit
+
+
+def ready_among(pending: Sequence[Pending], timeout_s: float) -> list[Pending]:
+    """The items of ``pending`` that are ready, waiting at most ``timeout_s`` for the
+    first. ``pending`` holds one kind: node references or client futures."""
+    if not pending:
+        return []
+    if isinstance(pending[0], cf.Future):
+        done, _ = cf.wait(pending, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+        return list(done)
+    ready, rest = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
+    if ready and rest:  # everything else that is ready in the same sweep
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        ready += more
+    return ready
+
+
+def replies_of(ready: Sequence[Pending], timeout_s: float = GET_TIMEOUT_S) -> list[Reply]:
+    """The replies of node references or client futures (one kind), in order."""
+    if not ready:
+        return []
+    if isinstance(ready[0], cf.Future):
+        return FleetClient.gather(ready, timeout_s)
+    replies: list[Reply] = ray.get(list(ready), timeout=timeout_s)
+    return replies
+
+
+def reply_of(pending: Pending, timeout_s: float = GET_TIMEOUT_S) -> Reply:
+    (reply,) = replies_of([pending], timeout_s)
+    return reply
+
+
+def drain_pending(pending: Sequence[Pending], timeout_s: float = GET_TIMEOUT_S) -> None:
+    """Wait (bounded) for what is still out, ignoring the answers."""
+    if not pending:
+        return
+    if isinstance(pending[0], cf.Future):
+        cf.wait(pending, timeout=timeout_s)
+    else:
+        ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+
+
 def node_cancel(
     target: FleetClient | str, node: str, request_id: str, timeout_s: float = GET_TIMEOUT_S
 ) -> bool:
@@ -626,7 +671,7 @@ class Route(Protocol):
         *,
         priority: str | int = "foreground",
         request_id: str | None = None,
-    ) -> ray.ObjectRef: ...
+    ) -> Pending: ...
 
     def cancel(self, request_id: str) -> bool: ...
 
@@ -649,7 +694,7 @@ class NodeRoute:
         *,
         priority: str | int = "foreground",
         request_id: str | None = None,
-    ) -> ray.ObjectRef:
+    ) -> Pending:
         return node_submit(self.client, self.node, model, inputs, priority, request_id)
 
     def cancel(self, request_id: str) -> bool:
@@ -658,13 +703,13 @@ class NodeRoute:
 
 @dataclass(frozen=True)
 class RouterRoute:
-    """Through the fleet's router (``FleetClient.submit``)."""
+    """Placed by the fleet's client (``FleetClient.submit``): the fleet's placement."""
 
     client: FleetClient
 
     @property
     def label(self) -> str:
-        return "router"
+        return "fleet"
 
     def submit(
         self,
@@ -673,7 +718,7 @@ class RouterRoute:
         *,
         priority: str | int = "foreground",
         request_id: str | None = None,
-    ) -> ray.ObjectRef:
+    ) -> Pending:
         return self.client.submit(model, inputs, priority=priority, request_id=request_id)
 
     def cancel(self, request_id: str) -> bool:

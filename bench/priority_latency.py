@@ -16,10 +16,10 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
-import ray
 
 from bench.common import (
     GET_TIMEOUT_S,
@@ -27,6 +27,7 @@ from bench.common import (
     Calm,
     ModelEntry,
     NodeRoute,
+    Pending,
     Route,
     RunContext,
     Section,
@@ -34,12 +35,16 @@ from bench.common import (
     Target,
     calm,
     deployed,
+    drain_pending,
     fleet_config,
     fmt,
     log,
     md_table,
     median,
     only_node,
+    ready_among,
+    replies_of,
+    reply_of,
     slow_feed,
 )
 from cluster.client import FleetClient
@@ -66,6 +71,14 @@ class FloodCounts:
     evicted: int = 0
     other_errors: int = 0
     submitted: int = 0
+
+    @classmethod
+    def total(cls, counts: Iterable[FloodCounts]) -> FloodCounts:
+        out = cls()
+        for c in counts:
+            for f in fields(cls):
+                setattr(out, f.name, getattr(out, f.name) + getattr(c, f.name))
+        return out
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,7 @@ class Flood:
         self._feed = feed
         self._outstanding = outstanding
         self._stop = threading.Event()
-        self._pending: dict[ray.ObjectRef, str] = {}  # outstanding reply -> request id
+        self._pending: dict[Pending, str] = {}  # outstanding reply -> request id
         self._thread = threading.Thread(target=self._loop, name="bench-flood", daemon=True)
         self.counts = FloodCounts()
         self.error: BaseException | None = None
@@ -143,8 +156,7 @@ class Flood:
         if self._pending:
             for rid in list(self._pending.values()):
                 self._route.cancel(rid)
-            refs = list(self._pending)
-            ray.wait(refs, num_returns=len(refs), timeout=GET_TIMEOUT_S)
+            drain_pending(list(self._pending))
             self._pending.clear()
 
     def _submit(self) -> None:
@@ -167,10 +179,10 @@ class Flood:
                 if not self._pending:
                     time.sleep(timeout)
                     continue
-                ready, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
+                ready = ready_among(list(self._pending), timeout)
                 if not ready:
                     continue
-                replies = ray.get(ready, timeout=GET_TIMEOUT_S)
+                replies = replies_of(ready)
                 for ref in ready:
                     del self._pending[ref]
                 for reply in replies:
@@ -214,8 +226,7 @@ def foreground(
         t0 = time.perf_counter()
         give_up = t0 + GET_TIMEOUT_S
         while True:
-            ref = route.submit(model, feed, priority=priority)
-            reply = ray.get(ref, timeout=GET_TIMEOUT_S)
+            reply = reply_of(route.submit(model, feed, priority=priority))
             if not isinstance(reply.error, Rejected) or time.perf_counter() > give_up:
                 break
             refused += 1
@@ -300,7 +311,7 @@ def run(ctx: RunContext) -> Section:
     with deployed(prio) as client:
         route = only_node(client)  # straight to the node actor: the node is measured
         for _ in range(5):
-            ray.get(route.submit(MODEL, feed), timeout=GET_TIMEOUT_S)
+            reply_of(route.submit(MODEL, feed))
         log("priority latency: alone")
         alone = _kept(calm(lambda: foreground(route, feed, n_fg, "alone"), "alone"))
         log("priority latency: edgefleet (priority order, preemption gap 5) under flood")
@@ -308,7 +319,7 @@ def run(ctx: RunContext) -> Section:
     with deployed(fifo) as client:
         route = only_node(client)
         for _ in range(5):
-            ray.get(route.submit(MODEL, feed), timeout=GET_TIMEOUT_S)
+            reply_of(route.submit(MODEL, feed))
         log("priority latency: FIFO under flood")
         # Long, and its target has a wide margin: measured once, disturbance reported.
         base = _kept(

@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 import ray
+from pydantic import ValidationError
 from ray.actor import ActorHandle
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from cluster.deploy import (
     connect_ray,
@@ -29,8 +31,8 @@ from cluster.deploy import (
 from cluster.dispatch import Dispatcher
 from cluster.names import NAMESPACE, actor_name
 from cluster.nodes import RayNode
-from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost
+from edgefleet.config import FleetConfig, PlacementConfig, load_config
+from edgefleet.errors import ConfigError, InvalidInput, ModelNotFound, NodeLost
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest, new_request_id, resolve_priority
 
@@ -120,6 +122,26 @@ class FleetClient:
         router, config = find_fleet(fleet)
         return cls(config, router, node_handles(config))
 
+    def with_placement(self, **placement: Any) -> FleetClient:
+        """Another caller on the same fleet that places with other ``router.placement``
+        settings (e.g. ``policy="round_robin"``), to compare policies on a live fleet.
+        Settings not given keep this client's. Closing it leaves the fleet running."""
+        current = self.config.router.placement.model_dump(exclude_unset=True)
+        if "policy" in placement:  # a new preset: its own scorers and picker
+            current.pop("scorers", None)
+            current.pop("picker", None)
+        try:
+            changed = PlacementConfig.model_validate({**current, **placement})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"router.placement.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid placement: {problems}") from None
+        router = self.config.router.model_copy(update={"placement": changed})
+        return FleetClient(
+            self.config.model_copy(update={"router": router}), self._router, self._nodes
+        )
+
     def close(self) -> None:
         """Tear down what this client started (nodes, and Ray if it started it)."""
         self._feed.stop()
@@ -188,6 +210,16 @@ class FleetClient:
         if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
             return self._dispatcher.submit(request, ray.put(dict(inputs)))
         return self._dispatcher.submit(request)
+
+    @staticmethod
+    def gather(futures: Iterable[cf.Future[Reply]], timeout_s: float | None = None) -> list[Reply]:
+        """The replies of :meth:`submit` futures, in order; waits at most ``timeout_s``
+        for all of them (TimeoutError when some are still out)."""
+        futures = list(futures)
+        _, pending = cf.wait(futures, timeout=timeout_s)
+        if pending:
+            raise TimeoutError(f"{len(pending)} of {len(futures)} replies not in {timeout_s} s")
+        return [f.result() for f in futures]
 
     async def infer_async(
         self,
@@ -259,8 +291,7 @@ class FleetClient:
         """Tell ``node`` its lifecycle state changed ("foreground" or "background"):
         token budgets of its generations follow at their next token."""
         self._node(node)
-        ref = self._router.set_lifecycle.remote(node, state)
-        (status,) = _get([ref], timeout_s, "set_lifecycle")
+        status: NodeStatus = self._ask_router("set_lifecycle", timeout_s, node, state)
         return status
 
     def status(self, timeout_s: float = CONTROL_TIMEOUT_S) -> FleetStatus:
@@ -268,18 +299,15 @@ class FleetClient:
         client's included)."""
         counters = self._dispatcher.take_counters()
         try:
-            (rs,) = _get([self._router.status.remote(dict(counters))], timeout_s, "status")
+            rs = self._ask_router("status", timeout_s, dict(counters))
         except BaseException:
             self._dispatcher.give_back(counters)
             raise
-        return FleetStatus(
-            rs.fleet, rs.nodes, rs.healthy, rs.counters, rs.callers, rs.placement
-        )
+        return FleetStatus(rs.fleet, rs.nodes, rs.healthy, rs.counters, rs.callers, rs.placement)
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""
-        (found,) = _get([self._router.cancel.remote(request_id)], timeout_s, "cancel")
-        return bool(found)
+        return bool(self._ask_router("cancel", timeout_s, request_id))
 
     def switch_model(
         self, node: str, model: str, timeout_s: float = SWITCH_TIMEOUT_S
@@ -292,6 +320,28 @@ class FleetClient:
         """Stop ``node`` taking new work and wait until its queue is empty."""
         (status,) = _get([self._node(node).drain.remote()], timeout_s, "drain")
         return status
+
+    def _ask_router(self, method: str, timeout_s: float, *args: Any) -> Any:
+        """Call the router, waiting out a restart (Ray restarts it after a crash) with
+        exponential backoff and jitter, for at most ``timeout_s`` in all. Control calls
+        are idempotent, so asking again after "may or may not have run" is safe."""
+        try:
+            for attempt in Retrying(
+                retry=retry_if_exception_type(ray.exceptions.ActorUnavailableError),
+                stop=stop_after_delay(timeout_s),
+                wait=wait_exponential_jitter(initial=0.05, max=2.0),
+                reraise=True,
+            ):
+                with attempt:
+                    ref = getattr(self._router, method).remote(*args)
+                    return ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise NodeLost(
+                f"{method}: the router did not answer within {timeout_s:.0f} s"
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            raise NodeLost(f"{method}: the router is not reachable: {exc}") from None
+        raise AssertionError("unreachable")
 
     def _check_model(self, model: str) -> None:
         if model not in self._served:
@@ -314,9 +364,7 @@ class TokenStream(Iterator[int]):
     dropping it) before the end cancels the generation.
     """
 
-    def __init__(
-        self, request_id: str, items: Iterator[TokenChunk | GenerationResult]
-    ) -> None:
+    def __init__(self, request_id: str, items: Iterator[TokenChunk | GenerationResult]) -> None:
         self.request_id = request_id
         self.tokens: list[int] = []
         self.result: GenerationResult | None = None
@@ -408,7 +456,13 @@ class _ViewFeed:
             delay = self._interval
 
     def stop(self) -> None:
+        """Stop refreshing; hand the last counters to the router (bounded, best effort)."""
         self._stop.set()
+        self._thread.join(self._timeout)
+        try:
+            self._fetch()
+        except Exception:  # the router is gone or busy: its counts miss this caller's last
+            log.debug("could not hand over the last counters", exc_info=True)
 
 
 def _get(refs: list[ray.ObjectRef], timeout_s: float | None, what: str) -> list[Any]:

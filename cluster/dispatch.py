@@ -101,6 +101,7 @@ class _Base:
     row_cost_s: dict[str, float] = field(default_factory=dict)
     load_cost_s: dict[str, float] = field(default_factory=dict)
     sessions: frozenset[str] = frozenset()
+    busy: dict[int, float] = field(default_factory=dict)
 
 
 class _Entry:
@@ -111,13 +112,17 @@ class _Entry:
         self.spec = spec
         self.handle = handle
         self.models = frozenset(spec.models)
+        p = spec.preemption
+        self.preempt_gap = p.min_priority_gap if p.enabled else None
         self.healthy = True  # until the router or a call says otherwise
         self.lost_at: float | None = None
         self.report_at = float("-inf")  # when the report was taken, on this caller's clock
         self.base = _Base(loaded=self.models)
         self.inflight: dict[str, _Sent] = {}
-        # Requests sent after the report was taken, by priority: [count, engine seconds].
+        # By priority, [count, engine seconds]: requests sent after the report was taken,
+        # and every request this caller has in flight here.
         self.since: dict[int, list[float]] = {}
+        self.mine: dict[int, list[float]] = {}
 
     def report(self, status: NodeStatus | None, taken_at: float) -> None:
         self.report_at = taken_at
@@ -126,23 +131,19 @@ class _Entry:
         self.since = {}
         for sent in self.inflight.values():
             if sent.at > taken_at:
-                self._add(sent, 1)
-
-    def _add(self, sent: _Sent, sign: int) -> None:
-        agg = self.since.setdefault(sent.priority, [0.0, 0.0])
-        agg[0] += sign
-        agg[1] += sign * sent.cost_s
-        if agg[0] <= 0:
-            del self.since[sent.priority]
+                _add(self.since, sent, 1)
 
     def sent(self, request_id: str, sent: _Sent) -> None:
         self.inflight[request_id] = sent
-        self._add(sent, 1)
+        _add(self.since, sent, 1)
+        _add(self.mine, sent, 1)
 
     def done(self, request_id: str) -> None:
         sent = self.inflight.pop(request_id, None)
-        if sent is not None and sent.at > self.report_at:
-            self._add(sent, -1)
+        if sent is not None:
+            _add(self.mine, sent, -1)
+            if sent.at > self.report_at:
+                _add(self.since, sent, -1)
 
     def view(self, now: float) -> NodeView:
         b = self.base
@@ -150,6 +151,11 @@ class _Entry:
         for p, (n, s) in self.since.items():
             work[p] = work.get(p, 0) + round(n)
             backlog[p] = backlog.get(p, 0.0) + s
+        # What this caller itself has in flight there is known exactly: the node holds
+        # at least that, however old the report.
+        for p, (n, s) in self.mine.items():
+            work[p] = max(work.get(p, 0), round(n))
+            backlog[p] = max(backlog.get(p, 0.0), s)
         return NodeView(
             name=self.spec.name,
             models=self.models,
@@ -163,7 +169,17 @@ class _Entry:
             load_cost_s=b.load_cost_s,
             running_left_s=running,
             sessions=b.sessions,
+            preempt_gap=self.preempt_gap,
+            busy=b.busy,
         )
+
+
+def _add(agg: dict[int, list[float]], sent: _Sent, sign: int) -> None:
+    counts = agg.setdefault(sent.priority, [0.0, 0.0])
+    counts[0] += sign
+    counts[1] += sign * sent.cost_s
+    if counts[0] <= 0:
+        del agg[sent.priority]
 
 
 def _base(report: NodeStatus) -> _Base:
@@ -198,6 +214,7 @@ def _base(report: NodeStatus) -> _Base:
         row_cost_s=row_cost_s,
         load_cost_s=load_cost_s,
         sessions=frozenset(report.sessions),
+        busy=dict(report.busy),
     )
 
 

@@ -181,8 +181,15 @@ class PlacementConfig(_Strict):
         description="best, near_best, power_of_two, round_robin or random; default: the "
         "policy's (expected_completion: near_best)",
     )
+    lower_share: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="expected_completion: share of lower-priority queued work counted "
+        "(the delay a request adds to the work it overtakes)",
+    )
     tie_s: float = Field(0.001, ge=0, description="near_best: nodes this close to the best tie")
-    tie_ratio: float = Field(0.1, ge=0, description="near_best: ...or this share of the best")
+    tie_ratio: float = Field(0.3, ge=0, description="near_best: ...or this share of the best")
     affinity_penalty_s: float = Field(
         0.5, ge=0, description="session_affinity: cost of moving a session from its KV cache"
     )
@@ -219,6 +226,7 @@ class PlacementConfig(_Strict):
             policy=self.policy,
             scorers=self.scorers,
             picker=self.picker,
+            lower_share=self.lower_share,
             tie_s=self.tie_s,
             tie_ratio=self.tie_ratio,
             affinity_penalty_s=self.affinity_penalty_s,

@@ -142,6 +142,7 @@ class NodeStatus:
     metrics: MetricsSummary = field(default_factory=MetricsSummary)  # latency by priority
     # priority -> model -> rows queued
     queued_rows: dict[int, dict[str, int]] = field(default_factory=dict)
+    busy: dict[int, float] = field(default_factory=dict)  # priority -> share of engine time
 
     @property
     def queue_length(self) -> int:

@@ -32,6 +32,8 @@ class NodeView:
     load_cost_s: Mapping[str, float] = field(default_factory=dict)  # seconds to load a model
     running_left_s: float = 0.0  # expected remaining time of the call in progress
     sessions: frozenset[str] = frozenset()  # sessions whose state the node holds
+    preempt_gap: int | None = 5  # priority gap that preempts a running call; None: never
+    busy: Mapping[int, float] = field(default_factory=dict)  # share of engine time by priority
 
     def work_at_or_above(self, priority: int) -> int:
         return sum(n for p, n in self.work.items() if p >= priority)

@@ -62,7 +62,7 @@ class NearBest:
     cost. Callers that share a stale view then spread over the near-best nodes instead
     of all picking the same one."""
 
-    def __init__(self, tie_s: float = 0.001, tie_ratio: float = 0.1) -> None:
+    def __init__(self, tie_s: float = 0.001, tie_ratio: float = 0.3) -> None:
         self.tie_s = tie_s
         self.tie_ratio = tie_ratio
 

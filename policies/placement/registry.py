@@ -31,8 +31,11 @@ class PlacementParams(BaseModel):
         None, description="scorer name -> weight; default: the policy's"
     )
     picker: str | None = Field(None, description="picker name; default: the policy's")
+    lower_share: float = Field(
+        0.25, ge=0, le=1, description="expected_completion: share of lower work counted"
+    )
     tie_s: float = Field(0.001, ge=0, description="near_best: absolute tie band, seconds")
-    tie_ratio: float = Field(0.1, ge=0, description="near_best: tie band relative to the best")
+    tie_ratio: float = Field(0.3, ge=0, description="near_best: tie band relative to the best")
     affinity_penalty_s: float = Field(
         0.5, ge=0, description="cost of sending a session away from the node holding it"
     )
@@ -57,7 +60,7 @@ class PlacementParams(BaseModel):
 
 
 SCORERS: Mapping[str, Callable[[PlacementParams], Scorer]] = {
-    "expected_completion": lambda p: ExpectedCompletion(),
+    "expected_completion": lambda p: ExpectedCompletion(p.lower_share),
     "model_load": lambda p: ModelLoad(p.load_default_s),
     "session_affinity": lambda p: SessionAffinity(p.affinity_penalty_s),
 }

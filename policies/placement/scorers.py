@@ -4,18 +4,47 @@ from __future__ import annotations
 
 from policies.placement.base import NodeView, PlacementRequest, row_cost
 
+BLOCKING_LEFT = 0.5  # of a call this request cannot preempt, on average half remains
+MAX_OVERTAKEN = 0.9  # a node busier than this with higher work: a tenfold wait, not more
+
 
 class ExpectedCompletion:
-    """When would *this* request finish here, at *its* priority?
+    """When would *this* request finish here, at *its* priority, and what does it cost
+    the work it overtakes?
 
-    Only work of equal or higher priority is ahead of it (lower work waits behind it,
-    or is preempted), each request priced at its own model's cost, plus what is left
-    of the call in progress, plus its own rows.
+    Work of equal or higher priority is ahead of it, each request priced at its own
+    model's cost, plus what is left of the call in progress, plus its own rows. Lower
+    work waits behind it, except a call it cannot preempt (a priority gap below the
+    node's ``preempt_gap``): when such work is there, one of it may be running, and on
+    average half of a call remains. ``lower_share`` of the lower work's time is added
+    too: this request delays all of it by its own service time, and a placement that
+    ignores that piles urgent work onto the nodes already holding background work,
+    where the background work then waits longest.
+
+    Work of higher priority that arrives later overtakes this request too: where such
+    work keeps the engine busy a share ``rho`` of the time, the wait stretches by
+    ``1 / (1 - rho)`` (as in a priority queue), so low-priority work avoids the nodes
+    that urgent work favours.
     """
 
+    def __init__(self, lower_share: float = 0.25) -> None:
+        self.lower_share = lower_share
+
     def cost(self, node: NodeView, request: PlacementRequest) -> float:
-        ahead = node.backlog_at_or_above(request.priority)
-        return node.running_left_s + ahead + request.rows * row_cost(node, request.model)
+        q = request.priority
+        ahead = lower = blocking = 0.0
+        for p, seconds in node.backlog_s.items():
+            if p >= q:
+                ahead += seconds
+                continue
+            lower += seconds
+            count = node.work.get(p, 0)
+            if count and (node.preempt_gap is None or q - p < node.preempt_gap):
+                blocking = max(blocking, seconds / count)
+        own = request.rows * row_cost(node, request.model)
+        rho = min(MAX_OVERTAKEN, sum(s for p, s in node.busy.items() if p > q))
+        wait = (node.running_left_s + ahead + BLOCKING_LEFT * blocking + own) / (1.0 - rho)
+        return wait + self.lower_share * lower
 
 
 class ModelLoad:

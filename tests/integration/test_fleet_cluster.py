@@ -131,7 +131,7 @@ def test_full_nodes_spill_then_reject_with_retry_after(cluster_fleet):
     before = client.status().router.get("spilled", 0)
     feed = random_inputs("slow")
     refs = [client.submit("slow25", feed, priority="foreground") for _ in range(120)]
-    replies = ray.get(refs, timeout=120)
+    replies = FleetClient.gather(refs, 120)
     kinds = Counter("ok" if r.error is None else type(r.error).__name__ for r in replies)
     assert set(kinds) == {"ok", "Rejected"}, kinds
     assert kinds["ok"] >= 3 * 16  # every queue was used before anyone was refused
@@ -148,8 +148,8 @@ def test_background_is_shed_before_foreground(cluster_fleet):
     bg = [client.submit("slow25", feed, priority="background") for _ in range(60)]
     time.sleep(0.3)
     fg = [client.submit("slow25", feed, priority="foreground") for _ in range(6)]
-    fg_replies = ray.get(fg, timeout=120)
-    bg_replies = ray.get(bg, timeout=120)
+    fg_replies = FleetClient.gather(fg, 120)
+    bg_replies = FleetClient.gather(bg, 120)
     shed = [r.error for r in bg_replies if isinstance(r.error, Rejected) and "shed" in str(r.error)]
     assert shed, "background should have been shed at 75% occupancy"
     assert all(r.error is None for r in fg_replies), [r.error for r in fg_replies]
@@ -158,10 +158,12 @@ def test_background_is_shed_before_foreground(cluster_fleet):
 
 def test_killing_a_node_mid_load_loses_no_request(cluster_fleet):
     cluster, raylets, client = cluster_fleet
+    other = client.with_placement()  # a second caller placing on its own view
     feed = random_inputs("slow")
     ids = [f"kill-{i}" for i in range(30)]  # fits in the two queues that remain
     refs = [
-        client.submit("slow25", feed, priority=i % 11, request_id=rid) for i, rid in enumerate(ids)
+        (client if i % 2 else other).submit("slow25", feed, priority=i % 11, request_id=rid)
+        for i, rid in enumerate(ids)
     ]
     for _ in range(400):  # kill edge-1 while it holds queued work
         if client.status().node("edge-1").queue_length >= 3:
@@ -175,10 +177,11 @@ def test_killing_a_node_mid_load_loses_no_request(cluster_fleet):
     cluster.remove_node(raylets.pop("edge-1"), allow_graceful=False)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    replies = ray.get(refs, timeout=180)
+    replies = FleetClient.gather(refs, 180)
     assert sorted(r.request_id for r in replies) == sorted(ids)  # one answer each
     errors = [r.error for r in replies if r.error is not None]
     assert not errors, errors[:3]
+    other.close()
     status = client.status()
     # edge-1 held at least 3 queued requests when it died: each was placed again.
     assert status.router.get("replaced", 0) >= 3, status.router

@@ -134,7 +134,7 @@ def _mixed_load(fleet: FleetClient) -> dict[str, int]:
             late = f"cancel-{priority}-{burst}"
             refs.append(fleet.submit("heavy", heavy, priority=priority, request_id=late))
             fleet.cancel(late)
-        ray.get(refs, timeout=120)
+        FleetClient.gather(refs, 120)
         status = fleet.status()
         seen = {**status.totals, **{f"router_{k}": v for k, v in status.router.items()}}
         missing = [k for k in WANTED_NODE if not seen.get(k)]
@@ -163,7 +163,7 @@ class SteadyLoad:
                 refs = [self.fleet.submit("classifier", classifier, priority="foreground")]
                 for priority, n in (("inline", 2), ("background", 4), ("offline", 2)):
                     refs += [self.fleet.submit("heavy", heavy, priority=priority) for _ in range(n)]
-                ray.get(refs, timeout=60)
+                FleetClient.gather(refs, 60)
                 _generation_round(self.fleet, rounds)
                 if rounds % 10 == 0:
                     model = ("detector", "classifier")[rounds // 10 % 2]

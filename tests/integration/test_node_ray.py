@@ -11,7 +11,9 @@ import onnxruntime as ort
 import pytest
 import ray
 
+from cluster.client import FleetClient
 from edgefleet.errors import (
+    ConfigError,
     DeadlineExceeded,
     EdgeFleetError,
     InvalidInput,
@@ -45,7 +47,7 @@ def test_batched_results_equal_direct_onnx_runtime(make_fleet, models_dir):
         for i in range(9)
     ]
     refs = [fleet.submit(m, inp, priority=i % 11) for i, (m, inp) in enumerate(cases)]
-    replies = ray.get(refs, timeout=60)
+    replies = FleetClient.gather(refs, 60)
     assert max(r.batch_size for r in replies) > 1, "requests should have been batched"
     for (model, inputs), reply in zip(cases, replies, strict=True):
         expected = ort_run(models_dir, model, inputs)
@@ -63,7 +65,7 @@ def test_unbatchable_model_under_concurrent_requests(make_fleet, models_dir):
         }
         for _ in range(40)
     ]
-    replies = ray.get([fleet.submit("stateful", c) for c in cases], timeout=60)
+    replies = FleetClient.gather([fleet.submit("stateful", c) for c in cases], 60)
     assert all(r.batch_size == 1 for r in replies)
     for case, reply in zip(cases, replies, strict=True):
         expected = ort_run(models_dir, "stateful", case)
@@ -101,7 +103,7 @@ def test_bad_inputs_fail_alone_while_good_requests_succeed(make_fleet):
         name, (inputs, _) = list(bad.items())[i % len(bad)]
         refs.append((name, fleet.submit("classifier", inputs)))
     for name, ref in refs:
-        reply = ray.get(ref, timeout=60)
+        reply = ref.result(60)
         if name == "good":
             assert reply.error is None
         else:
@@ -129,7 +131,7 @@ def test_flood_of_10000_requests_all_answered_memory_bounded(make_fleet):
     peaks = [fleet.status().nodes[0].rss_mb]
     for _ in range(2):  # two waves of 5,000: the second must not grow the node further
         refs = [fleet.submit("slow", inputs, priority=i % 11) for i in range(5_000)]
-        for reply in ray.get(refs, timeout=300):
+        for reply in FleetClient.gather(refs, 300):
             assert (reply.outputs is None) != (reply.error is None)
             assert reply.error is None or isinstance(reply.error, EdgeFleetError)
             kind = "ok" if reply.error is None else type(reply.error).__name__
@@ -153,7 +155,7 @@ def test_foreground_overtakes_background_backlog(make_fleet, models_dir):
     backlog = [fleet.submit("heavy", inputs, priority="background") for _ in range(30)]
     time.sleep(0.02)
     fg = fleet.infer_reply("heavy", inputs, priority="foreground")
-    bg = ray.get(backlog, timeout=60)
+    bg = FleetClient.gather(backlog, 60)
     assert fg.error is None and all(r.error is None for r in bg)
     last_bg_wait = max(r.queue_s for r in bg)
     # The foreground request waits for at most the call in progress, not the backlog.
@@ -171,7 +173,7 @@ def test_deadline_and_rejection_reach_the_caller(make_fleet):
     with pytest.raises(DeadlineExceeded):
         fleet.infer("slow", inputs, deadline_s=-1.0)
     refs = [fleet.submit("slow", inputs, priority="foreground") for _ in range(50)]
-    errors = [r.error for r in ray.get(refs, timeout=60) if r.error is not None]
+    errors = [r.error for r in FleetClient.gather(refs, 60) if r.error is not None]
     assert errors and all(isinstance(e, Rejected) for e in errors)
     assert all(e.retry_after_s > 0 and "queue full" in str(e) for e in errors)
 
@@ -244,5 +246,35 @@ def test_router_restart_loses_no_request(make_fleet):
         replies = [f.result(timeout=120) for f in futures]
     assert sorted(r.request_id for r in replies) == sorted(f"rr-{i}" for i in range(40))
     assert all(r.error is None for r in replies), [r.error for r in replies if r.error][:3]
-    completed = fleet.status().totals["completed"]
+    status = fleet.status()
+    completed = status.totals["completed"]
     assert completed == 40, f"{completed} engine completions for 40 requests: some ran twice"
+    # The restarted router serves the view again, and counts this client's work.
+    assert fleet.infer_reply("heavy", inputs).error is None
+    end = time.monotonic() + 60
+    while fleet.status().callers < 1:
+        assert time.monotonic() < end, "the client's view feed did not reach the new router"
+        time.sleep(0.2)
+
+
+def test_another_caller_with_other_placement_on_the_same_fleet(make_fleet):
+    fleet = make_fleet(
+        {"local": {"nodes": 2}, "models": {"classifier": {"path": "classifier.onnx"}}}
+    )
+    inputs = random_inputs("classifier")
+    rr = fleet.with_placement(policy="round_robin")
+    try:
+        nodes = [rr.infer_reply("classifier", inputs).node for _ in range(4)]
+        assert nodes[0] != nodes[1] and nodes[:2] == nodes[2:], nodes
+        assert fleet.infer_reply("classifier", inputs).error is None  # the first caller too
+        end = time.monotonic() + 60
+        while fleet.status().callers < 2:
+            assert time.monotonic() < end, "the second caller never fetched the fleet view"
+            time.sleep(0.2)
+    finally:
+        rr.close()
+    with pytest.raises(ConfigError, match="router.placement.*unknown picker 'first'"):
+        fleet.with_placement(picker="first")
+    status = fleet.status()
+    assert "picker: near_best" in status.placement
+    assert status.router.get("completed", 0) >= 5  # both callers' answers are counted

@@ -107,8 +107,8 @@ def reported(f, **queued_rows):
 
 def test_foreground_goes_to_the_node_with_least_higher_priority_work(fleet):
     f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, placement={"picker": "best"})
-    # a reports 30 background requests queued (a long queue), b 5 foreground ones.
-    f.dispatcher.update(FleetView(reported(f, a={3: 30}, b={10: 5})))
+    # a reports 12 background requests queued (a longer queue), b 5 foreground ones.
+    f.dispatcher.update(FleetView(reported(f, a={3: 12}, b={10: 5})))
     assert f.dispatcher.rank(PlacementRequest("m", 10))[0] == "a"  # background is not ahead
     assert f.dispatcher.rank(PlacementRequest("m", 3))[0] == "b"
 

@@ -41,13 +41,18 @@ def names(nodes):
 
 
 def test_foreground_goes_where_least_higher_priority_work_waits():
-    # a: 30 background requests queued (a longer queue); b: 5 foreground requests.
-    a = node("a", {BG: 30})
+    # a: 12 background requests queued (a longer queue); b: 5 foreground requests.
+    a = node("a", {BG: 12})
     b = node("b", {FG: 5})
     policy = make_placement("expected_completion")
     assert names(policy.rank([a, b], PlacementRequest("m", FG), random.Random(0))) == ["a", "b"]
     # ...while background work goes where less work of its priority or above waits.
     assert names(policy.rank([a, b], PlacementRequest("m", BG), random.Random(0)))[0] == "b"
+    # A long enough background queue is worth avoiding: foreground delays all of it.
+    a = node("a", {BG: 30})
+    assert names(policy.rank([a, b], PlacementRequest("m", FG), random.Random(0)))[0] == "b"
+    blind = make_placement(PlacementParams(lower_share=0.0))
+    assert names(blind.rank([a, b], PlacementRequest("m", FG), random.Random(0)))[0] == "a"
 
 
 @pytest.mark.parametrize(
@@ -55,7 +60,8 @@ def test_foreground_goes_where_least_higher_priority_work_waits():
     [
         (node("a", {BG: 2}), PlacementRequest("m", FG), 0.010),
         (node("a", {BG: 2}), PlacementRequest("m", BG), 0.030),
-        (node("a", {FG: 1, BG: 2}, running_left_s=0.004), PlacementRequest("m", 7), 0.024),
+        # 4 ms left + 10 ahead + half a background call it cannot preempt (gap 4) + 10
+        (node("a", {FG: 1, BG: 2}, running_left_s=0.004), PlacementRequest("m", 7), 0.029),
         (node("a", {}, row_cost_s={}), PlacementRequest("m", FG, rows=2), 0.010),  # default cost
         (node("a", {}, row_cost_s={"x": 0.002}), PlacementRequest("m", FG), 0.002),  # other model
         # queued work priced at its own model: 2 x 50 ms rows ahead, 10 ms for this one
@@ -63,7 +69,24 @@ def test_foreground_goes_where_least_higher_priority_work_waits():
     ],
 )
 def test_expected_completion_table(view, request_, expected):
-    assert ExpectedCompletion().cost(view, request_) == pytest.approx(expected)
+    assert ExpectedCompletion(lower_share=0.0).cost(view, request_) == pytest.approx(expected)
+
+
+def test_expected_completion_prices_what_it_cannot_preempt_and_what_overtakes_it():
+    ec = ExpectedCompletion(lower_share=0.0)
+    fg = PlacementRequest("m", FG)
+    # priority 7 work may be running and cannot be preempted by foreground (gap 3 < 5)
+    inline = node("a", {7: 2})
+    assert ec.cost(inline, fg) == pytest.approx(0.010 + 0.5 * 0.010)
+    assert ec.cost(node("a", {BG: 2}), fg) == pytest.approx(0.010)  # preemptible: free
+    assert ec.cost(node("a", {BG: 2}, preempt_gap=None), fg) == pytest.approx(0.015)
+    # higher work keeps b busy 60 % of the time: background waits 1 / (1 - 0.6) as long
+    bg = PlacementRequest("m", BG)
+    assert ec.cost(node("b", busy={FG: 0.6}), bg) == pytest.approx(0.010 / 0.4)
+    assert ec.cost(node("b", busy={BG: 0.6, OFF: 0.3}), bg) == pytest.approx(0.010)
+    assert ec.cost(node("b", busy={FG: 5.0}), bg) == pytest.approx(0.010 / 0.1)  # capped
+    # lower_share: the delay this request adds to the lower work it overtakes
+    assert ExpectedCompletion(0.5).cost(node("a", {BG: 4}), fg) == pytest.approx(0.030)
 
 
 @pytest.mark.parametrize(
