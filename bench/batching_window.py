@@ -24,6 +24,7 @@ import numpy as np
 from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
+    Inbox,
     ModelEntry,
     Pending,
     Route,
@@ -41,7 +42,6 @@ from bench.common import (
     node_costs_ms,
     only_node,
     raw_session,
-    ready_among,
     replies_of,
     reply_of,
     slow_feed,
@@ -150,6 +150,7 @@ def open_loop(
     """
     interval = 1.0 / rate
     sent: dict[Pending, float] = {}
+    inbox = Inbox()
     samples: list[Sample] = []
     max_lag = 0.0
     i = 0
@@ -162,14 +163,14 @@ def open_loop(
         due = start + i * interval
         if i < count and now >= due:
             max_lag = max(max_lag, now - due)
-            sent[route.submit(model, feed, priority="foreground")] = time.perf_counter()
+            sent[inbox.add(route.submit(model, feed, priority="foreground"))] = time.perf_counter()
             i += 1
             continue
         wait_s = (due - now) if i < count else (hard_stop - now)
         if not sent:
             time.sleep(max(0.0, wait_s))
             continue
-        ready = ready_among(list(sent), max(0.0, wait_s))
+        ready = inbox.ready(max(0.0, wait_s))
         if not ready:
             continue
         done_at = time.perf_counter()

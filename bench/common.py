@@ -11,6 +11,7 @@ import datetime as _dt
 import math
 import os
 import platform
+import queue
 import sys
 import tempfile
 import threading
@@ -610,14 +611,43 @@ def node_submit(
 Pending = Any  # a ray.ObjectRef (straight to a node) or a Future of FleetClient.submit
 
 
-def ready_among(pending: Sequence[Pending], timeout_s: float) -> list[Pending]:
-    """The items of ``pending`` that are ready, waiting at most ``timeout_s`` for the
-    first. ``pending`` holds one kind: node references or client futures."""
-    if not pending:
-        return []
-    if isinstance(pending[0], cf.Future):
-        done, _ = cf.wait(pending, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
-        return list(done)
+class Inbox:
+    """Replies as they become ready, of one kind: node references (``ray.wait``) or
+    client futures (their completion callbacks fill a queue, so each reply costs the
+    same however many are in flight, as in an asyncio service awaiting them)."""
+
+    def __init__(self) -> None:
+        self._done: queue.SimpleQueue[Pending] = queue.SimpleQueue()
+        self._refs: list[Pending] = []
+
+    def add(self, item: Pending) -> Pending:
+        if isinstance(item, cf.Future):
+            item.add_done_callback(self._done.put)
+        else:
+            self._refs.append(item)
+        return item
+
+    def ready(self, timeout_s: float) -> list[Pending]:
+        """What is ready, waiting at most ``timeout_s`` for the first."""
+        if self._refs:
+            ready = _ray_ready(self._refs, timeout_s)
+            done = set(ready)
+            self._refs = [r for r in self._refs if r not in done]
+            return ready
+        try:
+            out = [self._done.get(timeout=max(0.0, timeout_s))]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+
+def _ray_ready(pending: Sequence[Pending], timeout_s: float) -> list[Pending]:
+    """The references in ``pending`` that are ready, waiting at most ``timeout_s`` for
+    the first."""
     ready, rest = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
     if ready and rest:  # everything else that is ready in the same sweep
         more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)

@@ -41,6 +41,7 @@ from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
     Calm,
+    Inbox,
     ModelEntry,
     Part,
     Pending,
@@ -61,7 +62,6 @@ from bench.common import (
     median,
     node_names,
     node_submit,
-    ready_among,
     replies_of,
     reply_of,
     slow_feed,
@@ -159,9 +159,10 @@ def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: floa
     reply is replaced by a new request from the submitter that sent it. Replies after
     the window are drained (bounded) but not counted."""
     pending: dict[Pending, int] = {}
+    inbox = Inbox()
     for i, submit in enumerate(submitters):
         for _ in range(in_flight_each):
-            pending[submit()] = i
+            pending[inbox.add(submit())] = i
     completed = errors = 0
     engine_s = 0.0
     by_node: Counter[str] = Counter()
@@ -175,7 +176,7 @@ def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: floa
             break
         if now - last_progress > GET_TIMEOUT_S:
             raise TimeoutError(f"no reply for {GET_TIMEOUT_S:.0f} s")
-        ready = ready_among(list(pending), min(end - now, 1.0))
+        ready = inbox.ready(min(end - now, 1.0))
         if not ready:
             continue
         last_progress = time.perf_counter()
@@ -190,7 +191,7 @@ def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: floa
                 by_node[reply.node] += 1
             else:
                 errors += 1
-            pending[submitters[who]()] = who
+            pending[inbox.add(submitters[who]())] = who
     elapsed = min(time.perf_counter(), end) - start
     cpu_s = cpu_since(cpu0).own_s * elapsed / max(elapsed, time.perf_counter() - start)
     drain_pending(list(pending))
@@ -553,7 +554,8 @@ class FloodActor:
         priority: int,
         max_retry_s: float,
     ) -> None:
-        self._client = FleetClient.connect(fleet=fleet)
+        self._fleet = fleet
+        self._client: FleetClient | None = None
         self._model = model
         self._feed = feed
         self._outstanding = outstanding
@@ -566,6 +568,11 @@ class FloodActor:
         self._error: str | None = None
 
     async def start(self) -> None:
+        # Connecting waits on the router: off the actor's event loop.
+        loop = asyncio.get_running_loop()
+        self._client = await loop.run_in_executor(
+            None, partial(FleetClient.connect, fleet=self._fleet)
+        )
         self._stopping = asyncio.Event()
         self._tasks = [asyncio.create_task(self._lane()) for _ in range(self._outstanding)]
 
@@ -577,6 +584,7 @@ class FloodActor:
                 rid = new_request_id()
                 self._live.add(rid)
                 self._counts.submitted += 1
+                assert self._client is not None
                 try:
                     reply: Reply = await asyncio.wrap_future(
                         self._client.submit(
@@ -612,13 +620,14 @@ class FloodActor:
         self._stopping.set()
         live = list(self._live)
         loop = asyncio.get_running_loop()
+        client = self._client
+        assert client is not None
         for rid in live:
-            await loop.run_in_executor(None, self._client.cancel, rid, timeout_s)
+            await loop.run_in_executor(None, client.cancel, rid, timeout_s)
         _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
         for task in pending:
             task.cancel()
-        await loop.run_in_executor(None, self._client.status, timeout_s)  # hand over counts
-        self._client.close()
+        await loop.run_in_executor(None, client.close)  # hands its counters to the router
         return replace(self._counts), self._error
 
 
@@ -1010,6 +1019,7 @@ def replay(
     client, stamping each reply as it arrives. Bounded: stops ``drain_s`` after the last
     arrival whatever is still outstanding."""
     sent: dict[Pending, tuple[TraceItem, float]] = {}
+    inbox = Inbox()
     samples: list[TraceSample] = []
     max_lag = 0.0
     i = 0
@@ -1025,13 +1035,13 @@ def replay(
             max_lag = max(max_lag, now - due)
             item = trace[i]
             ref = client.submit(item.model, feeds[item.model], priority=item.priority)
-            sent[ref] = (item, time.perf_counter())
+            sent[inbox.add(ref)] = (item, time.perf_counter())
             i += 1
             continue
         if not sent:
             time.sleep(max(0.0, due - now))
             continue
-        ready = ready_among(list(sent), max(0.0, due - now))
+        ready = inbox.ready(max(0.0, due - now))
         if not ready:
             continue
         done_at = time.perf_counter()

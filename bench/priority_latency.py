@@ -25,6 +25,7 @@ from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
     Calm,
+    Inbox,
     ModelEntry,
     NodeRoute,
     Pending,
@@ -42,7 +43,6 @@ from bench.common import (
     md_table,
     median,
     only_node,
-    ready_among,
     replies_of,
     reply_of,
     slow_feed,
@@ -131,6 +131,7 @@ class Flood:
         self._outstanding = outstanding
         self._stop = threading.Event()
         self._pending: dict[Pending, str] = {}  # outstanding reply -> request id
+        self._inbox = Inbox()
         self._thread = threading.Thread(target=self._loop, name="bench-flood", daemon=True)
         self.counts = FloodCounts()
         self.error: BaseException | None = None
@@ -163,7 +164,7 @@ class Flood:
         self.counts.submitted += 1
         rid = new_request_id()
         ref = self._route.submit(self._model, self._feed, priority=self._priority, request_id=rid)
-        self._pending[ref] = rid
+        self._pending[self._inbox.add(ref)] = rid
 
     def _loop(self) -> None:
         try:
@@ -179,7 +180,7 @@ class Flood:
                 if not self._pending:
                     time.sleep(timeout)
                     continue
-                ready = ready_among(list(self._pending), timeout)
+                ready = self._inbox.ready(timeout)
                 if not ready:
                     continue
                 replies = replies_of(ready)

@@ -45,6 +45,7 @@ from policies.placement import (
 log = logging.getLogger(__name__)
 
 Request = InferRequest | GenerateRequest
+VIEW_REUSE_S = 0.001  # a node's view ages by less than this between two placements
 Final = Reply | GenerationResult
 
 
@@ -123,8 +124,11 @@ class _Entry:
         # and every request this caller has in flight here.
         self.since: dict[int, list[float]] = {}
         self.mine: dict[int, list[float]] = {}
+        self._view: NodeView | None = None  # the last view built, while nothing changed
+        self._view_at = 0.0
 
     def report(self, status: NodeStatus | None, taken_at: float) -> None:
+        self._view = None
         self.report_at = taken_at
         if status is not None:
             self.base = _base(status)
@@ -133,7 +137,13 @@ class _Entry:
             if sent.at > taken_at:
                 _add(self.since, sent, 1)
 
+    def lose(self, now: float) -> None:
+        self.healthy = False
+        self.lost_at = now
+        self._view = None
+
     def sent(self, request_id: str, sent: _Sent) -> None:
+        self._view = None
         self.inflight[request_id] = sent
         _add(self.since, sent, 1)
         _add(self.mine, sent, 1)
@@ -141,11 +151,16 @@ class _Entry:
     def done(self, request_id: str) -> None:
         sent = self.inflight.pop(request_id, None)
         if sent is not None:
+            self._view = None
             _add(self.mine, sent, -1)
             if sent.at > self.report_at:
                 _add(self.since, sent, -1)
 
     def view(self, now: float) -> NodeView:
+        """The node as placement sees it ``now`` (the same view within VIEW_REUSE_S
+        while nothing changed: placing a request is the hot path)."""
+        if self._view is not None and now - self._view_at < VIEW_REUSE_S:
+            return self._view
         b = self.base
         work, backlog, running = drain(b.work, b.backlog_s, b.running_left_s, now - self.report_at)
         for p, (n, s) in self.since.items():
@@ -156,7 +171,8 @@ class _Entry:
         for p, (n, s) in self.mine.items():
             work[p] = max(work.get(p, 0), round(n))
             backlog[p] = max(backlog.get(p, 0.0), s)
-        return NodeView(
+        self._view_at = now
+        self._view = NodeView(
             name=self.spec.name,
             models=self.models,
             loaded=b.loaded,
@@ -172,6 +188,7 @@ class _Entry:
             preempt_gap=self.preempt_gap,
             busy=b.busy,
         )
+        return self._view
 
 
 def _add(agg: dict[int, list[float]], sent: _Sent, sign: int) -> None:
@@ -422,8 +439,7 @@ class Dispatcher:
     def _lose(self, entry: _Entry) -> None:
         with self._lock:
             if entry.healthy:
-                entry.healthy = False
-                entry.lost_at = self._clock.now()
+                entry.lose(self._clock.now())
 
     def unknown_model(self, request: Request) -> ModelNotFound | None:
         if request.model in self._served:

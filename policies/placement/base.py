@@ -88,8 +88,15 @@ class Placement:
         self, nodes: Sequence[NodeView], request: PlacementRequest, rng: random.Random
     ) -> list[NodeView]:
         """Candidates for ``request`` in the order they should be tried."""
-        alive = [n for n in nodes if all(f.keep(n, request) for f in self.filters)]
-        scored = [(n, sum(w * s.cost(n, request) for s, w in self.scorers)) for n in alive]
+        # Plain loops: this runs for every request a caller places.
+        scored: list[tuple[NodeView, float]] = []
+        for node in nodes:
+            if not all(f.keep(node, request) for f in self.filters):
+                continue
+            cost = 0.0
+            for scorer, weight in self.scorers:
+                cost += weight * scorer.cost(node, request)
+            scored.append((node, cost))
         return self.picker.order(scored, rng)
 
 

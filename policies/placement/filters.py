@@ -32,9 +32,12 @@ class ShedBelowPriority:
 
     def __init__(self, limits: Mapping[int, float]) -> None:
         self.limits = dict(limits)
+        self._by_priority = {
+            q: min((v for p, v in self.limits.items() if p >= q), default=1.0) for q in range(11)
+        }
 
     def limit(self, priority: int) -> float:
-        return min((v for p, v in self.limits.items() if p >= priority), default=1.0)
+        return self._by_priority.get(priority, 1.0)
 
     def keep(self, node: NodeView, request: PlacementRequest) -> bool:
         limit = self.limit(request.priority)
