@@ -691,6 +691,7 @@ class NodeRuntime:
             metrics=self._metrics.summary(),
             queued_rows=self._sched.queued_rows(),
             busy=self._sched.busy_share(),
+            at=now,
         )
         self._metrics.observe(status)
         return status

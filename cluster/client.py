@@ -28,7 +28,7 @@ from cluster.deploy import (
     start_local_ray,
     teardown,
 )
-from cluster.dispatch import Dispatcher
+from cluster.dispatch import Dispatcher, FleetView, NodeReport
 from cluster.names import NAMESPACE, actor_name
 from cluster.nodes import RayNode
 from edgefleet.config import FleetConfig, PlacementConfig, load_config
@@ -303,6 +303,8 @@ class FleetClient:
         except BaseException:
             self._dispatcher.give_back(counters)
             raise
+        fresh = {n.name: NodeReport(n, rs.healthy.get(n.name, False), 0.0) for n in rs.nodes}
+        self._dispatcher.update(FleetView(fresh))  # place on these fresh reports too
         return FleetStatus(rs.fleet, rs.nodes, rs.healthy, rs.counters, rs.callers, rs.placement)
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:

@@ -118,6 +118,7 @@ class _Entry:
         self.healthy = True  # until the router or a call says otherwise
         self.lost_at: float | None = None
         self.report_at = float("-inf")  # when the report was taken, on this caller's clock
+        self.made_at = float("-inf")  # when the node made it, on the node's clock
         self.base = _Base(loaded=self.models)
         self.inflight: dict[str, _Sent] = {}
         # By priority, [count, engine seconds]: requests sent after the report was taken,
@@ -130,6 +131,8 @@ class _Entry:
     def report(self, status: NodeStatus | None, taken_at: float) -> None:
         self._view = None
         self.report_at = taken_at
+        if status is not None:
+            self.made_at = status.at
         if status is not None:
             self.base = _base(status)
         self.since = {}
@@ -272,8 +275,9 @@ class Dispatcher:
     # -------------------------------------------------------------------- the view
 
     def update(self, view: FleetView) -> None:
-        """Take the router's latest view. A node this caller found dead stays out of
-        service until a report taken after that comes in."""
+        """Take the router's latest view. A report older than the one held is ignored
+        (a view fetched before a fresher status call); a node this caller found dead
+        stays out of service until a report taken after that comes in."""
         now = self._clock.now()
         with self._lock:
             for name, r in view.nodes.items():
@@ -281,6 +285,8 @@ class Dispatcher:
                 if entry is None:
                     continue
                 taken = now - r.age_s
+                if r.status is not None and r.status.at < entry.made_at:
+                    continue  # older than the report this caller holds (a view in transit)
                 if entry.lost_at is not None:
                     if not (r.healthy and taken > entry.lost_at):
                         continue

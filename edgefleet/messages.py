@@ -143,6 +143,7 @@ class NodeStatus:
     # priority -> model -> rows queued
     queued_rows: dict[int, dict[str, int]] = field(default_factory=dict)
     busy: dict[int, float] = field(default_factory=dict)  # priority -> share of engine time
+    at: float = 0.0  # when the node made this report, on its own clock (orders its reports)
 
     @property
     def queue_length(self) -> int:

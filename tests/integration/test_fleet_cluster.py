@@ -107,13 +107,16 @@ def test_foreground_goes_where_least_higher_priority_work_waits(cluster_fleet):
 
     _, _, client = cluster_fleet
     feed = random_inputs("slow")
-    # edge-0: the longest queue, all background; edge-1/2: a few foreground requests.
+    # edge-0: the longest queue, all background; edge-1/2: half as many foreground
+    # requests. Foreground overtakes background (and delays it a little: a quarter of
+    # its time counts), so edge-0 is where it finishes first; background goes where
+    # less work of its priority or above waits.
     sent = [node_actor("edge-0").infer.remote(InferRequest("slow25", feed, 3)) for _ in range(14)]
     for name in ("edge-1", "edge-2"):
         sent += [node_actor(name).infer.remote(InferRequest("slow25", feed, 10)) for _ in range(8)]
-    for _ in range(100):  # status() refreshes the router's reports from every node
+    for _ in range(100):  # status() refreshes the reports the client places on
         queues = {n.name: n.queue_length for n in client.status().nodes}
-        if queues["edge-0"] >= 8 and queues["edge-1"] >= 3 and queues["edge-2"] >= 3:
+        if queues["edge-0"] >= 10 and queues["edge-1"] >= 5 and queues["edge-2"] >= 5:
             break
         time.sleep(0.01)
     else:

@@ -90,9 +90,12 @@ def test_spills_to_the_next_node_when_one_refuses(fleet):
         b.result(30)
 
 
-def reported(f, **queued_rows):
-    """A report of node ``name`` with ``queued_rows`` as {priority: rows of m}."""
+def reported(f, at=None, **queued_rows):
+    """A report of node ``name`` with ``queued_rows`` as {priority: rows of m}, made at
+    ``at`` on the node's clock (default: now)."""
     idle = replace(f.node("a").status(), queued={}, queued_rows={}, running=None)
+    if at is not None:
+        idle = replace(idle, at=at)
     return {
         name: NodeReport(
             replace(
@@ -125,10 +128,24 @@ def test_queued_work_is_priced_at_its_own_model_and_aged_by_the_report(fleet):
     b = replace(base, name="b", models=models, queued={10: 2}, queued_rows={10: {"big": 2}})
     f.dispatcher.update(FleetView({"a": NodeReport(a, True, 0.0), "b": NodeReport(b, True, 0.0)}))
     assert f.dispatcher.rank(PlacementRequest("m", 10))[0] == "a"
-    # The same reports 0.2 s old: b has worked off its 100 ms since, a its 10 ms.
-    f.dispatcher.update(FleetView({"a": NodeReport(a, True, 0.2), "b": NodeReport(b, True, 0.2)}))
-    views = {v.name: v for v in f.dispatcher.views()}
+    # The same reports 0.2 s old, to another caller: b has worked off its 100 ms since,
+    # a its 10 ms.
+    other = Dispatcher(f.config, f.handles)
+    other.update(FleetView({"a": NodeReport(a, True, 0.2), "b": NodeReport(b, True, 0.2)}))
+    views = {v.name: v for v in other.views()}
     assert views["a"].backlog_s == {} and views["b"].backlog_s == {}
+    other.close()
+
+
+def test_an_older_view_does_not_replace_a_fresher_report(fleet):
+    f = fleet({"a": {}, "b": {}}, placement={"picker": "best"})
+    f.dispatcher.update(FleetView(reported(f, at=1e6, a={10: 30}, b={})))  # a is busy
+    # A view that was in transit meanwhile: its reports were made before, however young
+    # its age says they are on arrival.
+    f.dispatcher.update(FleetView(reported(f, at=1e6 - 1, a={}, b={})))
+    views = {v.name: v for v in f.dispatcher.views()}
+    assert views["a"].work == {10: 30}
+    assert f.dispatcher.rank(PlacementRequest("m", 10))[0] == "b"
 
 
 def test_work_sent_since_the_report_counts_until_it_is_answered(fleet):
