@@ -9,6 +9,7 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +180,8 @@ class FleetClient:
     def infer_reply(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> Reply:
         """Like :meth:`infer`, but returns the :class:`Reply` (outputs or error, node,
         queue and service time, batch size) without raising."""
-        return self.submit(model, inputs, **kw).result()
+        request, inputs_ref = self._request(model, inputs, **kw)
+        return self._dispatcher.call(request, inputs_ref)
 
     def submit(
         self,
@@ -198,6 +200,28 @@ class FleetClient:
         1 MiB are put in Ray's object store once and the node reads them from there.
         A retry with the same ``request_id`` is answered once by the node holding it.
         """
+        return self._dispatcher.submit(
+            *self._request(
+                model,
+                inputs,
+                priority=priority,
+                deadline_s=deadline_s,
+                key=key,
+                request_id=request_id,
+            )
+        )
+
+    def _request(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        priority: str | int = "foreground",
+        deadline_s: float | None = None,
+        key: str | None = None,
+        request_id: str | None = None,
+    ) -> tuple[InferRequest, Any]:
+        """The request, and an object reference of its inputs when they are large."""
         self._check_model(model)
         request = InferRequest(
             model=model,
@@ -208,8 +232,8 @@ class FleetClient:
             key=key,
         )
         if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
-            return self._dispatcher.submit(request, ray.put(dict(inputs)))
-        return self._dispatcher.submit(request)
+            return replace(request, inputs={}), ray.put(dict(inputs))
+        return request, None
 
     @staticmethod
     def gather(futures: Iterable[cf.Future[Reply]], timeout_s: float | None = None) -> list[Reply]:

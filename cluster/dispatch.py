@@ -9,8 +9,9 @@ none of its requests with it: they are placed again elsewhere, under the same id
 
 One attempt loop (:class:`_Attempt`) decides spill, re-placement, continuation and
 the final refusal for both inference and generation; :meth:`Dispatcher.submit` drives
-it from completion callbacks (no thread or event loop per request) and
-:meth:`Dispatcher.stream` from the caller's iteration.
+it from completion callbacks (no thread or event loop per request),
+:meth:`Dispatcher.call` on the caller's thread and :meth:`Dispatcher.stream` from the
+caller's iteration.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class NodeHandle(Protocol):
         otherwise resolve with the node's Reply."""
         ...
 
+    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
+        """:meth:`infer`, waited for on the calling thread; MUST raise NodeGone when
+        the node died."""
+        ...
+
     def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         """Stream a generation; MUST raise NodeGone when the node died."""
         ...
@@ -99,6 +105,7 @@ class _Base:
     work: dict[int, int] = field(default_factory=dict)
     backlog_s: dict[int, float] = field(default_factory=dict)
     running_left_s: float = 0.0
+    running: tuple[int, int] | None = None  # the call in progress: (priority, requests)
     row_cost_s: dict[str, float] = field(default_factory=dict)
     load_cost_s: dict[str, float] = field(default_factory=dict)
     sessions: frozenset[str] = frozenset()
@@ -166,6 +173,8 @@ class _Entry:
             return self._view
         b = self.base
         work, backlog, running = drain(b.work, b.backlog_s, b.running_left_s, now - self.report_at)
+        if b.running is not None and running > 0:  # the call in progress, until it ends
+            work[b.running[0]] = work.get(b.running[0], 0) + b.running[1]
         for p, (n, s) in self.since.items():
             work[p] = work.get(p, 0) + round(n)
             backlog[p] = backlog.get(p, 0.0) + s
@@ -222,7 +231,6 @@ def _base(report: NodeStatus) -> _Base:
     running_left = 0.0
     r = report.running
     if r is not None:
-        work[r.priority] = work.get(r.priority, 0) + len(r.request_ids)
         expected = row_cost(probe, r.model) * max(r.rows, len(r.request_ids))
         running_left = max(0.0, expected - r.elapsed_s)
     return _Base(
@@ -231,6 +239,7 @@ def _base(report: NodeStatus) -> _Base:
         work=work,
         backlog_s=backlog,
         running_left_s=running_left,
+        running=None if r is None else (r.priority, len(r.request_ids)),
         row_cost_s=row_cost_s,
         load_cost_s=load_cost_s,
         sessions=frozenset(report.sessions),
@@ -388,6 +397,28 @@ class Dispatcher:
             self._retries.submit(self._try, attempt, out, inputs)
         else:
             _resolve(out, final)  # type: ignore[arg-type]
+
+    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
+        """Place ``request`` and wait for its one :class:`Reply` on this thread: the
+        same attempts as :meth:`submit`, without handing the reply between threads
+        (what a sequential caller waits for)."""
+        attempt = _Attempt(self, request)
+        try:
+            while True:
+                entry = attempt.next_node()
+                if entry is None:
+                    return attempt.give_up()  # type: ignore[return-value]
+                try:
+                    reply = entry.handle.call(attempt.request_now, inputs)  # type: ignore[arg-type]
+                except NodeGone:
+                    attempt.lost(entry)
+                    continue
+                final = attempt.settle(entry, reply)
+                if final is not None:
+                    return final  # type: ignore[return-value]
+        except Exception as exc:  # a typed answer, never a raw error
+            log.exception("dispatch of %s failed", request.id)
+            return attempt.broken(exc)
 
     def stream(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         """Place a generation and yield its tokens; the last item is its result.
@@ -580,6 +611,8 @@ class _Attempt:
         return self.finish(_failure(self.request, error))
 
     def broken(self, exc: Exception) -> Reply:
+        for name in self.tried:  # no longer in flight anywhere
+            self.d._release(self.d._nodes[name], self.request.id)
         err = NodeLost(f"dispatch failed: {type(exc).__name__}: {exc}", request_id=self.request.id)
         return self.finish(_failure(self.request, err))  # type: ignore[return-value]
 

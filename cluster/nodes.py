@@ -57,6 +57,15 @@ class RayNode:
         ref.future().add_done_callback(done)
         return out
 
+    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
+        actor = self._handle()
+        ref = actor.infer.remote(request) if inputs is None else actor.infer.remote(request, inputs)
+        try:
+            reply: Reply = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise self._gone(exc) from None
+        return reply
+
     def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         stream = self._handle().generate.remote(request)
         finished = False

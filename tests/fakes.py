@@ -133,6 +133,9 @@ class LocalNode:
             raise self._gone()
         return asyncio.run_coroutine_threadsafe(self._infer(request, inputs), self.loop)
 
+    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
+        return self.infer(request, inputs).result(60)
+
     async def _infer(self, request: InferRequest, inputs: Any) -> Reply:
         task = asyncio.ensure_future(self.node.infer(request, inputs))
         while not task.done():

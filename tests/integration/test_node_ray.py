@@ -278,3 +278,16 @@ def test_another_caller_with_other_placement_on_the_same_fleet(make_fleet):
     status = fleet.status()
     assert "picker: near_best" in status.placement
     assert status.router.get("completed", 0) >= 5  # both callers' answers are counted
+
+
+def test_large_inputs_travel_by_object_reference_and_are_answered(make_fleet):
+    fleet = make_fleet({"models": {"detector": {"path": "detector.onnx"}}})
+    big = {"images": np.random.default_rng(0).random((1, 3, 400, 400), dtype=np.float32)}
+    assert big["images"].nbytes > 1024 * 1024  # over the client's by-reference size
+    small = {"images": big["images"][:, :, :64, :64].copy()}
+    for inputs in (big, small):
+        sync = fleet.infer("detector", inputs)
+        (piped,) = FleetClient.gather([fleet.submit("detector", inputs)], 60)
+        assert piped.error is None
+        assert sync["scores"].shape == (1, 5)
+        np.testing.assert_allclose(sync["scores"], piped.outputs["scores"], rtol=1e-5)

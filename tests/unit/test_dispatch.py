@@ -280,3 +280,13 @@ def test_four_callers_on_one_stale_view_do_not_herd(fleet, picker, herd):
         assert max(per_node.values()) <= 12, per_node  # 8 each when even
     for d in callers:
         d.close()
+
+
+def test_nodes_report_measured_load_times_that_placement_prices(fleet):
+    f = fleet({"a": {}, "b": {}})
+    status = f.node("a").status()
+    (model,) = status.models
+    assert model.loaded and model.load_ms is not None and model.load_ms >= 0
+    f.refresh()
+    views = {v.name: v for v in f.dispatcher.views()}
+    assert views["a"].load_cost_s == {"m": pytest.approx(model.load_ms / 1000)}
