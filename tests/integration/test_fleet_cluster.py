@@ -105,28 +105,32 @@ def test_nodes_are_on_their_own_raylets(cluster_fleet):
 def test_foreground_goes_where_least_higher_priority_work_waits(cluster_fleet):
     from edgefleet.request import InferRequest
 
-    _, _, client = cluster_fleet
+    _, _, fleet = cluster_fleet
+    # A caller that counts only the work ahead at a request's priority and picks the
+    # best: the decision under test, without the default's share of overtaken work or
+    # its random choice among near-best nodes (unit tests cover those).
+    client = fleet.with_placement(lower_share=0.0, picker="best")
     feed = random_inputs("slow")
-    # edge-0: the longest queue, all background; edge-1/2: half as many foreground
-    # requests. Foreground overtakes background (and delays it a little: a quarter of
-    # its time counts), so edge-0 is where it finishes first; background goes where
-    # less work of its priority or above waits.
-    sent = [node_actor("edge-0").infer.remote(InferRequest("slow25", feed, 3)) for _ in range(14)]
+    # edge-0: a long queue, all background; edge-1/2: a few foreground requests.
+    sent = [node_actor("edge-0").infer.remote(InferRequest("slow25", feed, 3)) for _ in range(16)]
     for name in ("edge-1", "edge-2"):
-        sent += [node_actor(name).infer.remote(InferRequest("slow25", feed, 10)) for _ in range(8)]
-    for _ in range(100):  # status() refreshes the reports the client places on
-        queues = {n.name: n.queue_length for n in client.status().nodes}
-        if queues["edge-0"] >= 10 and queues["edge-1"] >= 5 and queues["edge-2"] >= 5:
-            break
-        time.sleep(0.01)
-    else:
-        raise AssertionError(f"scene not set up: {queues}")
-    fg = client.infer_reply("slow25", feed, priority="foreground")
-    assert fg.error is None and fg.node == "edge-0", fg.node
-    bg = client.infer_reply("slow25", feed, priority="background")
-    assert bg.error is None and bg.node in ("edge-1", "edge-2"), bg.node
-    assert all(r.error is None for r in ray.get(sent, timeout=60))
-    wait_idle(client)
+        sent += [node_actor(name).infer.remote(InferRequest("slow25", feed, 10)) for _ in range(6)]
+    try:
+        for _ in range(100):  # status() refreshes the reports the client places on
+            queues = {n.name: n.queue_length for n in client.status().nodes}
+            if queues["edge-0"] >= 12 and queues["edge-1"] >= 3 and queues["edge-2"] >= 3:
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError(f"scene not set up: {queues}")
+        fg = client.infer_reply("slow25", feed, priority="foreground")
+        assert fg.error is None and fg.node == "edge-0", fg.node
+        bg = client.infer_reply("slow25", feed, priority="background")
+        assert bg.error is None and bg.node in ("edge-1", "edge-2"), bg.node
+        assert all(r.error is None for r in ray.get(sent, timeout=60))
+    finally:
+        client.close()
+    wait_idle(fleet)
 
 
 def test_full_nodes_spill_then_reject_with_retry_after(cluster_fleet):
