@@ -76,8 +76,11 @@ class FleetClient:
             name: RayNode(actor_name(config.fleet.name, name), NAMESPACE, actor)
             for name, actor in self._nodes.items()
         }
-        self._dispatcher = Dispatcher(config, handles)
-        self._feed = _ViewFeed(router, self._dispatcher, config)
+        caller = new_request_id()
+        # Each caller's random choices differ (callers that chose alike would herd).
+        rng = random.Random(f"{config.router.placement.seed}/{caller}")
+        self._dispatcher = Dispatcher(config, handles, rng=rng)
+        self._feed = _ViewFeed(router, self._dispatcher, config, caller)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -441,12 +444,14 @@ class _ViewFeed:
     jitter; meanwhile requests are placed on the last view and the caller's own
     accounting. The first view is fetched before the client is returned."""
 
-    def __init__(self, router: ActorHandle, dispatcher: Dispatcher, config: FleetConfig) -> None:
+    def __init__(
+        self, router: ActorHandle, dispatcher: Dispatcher, config: FleetConfig, caller: str
+    ) -> None:
         self._router = router
         self._dispatcher = dispatcher
         self._interval = config.router.report_interval_s
         self._timeout = max(2.0, config.router.lost_after_s)
-        self._caller = new_request_id()
+        self._caller = caller
         self._stop = threading.Event()
         self.failures = 0
         self._fetch()

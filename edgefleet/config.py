@@ -201,7 +201,7 @@ class PlacementConfig(_Strict):
         description="priority class -> largest queue occupancy (0-1] that work of that "
         "priority or lower may fill on a node; keeps headroom for urgent work",
     )
-    seed: int = 0
+    seed: int = Field(0, description="seeds each caller's random choices, with its identity")
 
     @field_validator("shed")
     @classmethod
