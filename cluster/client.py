@@ -101,17 +101,18 @@ class FleetClient:
                 progress("starting an embedded Ray cluster on 127.0.0.1")
             start_local_ray(cfg)
         nodes: dict[str, ActorHandle] = {}
+        router: ActorHandle | None = None
         try:
             nodes = deploy_nodes(cfg, progress)
             router = deploy_router(cfg)
-        except BaseException:
-            teardown(nodes)
+            if progress:
+                progress(f"router {router_name(cfg.fleet.name)} ready")
+            return cls(cfg, router, nodes, owns_fleet=True, owns_ray=owns_ray)
+        except BaseException:  # nothing this call started outlives its failure
+            teardown(nodes, router)
             if owns_ray:
                 ray.shutdown()
             raise
-        if progress:
-            progress(f"router {router_name(cfg.fleet.name)} ready")
-        return cls(cfg, router, nodes, owns_fleet=True, owns_ray=owns_ray)
 
     @classmethod
     def connect(cls, address: str = "auto", fleet: str = "edgefleet") -> FleetClient:

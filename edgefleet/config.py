@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edgefleet.errors import ConfigError, ModelNotFound
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
-
-if TYPE_CHECKING:
-    from policies.placement import PlacementParams
+from policies.placement.registry import PipelineParams, PlacementParams
 
 MiB = 1024 * 1024
 
@@ -161,41 +159,10 @@ class FleetMeta(_Strict):
     name: str = Field("edgefleet", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-class PlacementConfig(_Strict):
-    """How callers choose a node: a pipeline of named plugins (see policies/placement).
+class PlacementConfig(PipelineParams):
+    """How callers choose a node (see policies/placement): the pipeline's plugins, the
+    shedding limits by priority class, and the seed of each caller's random choices."""
 
-    ``policy`` is a preset of scorers and picker; ``scorers`` (name -> weight) and
-    ``picker`` replace the preset's.
-    """
-
-    policy: Literal["expected_completion", "power_of_two", "round_robin", "random"] = (
-        "expected_completion"
-    )
-    scorers: dict[str, float] | None = Field(
-        None,
-        description="scorer -> weight (expected_completion, model_load, session_affinity); "
-        "default: the policy's",
-    )
-    picker: str | None = Field(
-        None,
-        description="best, near_best, power_of_two, round_robin or random; default: the "
-        "policy's (expected_completion: near_best)",
-    )
-    lower_share: float = Field(
-        0.25,
-        ge=0,
-        le=1,
-        description="expected_completion: share of lower-priority queued work counted "
-        "(the delay a request adds to the work it overtakes)",
-    )
-    tie_s: float = Field(0.001, ge=0, description="near_best: nodes this close to the best tie")
-    tie_ratio: float = Field(0.3, ge=0, description="near_best: ...or this share of the best")
-    affinity_penalty_s: float = Field(
-        0.5, ge=0, description="session_affinity: cost of moving a session from its KV cache"
-    )
-    load_default_s: float = Field(
-        1.0, ge=0, description="model_load: load time assumed before a node has measured it"
-    )
     shed: dict[str, float] = Field(
         default_factory=lambda: {"background": 0.75, "offline": 0.5},
         description="priority class -> largest queue occupancy (0-1] that work of that "
@@ -211,28 +178,11 @@ class PlacementConfig(_Strict):
                 raise ValueError(f"shed.{name} is {frac}; allowed: a fraction in (0, 1]")
         return v
 
-    @model_validator(mode="after")
-    def _plugins(self) -> PlacementConfig:
-        from policies.placement.registry import check_names
-
-        check_names(self.policy, self.scorers, self.picker)
-        return self
-
     def params(self, priorities: Mapping[str, int]) -> PlacementParams:
         """The pipeline's parameters, with shedding limits by integer priority."""
-        from policies.placement import PlacementParams
-
-        return PlacementParams(
-            policy=self.policy,
-            scorers=self.scorers,
-            picker=self.picker,
-            lower_share=self.lower_share,
-            tie_s=self.tie_s,
-            tie_ratio=self.tie_ratio,
-            affinity_penalty_s=self.affinity_penalty_s,
-            load_default_s=self.load_default_s,
-            shed={priorities[name]: frac for name, frac in self.shed.items()},
-        )
+        plugins = self.model_dump(include=set(PipelineParams.model_fields))
+        shed = {priorities[name]: frac for name, frac in self.shed.items()}
+        return PlacementParams(**plugins, shed=shed)
 
 
 class RouterConfig(_Strict):

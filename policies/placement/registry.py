@@ -17,38 +17,49 @@ from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin, U
 from policies.placement.scorers import ExpectedCompletion, ModelLoad, SessionAffinity
 
 
-class PlacementParams(BaseModel):
-    """A placement pipeline's plugins and their parameters (checked when the YAML loads).
+class PipelineParams(BaseModel):
+    """A placement pipeline's plugins and their parameters, as YAML gives them
+    (``router.placement``; checked when the YAML loads).
 
-    ``scorers`` and ``picker`` default to those of ``policy``; give them to build
-    another pipeline from the same plugins.
+    ``policy`` is a preset of scorers and picker; ``scorers`` (name -> weight) and
+    ``picker`` replace the preset's.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    policy: str = Field("expected_completion", description="a preset of scorers and picker")
+    policy: str = Field(
+        "expected_completion",
+        description="a preset of scorers and picker: expected_completion, power_of_two, "
+        "round_robin or random",
+    )
     scorers: dict[str, float] | None = Field(
-        None, description="scorer name -> weight; default: the policy's"
+        None,
+        description="scorer -> weight (expected_completion, model_load, session_affinity); "
+        "default: the policy's",
     )
-    picker: str | None = Field(None, description="picker name; default: the policy's")
+    picker: str | None = Field(
+        None,
+        description="best, near_best, power_of_two, round_robin or random; default: the "
+        "policy's (expected_completion: near_best)",
+    )
     lower_share: float = Field(
-        0.25, ge=0, le=1, description="expected_completion: share of lower work counted"
+        0.25,
+        ge=0,
+        le=1,
+        description="expected_completion: share of lower-priority queued work counted "
+        "(the delay a request adds to the work it overtakes)",
     )
-    tie_s: float = Field(0.001, ge=0, description="near_best: absolute tie band, seconds")
-    tie_ratio: float = Field(0.3, ge=0, description="near_best: tie band relative to the best")
+    tie_s: float = Field(0.001, ge=0, description="near_best: nodes this close to the best tie")
+    tie_ratio: float = Field(0.3, ge=0, description="near_best: ...or this share of the best")
     affinity_penalty_s: float = Field(
-        0.5, ge=0, description="cost of sending a session away from the node holding it"
+        0.5, ge=0, description="session_affinity: cost of moving a session from its KV cache"
     )
     load_default_s: float = Field(
-        1.0, ge=0, description="load time assumed for a model a node has not loaded yet"
-    )
-    shed: dict[int, float] = Field(
-        default_factory=lambda: {3: 0.75, 0: 0.5},
-        description="priority -> largest queue occupancy work at or below it may fill",
+        1.0, ge=0, description="model_load: load time assumed before a node has measured it"
     )
 
     @model_validator(mode="after")
-    def _known(self) -> PlacementParams:
+    def _known(self) -> PipelineParams:
         check_names(self.policy, self.scorers, self.picker)
         return self
 
@@ -57,6 +68,15 @@ class PlacementParams(BaseModel):
         preset_scorers, preset_picker = POLICIES[self.policy]
         scorers = dict(preset_scorers) if self.scorers is None else dict(self.scorers)
         return scorers, self.picker or preset_picker
+
+
+class PlacementParams(PipelineParams):
+    """The pipeline's parameters with shedding limits by integer priority."""
+
+    shed: dict[int, float] = Field(
+        default_factory=lambda: {3: 0.75, 0: 0.5},
+        description="priority -> largest queue occupancy work at or below it may fill",
+    )
 
 
 SCORERS: Mapping[str, Callable[[PlacementParams], Scorer]] = {

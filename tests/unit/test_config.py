@@ -109,6 +109,18 @@ BUDGET = "models: {a: {path: a.onnx}}\nnode_defaults: {token_budget: "
     [
         ("models:\n  a: {path: a.onnx, colour: red}\n", "models.a.colour (line 2): unknown key"),
         (
+            "models:\n  a: {path: a.onnx}\nrouter:\n  placement: {picker: first}\n",
+            "router.placement (line 4): unknown picker 'first'; known: best, near_best",
+        ),
+        (
+            "models:\n  a: {path: a.onnx}\nrouter:\n  placement:\n    scorers: {latency: 1}\n",
+            "unknown scorer 'latency'; known: expected_completion, model_load",
+        ),
+        (
+            "models:\n  a: {path: a.onnx}\nrouter:\n  placement: {lower_share: 2}\n",
+            "router.placement.lower_share (line 4)",
+        ),
+        (
             "models:\n  a:\n    path: a.onnx\n    batching: {window_ms: -1}\n",
             "models.a.batching.window_ms (line 4)",
         ),
