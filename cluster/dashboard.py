@@ -189,7 +189,7 @@ def fleet_panels() -> list[dict[str, Any]]:
             stack=True,
         ),
         timeseries(
-            "Router: spills, re-placements, shedding",
+            "Placement: spills, re-placements, shedding",
             [
                 Query(per_second(m.ROUTER_SPILLED, "priority"), "spilled {{priority}}"),
                 Query(
@@ -201,7 +201,7 @@ def fleet_panels() -> list[dict[str, Any]]:
             unit="reqps",
         ),
         timeseries(
-            "Caller latency p99 (through the router)",
+            "Caller latency p99 (as callers see it)",
             [Query(quantile(0.99, m.ROUTER_LATENCY, "priority"), "{{priority}}")],
             unit="s",
             description="Router receipt to answer of completed requests, spills included.",
