@@ -21,6 +21,7 @@ import heapq
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -47,11 +48,19 @@ log = logging.getLogger(__name__)
 
 Request = InferRequest | GenerateRequest
 VIEW_REUSE_S = 0.001  # a node's view ages by less than this between two placements
+UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait...
+UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 Final = Reply | GenerationResult
 
 
 class NodeGone(Exception):
     """The node's actor died or cannot be reached."""
+
+
+class NodeUnavailable(NodeGone):
+    """The node's actor is restarting or out of reach for now: a call may or may not
+    have run there. A request is asked again of the same node, under the same id
+    (the node answers an id it knows once), before it is placed elsewhere."""
 
 
 class NodeHandle(Protocol):
@@ -280,6 +289,7 @@ class Dispatcher:
         self._pending: Counter[str] = Counter()  # not yet handed to the router
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
         self._retries = ThreadPoolExecutor(1, thread_name_prefix="edgefleet-dispatch")
+        self._jitter = random.Random()
 
     # -------------------------------------------------------------------- the view
 
@@ -385,6 +395,15 @@ class Dispatcher:
         try:
             try:
                 reply = call.result()
+            except NodeUnavailable:
+                delay = attempt.wait_same(entry)
+                if delay is not None:
+                    again = threading.Timer(delay, self._again, (attempt, out, inputs, entry))
+                    again.daemon = True
+                    again.start()
+                    return
+                attempt.lost(entry)
+                final = None
             except NodeGone:
                 attempt.lost(entry)
                 final = None
@@ -398,6 +417,22 @@ class Dispatcher:
         else:
             _resolve(out, final)  # type: ignore[arg-type]
 
+    def _again(
+        self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any, entry: _Entry
+    ) -> None:
+        """Ask a node that was out of reach again, under the same id."""
+        try:
+            call = entry.handle.infer(attempt.request_now, inputs)  # type: ignore[arg-type]
+        except NodeGone:
+            attempt.lost(entry)
+            self._try(attempt, out, inputs)
+            return
+        except Exception as exc:
+            log.exception("dispatch of %s failed", attempt.request.id)
+            _resolve(out, attempt.broken(exc))
+            return
+        call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
+
     def call(self, request: InferRequest, inputs: Any = None) -> Reply:
         """Place ``request`` and wait for its one :class:`Reply` on this thread: the
         same attempts as :meth:`submit`, without handing the reply between threads
@@ -409,7 +444,7 @@ class Dispatcher:
                 if entry is None:
                     return attempt.give_up()  # type: ignore[return-value]
                 try:
-                    reply = entry.handle.call(attempt.request_now, inputs)  # type: ignore[arg-type]
+                    reply = self._call_node(attempt, entry, inputs)
                 except NodeGone:
                     attempt.lost(entry)
                     continue
@@ -419,6 +454,19 @@ class Dispatcher:
         except Exception as exc:  # a typed answer, never a raw error
             log.exception("dispatch of %s failed", request.id)
             return attempt.broken(exc)
+
+    @staticmethod
+    def _call_node(attempt: _Attempt, entry: _Entry, inputs: Any) -> Reply:
+        """One node's answer, asking again (same id) while it is out of reach for a
+        while; NodeGone once it is lost."""
+        while True:
+            try:
+                return entry.handle.call(attempt.request_now, inputs)  # type: ignore[arg-type]
+            except NodeUnavailable:
+                delay = attempt.wait_same(entry)
+                if delay is None:
+                    raise
+                time.sleep(delay)
 
     def stream(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         """Place a generation and yield its tokens; the last item is its result.
@@ -551,6 +599,7 @@ class _Attempt:
         self.evicted: Final | None = None
         self.tokens: list[int] = []  # streamed to the caller so far
         self.attempts = 0
+        self.unreachable: tuple[str, float, int] | None = None  # node, since, retries
         session = request.session if isinstance(request, GenerateRequest) else None
         rows = _rows(request)
         self.preq = PlacementRequest(request.model, request.priority, rows, session)
@@ -564,6 +613,20 @@ class _Attempt:
 
     def release(self, entry: _Entry) -> None:
         self.d._release(entry, self.request.id)
+
+    def wait_same(self, entry: _Entry) -> float | None:
+        """How long to wait before asking ``entry``'s node again, out of reach as it
+        is; None once it has been so for ``router.lost_after_s`` (place elsewhere)."""
+        now = self.d._clock.now()
+        name = entry.spec.name
+        if self.unreachable is None or self.unreachable[0] != name:
+            self.unreachable = (name, now, 0)
+        _, since, tries = self.unreachable
+        if now - since >= self.d.config.router.lost_after_s:
+            return None
+        self.unreachable = (name, since, tries + 1)
+        backoff = min(UNREACHABLE_MAX_WAIT_S, UNREACHABLE_FIRST_WAIT_S * 2**tries)
+        return backoff * (0.5 + self.d._jitter.random())
 
     def lost(self, entry: _Entry) -> Final | None:
         """``entry``'s node died with the request: place it again (a generation goes on

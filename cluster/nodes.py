@@ -11,7 +11,7 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 
-from cluster.dispatch import NodeGone
+from cluster.dispatch import NodeGone, NodeUnavailable
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
 
@@ -34,6 +34,8 @@ class RayNode:
         return self._actor
 
     def _gone(self, exc: Exception) -> NodeGone:
+        if isinstance(exc, ray.exceptions.ActorUnavailableError):
+            return NodeUnavailable(str(exc))  # restarting or out of reach: ask again
         if isinstance(exc, ray.exceptions.ActorDiedError):
             self._actor = None
         return NodeGone(str(exc))

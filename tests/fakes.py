@@ -14,7 +14,7 @@ import numpy as np
 
 from actors.engine import InputInfo, RunAborted, Signature, TensorSpec, check_inputs
 from actors.node import NodeRuntime
-from cluster.dispatch import Dispatcher, NodeGone
+from cluster.dispatch import Dispatcher, NodeGone, NodeUnavailable
 from cluster.router import Router
 from edgefleet.config import FleetConfig, ModelConfig, NodeSpec, PreemptionConfig, QueueConfig
 from edgefleet.errors import EngineError
@@ -121,6 +121,7 @@ class LocalNode:
         self.node = node
         self.loop = loop
         self.dead = False
+        self.unreachable = 0  # calls that run on the node but whose answer is lost
         self.calls = 0
 
     def _gone(self) -> NodeGone:
@@ -131,7 +132,13 @@ class LocalNode:
         self.calls += 1
         if self.dead:
             raise self._gone()
-        return asyncio.run_coroutine_threadsafe(self._infer(request, inputs), self.loop)
+        running = asyncio.run_coroutine_threadsafe(self._infer(request, inputs), self.loop)
+        if self.unreachable:  # the node runs it; the caller hears only "unavailable"
+            self.unreachable -= 1
+            lost: cf.Future[Reply] = cf.Future()
+            lost.set_exception(NodeUnavailable(f"{self.node.spec.name} is restarting"))
+            return lost
+        return running
 
     def call(self, request: InferRequest, inputs: Any = None) -> Reply:
         return self.infer(request, inputs).result(60)

@@ -290,3 +290,28 @@ def test_nodes_report_measured_load_times_that_placement_prices(fleet):
     f.refresh()
     views = {v.name: v for v in f.dispatcher.views()}
     assert views["a"].load_cost_s == {"m": pytest.approx(model.load_ms / 1000)}
+
+
+@pytest.mark.parametrize("path", ["submit", "call"])
+def test_a_node_out_of_reach_is_asked_again_and_runs_the_request_once(fleet, path):
+    """ "Unavailable" (a restarting actor) may mean the request ran: asking another node
+    would run it twice. The same node is asked again under the same id and answers it
+    once."""
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, shed={}, placement={"picker": "best"})
+    for h in f.handles.values():
+        h.unreachable = 1
+    request = req(10, rid=f"once-{path}")
+    reply = (
+        f.dispatcher.submit(request).result(30) if path == "submit" else f.dispatcher.call(request)
+    )
+    assert reply.error is None and reply.request_id == request.id
+    runs = sum(f.node(n).status().counters.get("completed", 0) for n in f.handles)
+    assert runs == 1, runs
+    assert f.handles[reply.node].calls == 2  # asked twice, ran once
+
+
+def test_a_node_out_of_reach_for_too_long_is_given_up_for_another(fleet):
+    f = fleet({"a": {}, "b": {}}, shed={}, placement={"picker": "best"})
+    f.handles["a"].unreachable = 10_000  # never answers within router.lost_after_s
+    reply = f.infer(req(10))
+    assert reply.error is None and reply.node == "b"
