@@ -149,7 +149,6 @@ class _Entry:
         self.report_at = taken_at
         if status is not None:
             self.made_at = status.at
-        if status is not None:
             self.base = _base(status)
         self.since = {}
         for sent in self.inflight.values():
@@ -230,13 +229,10 @@ def _base(report: NodeStatus) -> _Base:
         if m.load_ms is not None:
             load_cost_s[m.name] = m.load_ms / 1000
     probe = NodeView(name=report.name, models=frozenset(), row_cost_s=row_cost_s)
-    work: dict[int, int] = {}
     backlog: dict[int, float] = {}
     for p, by_model in report.queued_rows.items():
         for model, rows in by_model.items():
             backlog[p] = backlog.get(p, 0.0) + rows * row_cost(probe, model)
-    for p, n in report.queued.items():
-        work[p] = work.get(p, 0) + n
     running_left = 0.0
     r = report.running
     if r is not None:
@@ -245,7 +241,7 @@ def _base(report: NodeStatus) -> _Base:
     return _Base(
         loaded=frozenset(m.name for m in report.models if m.loaded),
         draining=report.state in ("draining", "drained", "stopped", "starting"),
-        work=work,
+        work=dict(report.queued),
         backlog_s=backlog,
         running_left_s=running_left,
         running=None if r is None else (r.priority, len(r.request_ids)),
@@ -276,17 +272,16 @@ class Dispatcher:
     ) -> None:
         self.config = config
         pc = config.router.placement
-        self.params = pc.params(config.priorities)
-        self._placement = make_placement(self.params)
-        self._shed = ShedBelowPriority(self.params.shed)
+        params = pc.params(config.priorities)
+        self._placement = make_placement(params)
+        self._shed = ShedBelowPriority(params.shed)
         self._rng = rng or random.Random(pc.seed)
         self._clock = clock or MonotonicClock()
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
         self._nodes = {s.name: _Entry(s, handles[s.name]) for s in config.node_specs()}
         self._served = {m for e in self._nodes.values() for m in e.models}
         self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
-        self._pending: Counter[str] = Counter()  # not yet handed to the router
+        self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
         self._retries = ThreadPoolExecutor(1, thread_name_prefix="edgefleet-dispatch")
         self._jitter = random.Random()
@@ -342,13 +337,8 @@ class Dispatcher:
         with self._lock:
             self._pending.update(counters)
 
-    @property
-    def counters(self) -> dict[str, int]:
-        return dict(self._counters)
-
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self._counters[key] += n
             self._pending[key] += n
 
     # ------------------------------------------------------------------- requests
@@ -364,10 +354,14 @@ class Dispatcher:
         self._try(_Attempt(self, request), out, inputs)
         return out
 
-    def _try(self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any) -> None:
+    def _try(
+        self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any, entry: _Entry | None = None
+    ) -> None:
+        """Send the request to ``entry`` (a node out of reach, asked again under the
+        same id) or to the next candidate, until a node takes the call."""
         try:
             while True:
-                entry = attempt.next_node()
+                entry = entry or attempt.next_node()
                 if entry is None:
                     _resolve(out, attempt.give_up())  # type: ignore[arg-type]
                     return
@@ -375,6 +369,7 @@ class Dispatcher:
                     call = entry.handle.infer(attempt.request_now, inputs)  # type: ignore[arg-type]
                 except NodeGone:
                     attempt.lost(entry)
+                    entry = None
                     continue
                 call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
                 return
@@ -398,7 +393,7 @@ class Dispatcher:
             except NodeUnavailable:
                 delay = attempt.wait_same(entry)
                 if delay is not None:
-                    again = threading.Timer(delay, self._again, (attempt, out, inputs, entry))
+                    again = threading.Timer(delay, self._try, (attempt, out, inputs, entry))
                     again.daemon = True
                     again.start()
                     return
@@ -416,22 +411,6 @@ class Dispatcher:
             self._retries.submit(self._try, attempt, out, inputs)
         else:
             _resolve(out, final)  # type: ignore[arg-type]
-
-    def _again(
-        self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any, entry: _Entry
-    ) -> None:
-        """Ask a node that was out of reach again, under the same id."""
-        try:
-            call = entry.handle.infer(attempt.request_now, inputs)  # type: ignore[arg-type]
-        except NodeGone:
-            attempt.lost(entry)
-            self._try(attempt, out, inputs)
-            return
-        except Exception as exc:
-            log.exception("dispatch of %s failed", attempt.request.id)
-            _resolve(out, attempt.broken(exc))
-            return
-        call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
 
     def call(self, request: InferRequest, inputs: Any = None) -> Reply:
         """Place ``request`` and wait for its one :class:`Reply` on this thread: the
