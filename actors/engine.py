@@ -111,9 +111,15 @@ class Engine(Protocol):
 
 
 def check_inputs(
-    sig: Signature, model: str, inputs: Mapping[str, Any], max_bytes: int
+    sig: Signature,
+    model: str,
+    inputs: Mapping[str, Any],
+    max_bytes: int,
+    *,
+    finite: bool = False,
 ) -> InputInfo:
-    """Validate a request's inputs against a signature (shared by real and fake engines)."""
+    """Validate a request's inputs against a signature (shared by real and fake engines).
+    With ``finite``, floating-point inputs holding NaN or infinity are refused too."""
     if not isinstance(inputs, Mapping):
         raise InvalidInput(
             f"inputs must be a dict of name -> numpy array, got {type(inputs).__name__}"
@@ -143,6 +149,12 @@ def check_inputs(
         if bad:
             raise InvalidInput(
                 f"input {spec.name!r} expects {spec.describe()}, got {describe_array(value)}"
+            )
+        if finite and value.dtype.kind in "fc" and not np.isfinite(value).all():
+            count = int(value.size - np.count_nonzero(np.isfinite(value)))
+            raise InvalidInput(
+                f"input {spec.name!r} of model {model!r} holds {count} NaN or infinite "
+                f"value(s) of {value.size}; the model's reject_non_finite is on"
             )
         nbytes += value.nbytes
         if value.ndim:

@@ -31,6 +31,7 @@ from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import MiB, NodeSpec
 from edgefleet.errors import EdgeFleetError, EngineError, InvalidInput, Rejected
 from edgefleet.messages import (
+    NODE_COUNTERS,
     GenerationResult,
     ModelStatus,
     NodeStatus,
@@ -75,7 +76,7 @@ class NodeRuntime:
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._switches: deque[tuple[str, asyncio.Future[None]]] = deque()
-        self._counters: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._state = "starting"
         self._switching: str | None = None
         self._engine: Engine | None = None  # the engine running a call now
@@ -354,7 +355,11 @@ class NodeRuntime:
         if info.config.kind == "decoder":
             raise InvalidInput(f"model {request.model!r} is a decoder: use generate()")
         checked = check_inputs(
-            info.signature, request.model, request.inputs, info.config.max_input_bytes
+            info.signature,
+            request.model,
+            request.inputs,
+            info.config.max_input_bytes,
+            finite=info.config.reject_non_finite,
         )
         priority = request.priority
         if not 0 <= priority <= 10:

@@ -33,9 +33,16 @@ from cluster.dispatch import Dispatcher, FleetView, NodeReport
 from cluster.names import NAMESPACE, actor_name
 from cluster.nodes import RayNode
 from edgefleet.config import FleetConfig, PlacementConfig, load_config
-from edgefleet.errors import ConfigError, InvalidInput, ModelNotFound, NodeLost
+from edgefleet.errors import ConfigError, InvalidInput, ModelNotFound, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
-from edgefleet.request import GenerateRequest, InferRequest, new_request_id, resolve_priority
+from edgefleet.request import (
+    GenerateRequest,
+    InferRequest,
+    check_text,
+    new_request_id,
+    resolve_priority,
+    token_ids,
+)
 
 __all__ = ["FleetClient", "FleetStatus", "TokenStream"]
 
@@ -91,9 +98,14 @@ class FleetClient:
         """Deploy ``config``'s nodes on an embedded Ray cluster bound to loopback.
 
         Reuses the Ray instance this process is already connected to, if any. Use it
-        as a context manager, or call :meth:`close`, to tear the fleet down.
+        as a context manager, or call :meth:`close`, to tear the fleet down. Built-in
+        models the config names are written first when their files are missing, as
+        ``edgefleet up`` does.
         """
+        from edgefleet.modelgen import make_missing_models  # onnx: only when deploying
+
         cfg = config if isinstance(config, FleetConfig) else load_config(config)
+        make_missing_models(cfg, progress)
         cfg.require_models()
         owns_ray = not ray.is_initialized()
         if owns_ray:
@@ -227,13 +239,17 @@ class FleetClient:
     ) -> tuple[InferRequest, Any]:
         """The request, and an object reference of its inputs when they are large."""
         self._check_model(model)
+        if not isinstance(inputs, Mapping):
+            raise InvalidInput(
+                f"inputs must map input names to arrays, got {type(inputs).__name__}"
+            )
         request = InferRequest(
             model=model,
             inputs=inputs,
             priority=resolve_priority(priority, self.config.priorities),
-            id=request_id or new_request_id(),
+            id=check_text(request_id, "request_id") or new_request_id(),
             deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
-            key=key,
+            key=check_text(key, "key"),
         )
         if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
             return replace(request, inputs={}), ray.put(dict(inputs))
@@ -242,11 +258,11 @@ class FleetClient:
     @staticmethod
     def gather(futures: Iterable[cf.Future[Reply]], timeout_s: float | None = None) -> list[Reply]:
         """The replies of :meth:`submit` futures, in order; waits at most ``timeout_s``
-        for all of them (TimeoutError when some are still out)."""
+        for all of them (:class:`TimedOut`, a TimeoutError, when some are still out)."""
         futures = list(futures)
         _, pending = cf.wait(futures, timeout=timeout_s)
         if pending:
-            raise TimeoutError(f"{len(pending)} of {len(futures)} replies not in {timeout_s} s")
+            raise TimedOut(f"{len(pending)} of {len(futures)} replies not in {timeout_s} s")
         return [f.result() for f in futures]
 
     async def infer_async(
@@ -291,22 +307,18 @@ class FleetClient:
         bounds the wait before the first step.
         """
         self._check_model(model)
-        try:
-            ids = tuple(int(t) for t in prompt_ids)
-        except (TypeError, ValueError):
-            raise InvalidInput("prompt_ids must be a list of int token ids") from None
         request = GenerateRequest(
             model=model,
-            prompt_ids=ids,
+            prompt_ids=token_ids(prompt_ids, "prompt_ids"),
             max_new_tokens=max_new_tokens,
             priority=resolve_priority(priority, self.config.priorities),
-            id=request_id or new_request_id(),
-            session=session,
+            id=check_text(request_id, "request_id") or new_request_id(),
+            session=check_text(session, "session"),
             prefix_len=prefix_len,
             temperature=temperature,
             top_k=top_k,
             seed=seed,
-            stop_ids=tuple(int(t) for t in stop_ids),
+            stop_ids=token_ids(stop_ids, "stop_ids"),
             deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
         )
         return TokenStream(request.id, self._dispatcher.stream(request))
@@ -337,6 +349,7 @@ class FleetClient:
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""
+        check_text(request_id, "request_id")
         return bool(self._ask_router("cancel", timeout_s, request_id))
 
     def switch_model(
@@ -381,8 +394,8 @@ class FleetClient:
     def _node(self, name: str) -> ActorHandle:
         try:
             return self._nodes[name]
-        except KeyError:
-            raise KeyError(f"no node {name!r}; nodes: {', '.join(self._nodes)}") from None
+        except (KeyError, TypeError):
+            raise InvalidInput(f"no node {name!r}; nodes: {', '.join(self._nodes)}") from None
 
 
 class TokenStream(Iterator[int]):

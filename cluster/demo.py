@@ -72,11 +72,23 @@ def default_chats() -> list[ChatStream]:
     ]
 
 
-def _chat_loop(client: FleetClient, model: str, chat: ChatStream, until: float) -> None:
+def _chat_loop(
+    client: FleetClient, model: str, chat: ChatStream, until: float, stop: threading.Event
+) -> None:
+    try:
+        _chat_turns(client, model, chat, until, stop)
+    except Exception:
+        if not stop.is_set():  # stopping: the fleet goes away under a turn in progress
+            raise
+
+
+def _chat_turns(
+    client: FleetClient, model: str, chat: ChatStream, until: float, stop: threading.Event
+) -> None:
     rng = np.random.default_rng(len(chat.name))
     history: tuple[int, ...] = SYSTEM_PROMPT
     turn = 0
-    while time.monotonic() < until:
+    while time.monotonic() < until and not stop.is_set():
         turn += 1
         user = tuple(int(t) for t in rng.integers(1, 400, 8))
         prompt = (*history, *user) if chat.session else (*SYSTEM_PROMPT, *user * 8)
@@ -92,10 +104,15 @@ def _chat_loop(client: FleetClient, model: str, chat: ChatStream, until: float) 
                 session=f"{chat.name}-{turn // 8}" if chat.session else None,
                 prefix_len=len(SYSTEM_PROMPT),
             )
-            out = stream.collect()
+            out = []
+            for token in stream:
+                if stop.is_set():
+                    stream.close()  # cancels the generation on its node
+                    return
+                out.append(token)
         except EdgeFleetError as exc:
             chat.outcomes[type(exc).__name__] += 1
-            time.sleep(getattr(exc, "retry_after_s", 0.1) or 0.1)
+            stop.wait(getattr(exc, "retry_after_s", 0.1) or 0.1)
             continue
         r = stream.result
         assert r is not None
@@ -108,7 +125,7 @@ def _chat_loop(client: FleetClient, model: str, chat: ChatStream, until: float) 
         chat.pauses += r.pauses
         history = (*prompt, *out) if chat.session else SYSTEM_PROMPT
         if chat.session:
-            time.sleep(0.3)  # a person reads the answer before the next turn
+            stop.wait(0.3)  # a person reads the answer before the next turn
 
 
 @dataclass
@@ -136,60 +153,65 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
     chats = default_chats() if decoder else []
     stats = {s.priority: ClassStats() for s in streams}
     ran_on: Counter[str] = Counter()
+    stop = threading.Event()
+    interrupted = False
     with FleetClient.local(config, progress=out) as client:
         pending: dict[cf.Future[Reply], tuple[Stream, float]] = {}
         start = time.monotonic()
         last_report = start
         out(f"running a mixed workload for {duration_s:.0f} s on {len(config.node_specs())} nodes")
         threads = [
-            threading.Thread(target=_chat_loop, args=(client, decoder, c, start + duration_s))
+            threading.Thread(
+                target=_chat_loop, args=(client, decoder, c, start + duration_s, stop), daemon=True
+            )
             for c in chats
         ]
         for t in threads:
             t.start()
         lifecycle = _LifecycleEvents(client, config.node_specs()[-1].name, start, duration_s, out)
-        while True:
-            now = time.monotonic()
-            sending = now - start < duration_s
-            if decoder:
-                lifecycle.tick(now)
-            for s in streams if sending else ():
-                while s.rate_hz and s.next_at <= now:
-                    s.next_at = (s.next_at or now) + 1.0 / s.rate_hz
-                    _send(client, s, inputs, pending)
-                if s.retry_at:
-                    s.retry_at = [t for t in s.retry_at if t > now]
-                while s.in_flight and s.outstanding + len(s.retry_at) < s.in_flight:
-                    _send(client, s, inputs, pending)
-            if not pending and not sending:
-                break
-            ready, _ = cf.wait(list(pending), timeout=0.005, return_when=cf.FIRST_COMPLETED)
-            for ref in ready:
-                stream, sent = pending.pop(ref)
-                stream.outstanding -= 1
-                reply: Reply = ref.result()
-                st = stats[stream.priority]
-                if reply.error is None:
-                    st.latencies.append(time.monotonic() - sent)
-                    st.batch_sizes.append(reply.batch_size)
-                    st.outcomes["completed"] += 1
-                    ran_on[reply.node] += 1
-                else:
-                    st.outcomes[type(reply.error).__name__] += 1
-                    if isinstance(reply.error, Rejected) and stream.in_flight:
-                        # A well-behaved client backs off for the hinted time.
-                        stream.retry_at.append(time.monotonic() + reply.error.retry_after_s)
-            if now - last_report >= 2.0:
-                last_report = now
-                out(_progress_line(client, now - start, stats))
-        for t in threads:
-            t.join()
-        fleet = client.status()
+        try:
+            while True:
+                now = time.monotonic()
+                sending = now - start < duration_s
+                if decoder:
+                    lifecycle.tick(now)
+                for s in streams if sending else ():
+                    while s.rate_hz and s.next_at <= now:
+                        s.next_at = (s.next_at or now) + 1.0 / s.rate_hz
+                        _send(client, s, inputs, pending)
+                    if s.retry_at:
+                        s.retry_at = [t for t in s.retry_at if t > now]
+                    while s.in_flight and s.outstanding + len(s.retry_at) < s.in_flight:
+                        _send(client, s, inputs, pending)
+                if not pending and not sending:
+                    break
+                ready, _ = cf.wait(list(pending), timeout=0.005, return_when=cf.FIRST_COMPLETED)
+                for ref in ready:
+                    stream, sent = pending.pop(ref)
+                    stream.outstanding -= 1
+                    _count(stats[stream.priority], stream, ref.result(), sent, ran_on)
+                if now - last_report >= 2.0:
+                    last_report = now
+                    out(_progress_line(client, now - start, stats))
+            for t in threads:
+                t.join()
+        except KeyboardInterrupt:
+            out("interrupted: stopping the fleet; the report covers what was answered so far")
+            interrupted = True
+            stop.set()
+            for t in threads:  # each ends at its next token (the fleet's stop ends the rest)
+                t.join(1.0)
+        try:
+            totals, router = _fleet_totals(client, timeout_s=2.0 if stop.is_set() else 30.0)
+        finally:
+            stop.set()  # chats still in a turn end quietly as the fleet goes away
     out("")
-    out(report(stats, fleet.totals, ran_on, config, fleet.router))
+    out(report(stats, totals, ran_on, config, router))
     if chats:
         out("")
-        out(generation_report(chats, fleet.totals))
+        out(generation_report(chats, totals))
+    if interrupted:
+        raise KeyboardInterrupt  # the report is out; the command ends as interrupted
     return stats
 
 
@@ -230,6 +252,33 @@ def generation_report(chats: list[ChatStream], totals: dict[str, int]) -> str:
         f"budget, {totals.get('kv_trimmed', 0)} KV caches trimmed"
     )
     return "\n".join(lines)
+
+
+def _count(
+    st: ClassStats, stream: Stream, reply: Reply, sent: float, ran_on: Counter[str]
+) -> None:
+    if reply.error is None:
+        st.latencies.append(time.monotonic() - sent)
+        st.batch_sizes.append(reply.batch_size)
+        st.outcomes["completed"] += 1
+        ran_on[reply.node] += 1
+    else:
+        st.outcomes[type(reply.error).__name__] += 1
+        if isinstance(reply.error, Rejected) and stream.in_flight:
+            # A well-behaved client backs off for the hinted time.
+            stream.retry_at.append(time.monotonic() + reply.error.retry_after_s)
+
+
+def _fleet_totals(
+    client: FleetClient, timeout_s: float
+) -> tuple[dict[str, int], dict[str, int] | None]:
+    """The nodes' totals and the router's counters; none when the fleet does not
+    answer in time (the report then has the callers' side only)."""
+    try:
+        fleet = client.status(timeout_s=timeout_s)
+    except EdgeFleetError:
+        return {}, None
+    return fleet.totals, fleet.router
 
 
 def _send(

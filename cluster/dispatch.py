@@ -32,7 +32,14 @@ from typing import Any, Protocol
 from cluster.metrics import RouterMetrics
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
-from edgefleet.errors import EdgeFleetError, Evicted, ModelNotFound, NodeLost, Rejected
+from edgefleet.errors import (
+    Cancelled,
+    EdgeFleetError,
+    Evicted,
+    ModelNotFound,
+    NodeLost,
+    Rejected,
+)
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
 from policies.placement import (
@@ -284,6 +291,7 @@ class Dispatcher:
         self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
         self._retries = ThreadPoolExecutor(1, thread_name_prefix="edgefleet-dispatch")
+        self.closed = False
         self._jitter = random.Random()
 
     # -------------------------------------------------------------------- the view
@@ -309,6 +317,8 @@ class Dispatcher:
                 entry.report(r.status, taken)
 
     def close(self) -> None:
+        """No further attempts: requests not yet answered end Cancelled."""
+        self.closed = True
         self._retries.shutdown(wait=False)
 
     def views(self) -> list[NodeView]:
@@ -408,7 +418,10 @@ class Dispatcher:
             log.exception("answer to %s failed", attempt.request.id)
             final = attempt.broken(exc)
         if final is None:
-            self._retries.submit(self._try, attempt, out, inputs)
+            try:
+                self._retries.submit(self._try, attempt, out, inputs)
+            except RuntimeError:  # closed: _try ends it Cancelled, sending nothing
+                self._try(attempt, out, inputs)
         else:
             _resolve(out, final)  # type: ignore[arg-type]
 
@@ -586,6 +599,8 @@ class _Attempt:
         dispatcher._count("received")
 
     def next_node(self) -> _Entry | None:
+        if self.d.closed and self.error is None:
+            self.error = Cancelled("the client was closed", request_id=self.request.id)
         if self.error is not None or self.attempts >= self.d.config.router.max_attempts:
             return None
         return self.d._pick(self.preq, self.tried, self.request.id)
@@ -653,10 +668,14 @@ class _Attempt:
         return self.finish(_failure(self.request, error))
 
     def broken(self, exc: Exception) -> Reply:
-        for name in self.tried:  # no longer in flight anywhere
-            self.d._release(self.d._nodes[name], self.request.id)
         err = NodeLost(f"dispatch failed: {type(exc).__name__}: {exc}", request_id=self.request.id)
-        return self.finish(_failure(self.request, err))  # type: ignore[return-value]
+        return self.fail(err)  # type: ignore[return-value]
+
+    def fail(self, error: EdgeFleetError) -> Final:
+        """End the request with ``error``; it is no longer in flight anywhere."""
+        for name in self.tried:
+            self.d._release(self.d._nodes[name], self.request.id)
+        return self.finish(_failure(self.request, error))
 
     def finish(self, answer: Final) -> Final:
         if isinstance(answer, GenerationResult):

@@ -62,7 +62,8 @@ class Cancelled(EdgeFleetError):
 
 
 class InvalidInput(EdgeFleetError):
-    """The inputs do not match the model signature or the configured limits."""
+    """The inputs do not match the model signature or the configured limits, or an
+    argument of a call is not what it accepts (an unknown node, a non-string id...)."""
 
 
 class ModelNotFound(EdgeFleetError):
@@ -77,8 +78,23 @@ class NodeLost(EdgeFleetError):
     """The node holding the request died or stopped answering."""
 
 
+class TimedOut(EdgeFleetError, TimeoutError):
+    """A caller's wait ran out before every answer came (the requests keep running)."""
+
+
 class ConfigError(EdgeFleetError):
     """A fleet configuration is invalid; the message names each problem by its YAML path."""
+
+
+class FleetNotRunning(EdgeFleetError):
+    """The fleet, or the Ray cluster it runs on, is not there: never started, stopped,
+    or its Ray head died. The message says which, and what to run."""
+
+
+class FleetStartError(EdgeFleetError):
+    """A fleet could not be started: it is already running, a node failed to start
+    (the message names the node, the model and why), or nodes could not be placed in
+    time (the message names what they ask for)."""
 
 
 __all__ = [
@@ -88,9 +104,12 @@ __all__ = [
     "EdgeFleetError",
     "EngineError",
     "Evicted",
+    "FleetNotRunning",
+    "FleetStartError",
     "InvalidInput",
     "ModelNotFound",
     "NodeLost",
     "Rejected",
     "Superseded",
+    "TimedOut",
 ]

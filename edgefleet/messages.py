@@ -122,6 +122,19 @@ class RunningStatus:
     rows: int = 0
 
 
+NODE_COUNTERS = (
+    # requests, by how they ended (RequestState values of the terminal states)
+    "received", "invalid", "admitted", "completed", "failed", "rejected", "evicted",
+    "superseded", "expired", "cancelled",
+    # the engine and the scheduler
+    "engine_calls", "batched_requests", "preemptions", "preempted", "model_loads",
+    # generation
+    "tokens", "paused", "resumed", "finish_stop", "finish_length", "finish_budget",
+    "finish_cancelled", "kv_trimmed", "kv_dropped", "lifecycle_changes",
+)  # fmt: skip
+"""Every counter a node reports, present from the start (at zero until it happens)."""
+
+
 @dataclass(frozen=True)
 class NodeStatus:
     name: str

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 import uuid
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +38,24 @@ def resolve_priority(priority: str | int, classes: Mapping[str, int] = DEFAULT_P
         names = ", ".join(f"{k} ({v})" for k, v in classes.items())
         raise InvalidInput(f"unknown priority class {priority!r}; use one of {names} or 0-10")
     raise InvalidInput(f"priority must be a class name or an int 0-10, got {priority!r}")
+
+
+def check_text(value: object, what: str) -> str | None:
+    """``value`` if it is None or a non-empty string (an id, a dedup key, a session)."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise InvalidInput(f"{what} must be a non-empty string or None, got {value!r}")
+
+
+def token_ids(values: Iterable[int], what: str) -> tuple[int, ...]:
+    """Token ids as a tuple of ints; anything else is InvalidInput naming ``what``."""
+    try:
+        ids = tuple(values)
+    except TypeError:
+        raise InvalidInput(f"{what} must be a list of int token ids, got {values!r}") from None
+    if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
+        raise InvalidInput(f"{what} must be a list of int token ids, got {ids[:8]!r}")
+    return tuple(int(t) for t in ids)
 
 
 def priority_name(priority: int, classes: Mapping[str, int] = DEFAULT_PRIORITIES) -> str:
@@ -117,7 +136,16 @@ class InferRequest:
 
     @staticmethod
     def deadline_from_timeout(timeout_s: float | None) -> float | None:
-        return None if timeout_s is None else time.time() + timeout_s
+        """Wall-clock deadline ``timeout_s`` seconds from now (None: no deadline)."""
+        if timeout_s is None:
+            return None
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float | np.integer | np.floating)
+            or math.isnan(timeout_s)
+        ):
+            raise InvalidInput(f"deadline_s must be a number of seconds, got {timeout_s!r}")
+        return time.time() + float(timeout_s)
 
 
 FINISH_REASONS = ("stop", "length", "budget", "cancelled")

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from actors.engine import OnnxEngine, RunAborted
+from actors.engine import OnnxEngine, RunAborted, check_inputs
 from edgefleet.errors import EngineError, InvalidInput, ModelNotFound
 from edgefleet.modelgen import make_slow, random_inputs
 
@@ -67,6 +67,15 @@ def test_validation_names_input_expected_and_got(models_dir, inputs, message):
     with pytest.raises(InvalidInput) as info:
         e.check(inputs, max_bytes=64 * 1024)
     assert message in str(info.value)
+
+
+def test_non_finite_inputs_are_refused_when_the_model_asks(models_dir):
+    sig = engine(models_dir, "classifier").signature
+    images = random_inputs("classifier")["images"]
+    images[0, 0, 0, :2] = [np.nan, np.inf]
+    assert check_inputs(sig, "classifier", {"images": images}, MiB).rows == 1
+    with pytest.raises(InvalidInput, match="input 'images' of model 'classifier' holds 2 NaN"):
+        check_inputs(sig, "classifier", {"images": images}, MiB, finite=True)
 
 
 def test_stateful_validation_checks_fixed_dims(models_dir):

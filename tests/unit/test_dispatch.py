@@ -15,7 +15,7 @@ import pytest
 from actors.node import NodeRuntime
 from cluster.dispatch import Dispatcher, FleetView, NodeReport
 from edgefleet.config import parse_config
-from edgefleet.errors import Evicted, ModelNotFound, NodeLost, Rejected
+from edgefleet.errors import Cancelled, Evicted, ModelNotFound, NodeLost, Rejected
 from edgefleet.request import InferRequest
 from policies.placement import PlacementRequest
 from tests.fakes import FakeLoader, LocalFleet, x
@@ -88,6 +88,15 @@ def test_spills_to_the_next_node_when_one_refuses(fleet):
     assert f.counters()["spilled"] >= 2
     for b in blockers:
         b.result(30)
+
+
+def test_a_request_out_when_the_client_closes_ends_cancelled(fleet):
+    f = fleet({"a": {}, "b": {}})
+    f.node("a")._sched.draining = True  # behind the dispatcher's back: a refuses...
+    f.node("b")._sched.draining = True
+    f.dispatcher.close()  # ...and the next attempt would come after the close
+    reply = f.dispatcher.submit(req(10)).result(30)
+    assert isinstance(reply.error, Cancelled) and "client was closed" in str(reply.error)
 
 
 def reported(f, at=None, **queued_rows):

@@ -18,6 +18,7 @@ from edgefleet.errors import (
     Rejected,
     Superseded,
 )
+from edgefleet.messages import NODE_COUNTERS
 from edgefleet.request import InferRequest
 from tests.fakes import FakeLoader, fake_spec, x
 
@@ -48,6 +49,21 @@ def test_results_and_typed_errors_reach_callers():
         assert isinstance(missing.error, ModelNotFound)
         failed = await node.infer(req(value=-1.0))
         assert isinstance(failed.error, EngineError)
+        await node.stop()
+
+    run(main())
+
+
+def test_every_counter_is_reported_from_the_start_and_no_other():
+    async def main():
+        node, _ = await started()
+        assert node.status().counters == dict.fromkeys(NODE_COUNTERS, 0)
+        await node.infer(req(value=2.0))
+        await node.infer(req(model="nope"))
+        await node.infer(req(value=-1.0))
+        counters = node.status().counters
+        assert set(counters) == set(NODE_COUNTERS)
+        assert (counters["completed"], counters["invalid"], counters["failed"]) == (1, 1, 1)
         await node.stop()
 
     run(main())
@@ -130,7 +146,7 @@ def test_small_priority_gap_does_not_preempt():
         done, _ = await asyncio.wait({bg, inline}, return_when=asyncio.FIRST_COMPLETED)
         assert done == {bg}
         await inline
-        assert "preempted" not in node.status().counters
+        assert node.status().counters["preempted"] == 0
         await node.stop()
 
     run(main())
