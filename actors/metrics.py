@@ -38,7 +38,7 @@ EXPORT_PREFIX = "ray_"  # Ray's metrics agent puts this in front of every metric
 LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
-NODE_STATES = ("starting", "serving", "draining", "drained", "stopped")
+NODE_STATES = ("starting", "serving", "draining", "drained", "stopped", "failed")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,8 @@ PAUSED = _gauge(
 NODE_STATE = _gauge(
     "edgefleet_node_state",
     (*_NODE, "state"),
-    "1 for the node's current service state (starting, serving, draining, drained, stopped)",
+    "1 for the node's current service state (starting, serving, draining, drained, stopped, "
+    "failed)",
 )
 NODE_LIFECYCLE = _gauge(
     "edgefleet_node_lifecycle",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import resource
 import threading
@@ -45,6 +46,8 @@ from policies.budget import LIFECYCLE_STATES, TokenBudgets, token_limit
 from policies.kv import CacheView, KVAction, plan_kv_release
 
 S = RequestState
+log = logging.getLogger(__name__)
+
 RECENT_REPLIES = 1024  # answers kept to serve retries of the same request id...
 RECENT_BYTES = 32 * 1024 * 1024  # ...within this many bytes of outputs
 STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together
@@ -74,10 +77,13 @@ class NodeRuntime:
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{spec.name}")
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
+        self._callers: Counter[str] = Counter()  # callers awaiting each request id
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._switches: deque[tuple[str, asyncio.Future[None]]] = deque()
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._state = "starting"
+        self._failure = ""  # why the node is out of service ("failed")
+        self._start_error: Exception | None = None
         self._switching: str | None = None
         self._engine: Engine | None = None  # the engine running a call now
         self._stop: threading.Event | None = None  # set to abort the call in progress
@@ -104,15 +110,18 @@ class NodeRuntime:
     async def start(self) -> NodeStatus:
         """Load, warm up and measure every model, then start serving. Idempotent: a
         router calls it again on a node Ray has restarted."""
-        if self._starting is not None:
-            await self._starting
-            return self.status()
-        loop = asyncio.get_running_loop()
-        self._starting = loop.create_future()
-        try:
-            await self._start()
-        finally:
-            self._starting.set_result(None)
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_future()
+            try:
+                await self._start()
+            except Exception as exc:  # a later start() says so again; status says "failed"
+                self._fail(f"start failed: {exc}")
+                self._start_error = exc
+            finally:
+                self._starting.set_result(None)
+        await self._starting
+        if self._start_error is not None:
+            raise self._start_error
         return self.status()
 
     async def _start(self) -> None:
@@ -129,7 +138,34 @@ class NodeRuntime:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
+        self._task.add_done_callback(self._serve_ended)
         self._state = "serving"
+
+    def _serve_ended(self, task: asyncio.Task[None]) -> None:
+        """Supervision of the serve loop, which ends only when stopped: a loop that
+        died is logged, and the node stops taking work and answers what it held."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        log.error("node %s: the serve loop failed", self.spec.name, exc_info=exc)
+        self._fail(f"its serve loop stopped: {type(exc).__name__}: {exc}")
+
+    def _fail(self, reason: str) -> None:
+        """Out of service for good: status says ``failed`` and why (the router then
+        counts the node lost); queued and paused work ends Cancelled naming the reason,
+        so its callers can send it again (a retry under the same id runs elsewhere)."""
+        self._failure = reason
+        self._state = "failed"
+        self._sched.draining = True
+        self._end_all(f"node {self.spec.name} failed ({reason}); send it again")
+
+    def _end_all(self, reason: str) -> None:
+        """Cancel, naming ``reason``, everything queued or paused, and the call in
+        progress when no serve loop is left to finish it."""
+        plan = self._sched.running
+        if plan is not None and (self._task is None or self._task.done()):
+            self._settle(self._sched.finish(plan, aborted=True))  # requeued, then cancelled
+        self._settle(self._sched.cancel_all(reason))
 
     async def stop(self) -> NodeStatus:
         """Cancel queued work, abort the running call, unload models."""
@@ -140,11 +176,7 @@ class NodeRuntime:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        plan = self._sched.running
-        if plan is not None:
-            for r in plan.requests:
-                r.cancel_requested = True
-            self._settle(self._sched.finish(plan, aborted=True))
+        self._end_all(f"node {self.spec.name} stopped")
         self._state = "stopped"
         await asyncio.get_running_loop().run_in_executor(self._executor, self._models.close)
         self._executor.shutdown(wait=False)
@@ -180,12 +212,19 @@ class NodeRuntime:
 
         ``inputs``, when given, replace ``request.inputs``: large inputs travel as a
         Ray object reference that Ray resolves here, on the node, not on the way.
-        A retry with the id of a request in flight or recently answered gets the same
-        answer; the request does not run twice.
+        Request ids make retries safe (the contract callers rely on):
+
+        - in flight: a retry with the same id waits for the same answer; the request
+          runs once. A caller that goes away cancels it only if no other caller waits;
+          ``cancel(id)`` ends it for every caller.
+        - answered after running (outputs, or an engine failure): the same answer, for
+          the last ``RECENT_REPLIES`` answers within ``RECENT_BYTES`` of outputs.
+        - refused without running (rejected, evicted, superseded, expired, cancelled,
+          invalid): nothing is kept; a retry is a new attempt.
         """
         existing = self._waiters.get(request.id)
         if existing is not None:
-            return await asyncio.shield(existing)
+            return await self._wait(request.id, existing)
         if request.id in self._recent:
             return self._recent[request.id]
         if inputs is not None:
@@ -197,12 +236,23 @@ class NodeRuntime:
             self._counters["invalid"] += 1
             exc.request_id = request.id
             return Reply(request.id, self.spec.name, error=exc)
-        fut = self._admit(req)
+        return await self._wait(req.id, self._admit(req))
+
+    async def _wait(self, request_id: str, fut: asyncio.Future[Reply]) -> Reply:
+        """Wait for the answer with every other caller of ``request_id``. A caller that
+        goes away cancels the request only when it was the last one waiting: a retry
+        under the same id still gets the answer."""
+        self._callers[request_id] += 1
         try:
             return await asyncio.shield(fut)
-        except asyncio.CancelledError:  # the caller went away: do not run it for nobody
-            self.cancel(req.id)
+        except asyncio.CancelledError:
+            if self._callers[request_id] == 1:  # nobody is left: do not run it for nobody
+                self.cancel(request_id)
             raise
+        finally:
+            self._callers[request_id] -= 1
+            if not self._callers[request_id]:
+                del self._callers[request_id]
 
     def _admit(self, req: Request) -> asyncio.Future[Reply]:
         """Offer ``req`` to the scheduler; the future resolves with its one answer."""
@@ -295,8 +345,7 @@ class NodeRuntime:
     def _make_generation(
         self, request: GenerateRequest, emit: Callable[[int], None]
     ) -> tuple[Request, Generation]:
-        if self._wake is None:
-            raise Rejected(f"node {self.spec.name} is still starting", retry_after_s=1.0)
+        self._check_serving()
         info = self._models.info(request.model)
         if info.config.kind != "decoder":
             raise InvalidInput(f"model {request.model!r} is not a decoder: use infer()")
@@ -348,9 +397,17 @@ class NodeRuntime:
                 gen.limit = token_limit(r.max_new_tokens, r.priority, state, self._budgets)
         return self.status()
 
-    def _make_request(self, request: InferRequest) -> Request:
+    def _check_serving(self) -> None:
+        if self._failure:
+            raise Rejected(
+                f"node {self.spec.name} failed ({self._failure}); another node can take it",
+                retry_after_s=1.0,
+            )
         if self._wake is None:
             raise Rejected(f"node {self.spec.name} is still starting", retry_after_s=1.0)
+
+    def _make_request(self, request: InferRequest) -> Request:
+        self._check_serving()
         info = self._models.info(request.model)
         if info.config.kind == "decoder":
             raise InvalidInput(f"model {request.model!r} is a decoder: use generate()")
@@ -638,7 +695,8 @@ class NodeRuntime:
                 batch_size=len(plan.requests) if plan is not None else 0,
             )
             fut.set_result(reply)
-            self._remember(reply)
+            if o.state in (S.COMPLETED, S.FAILED) and r.started is not None:
+                self._remember(reply)  # it ran; a refusal is not kept (a retry runs)
 
     def _remember(self, reply: Reply) -> None:
         size = sum(a.nbytes for a in (reply.outputs or {}).values())
@@ -672,6 +730,7 @@ class NodeRuntime:
         status = NodeStatus(
             name=self.spec.name,
             state=self._state,
+            failure=self._failure,
             queued=self._sched.queued_by_priority(),
             queued_bytes=self._sched.queued_bytes,
             running=None

@@ -12,6 +12,7 @@ restart loses nothing in flight.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,7 +27,10 @@ from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import InvalidInput, NodeLost
 from edgefleet.messages import NodeStatus
 
+log = logging.getLogger(__name__)
+
 CALLER_SEEN_S = 10.0  # a caller that asked for the view this recently is counted active
+NODE_START_TIMEOUT_S = 300.0  # a node restarted by Ray loads and measures its models
 
 
 class NodeControl(Protocol):
@@ -81,7 +85,9 @@ class Router:
         }
         self._counters: Counter[str] = Counter()
         self._callers: dict[str, float] = {}  # caller id -> when it last fetched the view
-        self._monitor: asyncio.Task[None] | None = None
+        self._watchers: dict[str, asyncio.Task[None]] = {}  # one polling task per node
+        self._starting: dict[str, asyncio.Task[NodeStatus]] = {}  # nodes being started
+        self._stopping = False
         self._started: asyncio.Future[None] | None = None
         scorers, picker = config.router.placement.params(config.priorities).resolved()
         weights = ", ".join(f"{n} {w:g}" for n, w in scorers.items()) or "none"
@@ -90,32 +96,59 @@ class Router:
     # ------------------------------------------------------------------- membership
 
     async def start(self) -> RouterStatus:
-        """Poll every node once, then keep polling in the background. Idempotent."""
+        """Poll every node once, then keep polling each in the background. Idempotent;
+        a node that fails or hangs does not hold up the others or the start."""
         if self._started is None:
             self._started = asyncio.get_running_loop().create_future()
-            await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
-            self._monitor = asyncio.create_task(self._watch())
-            self._started.set_result(None)
+            try:
+                await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
+            finally:
+                for entry in self._nodes.values():
+                    self._watch(entry)
+                self._started.set_result(None)
         await self._started
         return self.status_now()
 
     async def stop(self) -> None:
         """Stop polling the nodes."""
-        if self._monitor is not None:
-            self._monitor.cancel()
-            await asyncio.gather(self._monitor, return_exceptions=True)
+        self._stopping = True
+        tasks = [*self._watchers.values(), *self._starting.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.router.report_interval_s)
-            await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
+    def _watch(self, entry: NodeEntry) -> None:
+        """Poll ``entry``'s node every report interval, on its own task: a node slow to
+        answer or to start delays nobody else. Supervised: a task that ends by surprise
+        is logged and started again."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.config.router.report_interval_s)
+                await self._poll(entry)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if self._stopping or task.cancelled():
+                return
+            log.error(
+                "polling of node %s stopped; restarting it",
+                entry.spec.name,
+                exc_info=task.exception(),
+            )
+            self._watch(entry)
+
+        task = asyncio.create_task(loop(), name=f"watch-{entry.spec.name}")
+        task.add_done_callback(ended)
+        self._watchers[entry.spec.name] = task
 
     async def _poll(self, entry: NodeEntry) -> None:
+        """Ask one node for its report. Never raises: a dead node is lost at once, a
+        silent one once it has been silent for ``lost_after_s``, one that fails in any
+        other way (its start failed, an unexpected error) is not healthy until it
+        reports again."""
         timeout = self.config.router.lost_after_s
         try:
             report = await asyncio.wait_for(entry.handle.status(), timeout)
-            if report.state == "starting":  # restarted by Ray: bring it back into service
-                report = await asyncio.wait_for(entry.handle.start(), None)
         except NodeGone:
             self._lose(entry)
             return
@@ -123,10 +156,37 @@ class Router:
             if self._clock.now() - entry.reported_at >= timeout:
                 self._lose(entry)
             return
+        except Exception as exc:  # its start failed, or worse: out of service for now
+            if entry.healthy or entry.report is None:
+                log.warning("node %s: %s: %s", entry.spec.name, type(exc).__name__, exc)
+            self._lose(entry)
+            return
+        if report.state in ("starting", "failed"):
+            entry.report = report
+            self._lose(entry)
+            if report.state == "starting":  # restarted by Ray: bring it back into service
+                self._bring_up(entry)
+            return
         if not entry.healthy:
             self._counters["rejoined" if entry.report is not None else "joined"] += 1
         entry.report, entry.reported_at, entry.healthy = report, self._clock.now(), True
         self._metrics.node_health(entry.spec.name, True)
+
+    def _bring_up(self, entry: NodeEntry) -> None:
+        """Start a node Ray restarted, on its own task (loading its models takes a
+        while); it rejoins when it reports serving."""
+        name = entry.spec.name
+        if name in self._starting:
+            return
+
+        def started(task: asyncio.Task[NodeStatus]) -> None:
+            self._starting.pop(name, None)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("node %s did not start: %s", name, task.exception())
+
+        task = asyncio.create_task(asyncio.wait_for(entry.handle.start(), NODE_START_TIMEOUT_S))
+        task.add_done_callback(started)
+        self._starting[name] = task
 
     def _lose(self, entry: NodeEntry) -> None:
         if entry.healthy:

@@ -138,7 +138,7 @@ NODE_COUNTERS = (
 @dataclass(frozen=True)
 class NodeStatus:
     name: str
-    state: str  # starting | serving | draining | drained | stopped
+    state: str  # starting | serving | draining | drained | stopped | failed
     queued: dict[int, int]  # priority -> requests
     queued_bytes: int
     running: RunningStatus | None
@@ -157,6 +157,7 @@ class NodeStatus:
     queued_rows: dict[int, dict[str, int]] = field(default_factory=dict)
     busy: dict[int, float] = field(default_factory=dict)  # priority -> share of engine time
     at: float = 0.0  # when the node made this report, on its own clock (orders its reports)
+    failure: str = ""  # why a "failed" node is out of service
 
     @property
     def queue_length(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -277,6 +278,64 @@ def test_retry_with_the_same_id_is_answered_once():
         later = await node.infer(req(value=2.0, id="same"))
         assert first is again and later is first
         assert node.status().counters["completed"] == 1
+        await node.stop()
+
+    run(main())
+
+
+def test_a_retry_after_a_refusal_runs_and_a_completed_answer_is_kept():
+    """The idempotency contract: an answer that says the request did not run (expired,
+    cancelled, rejected, evicted, superseded, invalid) is not kept; a retry under the
+    same id is a new attempt. A completed answer (or an engine failure) is kept."""
+
+    async def main():
+        node, loader = await started(m={"cost_s": 0.05})
+        expired = await node.infer(req(id="r1", deadline_unix=time.time() - 1))
+        assert isinstance(expired.error, DeadlineExceeded)
+        retried = await node.infer(req(value=2.0, id="r1"))
+        assert retried.error is None and retried.outputs is not None
+
+        running = asyncio.create_task(node.infer(req(id="r2")))
+        await asyncio.sleep(0.01)
+        queued = asyncio.create_task(node.infer(req(id="r3")))
+        await asyncio.sleep(0.01)
+        assert node.cancel("r3")
+        assert isinstance((await queued).error, Cancelled)
+        assert (await node.infer(req(id="r3"))).error is None
+        await running
+
+        node._sched.draining = True
+        refused = await node.infer(req(id="r4"))
+        assert isinstance(refused.error, Rejected)
+        node._sched.draining = False
+        assert (await node.infer(req(id="r4"))).error is None
+
+        failed = await node.infer(req(value=-1.0, id="r5"))  # the fake engine fails on -1
+        assert isinstance(failed.error, EngineError)
+        assert await node.infer(req(value=-1.0, id="r5")) is failed  # it ran: kept
+        assert node.status().counters["completed"] == 4
+        await node.stop()
+
+    run(main())
+
+
+def test_a_caller_that_goes_away_does_not_cancel_a_retry_waiting_on_the_same_id():
+    async def main():
+        node, loader = await started(m={"cost_s": 0.2})
+        first = asyncio.create_task(node.infer(req(value=3.0, id="same")))
+        await asyncio.sleep(0.02)
+        retry = asyncio.create_task(node.infer(req(value=3.0, id="same")))
+        await asyncio.sleep(0.02)
+        first.cancel()  # the first caller's connection went away
+        reply = await retry
+        assert reply.error is None and reply.outputs is not None
+        assert node.status().counters["cancelled"] == 0
+
+        alone = asyncio.create_task(node.infer(req(id="alone")))
+        await asyncio.sleep(0.02)
+        alone.cancel()  # the only caller went away: nobody is left to answer
+        await asyncio.sleep(0.05)
+        assert node.status().counters["cancelled"] == 1
         await node.stop()
 
     run(main())
