@@ -18,13 +18,14 @@ with the class below it, so a label never has more values than there are classes
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from edgefleet.messages import LATENCY_BUCKETS, MetricsSummary, NodeStatus
-from edgefleet.request import DEFAULT_PRIORITIES, RequestState
+from edgefleet.request import DEFAULT_PRIORITIES, TERMINAL_STATES, RequestState
 from policies.budget import LIFECYCLE_STATES
 
 if TYPE_CHECKING:
@@ -289,8 +290,10 @@ class RaySink:
         if m is None:
             m = _RAY_METRICS[metric.name] = _make_ray_metric(metric)
         if metric.kind == "counter":
-            if value > 0:  # Ray refuses a zero increment
+            if value > 0:
                 m.inc(value, tags=dict(tags))
+            elif value == 0:  # a series at zero (see Recorder.zero); inc() refuses 0
+                m._record(0.0, tags=dict(tags))
         elif metric.kind == "gauge":
             m.set(value, tags=dict(tags))
         else:
@@ -397,6 +400,14 @@ class Recorder:
     def label(self, priority: int) -> str:
         return self._labels.get(priority) or priority_label(priority, self._classes)
 
+    def zero(self, metric: MetricDef, **choices: Iterable[str]) -> None:
+        """Record ``metric`` at zero for every combination of the label values in
+        ``choices``: its series exist from the start, so a fresh fleet's dashboard
+        shows 0 rather than "no data" until the first event."""
+        names = list(choices)
+        for values in itertools.product(*(tuple(v) for v in choices.values())):
+            self.emit(metric, 0, **dict(zip(names, values, strict=True)))
+
     def emit(self, metric: MetricDef, value: float, **labels: str) -> None:
         try:
             self._sink.record(metric, float(value), {**self._base, **labels})
@@ -419,6 +430,20 @@ class NodeMetrics(Recorder):
     ) -> None:
         super().__init__({"fleet": fleet, "node": node}, priorities, sink)
         self._latency = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in self.classes}
+
+    def start(self, models: Iterable[str], decoders: Iterable[str]) -> None:
+        """The node serves ``models`` (``decoders`` among them): its counters start at
+        zero for every priority class and model."""
+        classes, models, decoders = self.classes, tuple(models), tuple(decoders)
+        states = [s.value for s in TERMINAL_STATES]
+        self.zero(REQUESTS, priority=classes, model=models, state=states)
+        for metric in (ADMITTED, PREEMPTED):
+            self.zero(metric, priority=classes, model=models)
+        for metric in (ENGINE_CALLS, BATCHED, ENGINE_BUSY, MODEL_LOADS):
+            self.zero(metric, model=models)
+        self.zero(TOKENS, priority=classes, model=decoders)
+        for metric in (PAUSES, RESUMES, BUDGET_CUTS):
+            self.zero(metric, priority=classes)
 
     # ------------------------------------------------------------------- requests
 

@@ -127,7 +127,10 @@ class NodeRuntime:
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._models.probe_all)
-        for info in self._models.models():
+        infos = self._models.models()
+        decoders = [i.name for i in infos if i.config.kind == "decoder"]
+        self._metrics.start([i.name for i in infos], decoders)
+        for info in infos:
             if info.config.kind == "decoder":
                 continue
             window = info.config.batching.window_ms / 1000.0

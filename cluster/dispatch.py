@@ -285,6 +285,7 @@ class Dispatcher:
         self._rng = rng or random.Random(pc.seed)
         self._clock = clock or MonotonicClock()
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
+        self._metrics.start()
         self._nodes = {s.name: _Entry(s, handles[s.name]) for s in config.node_specs()}
         self._served = {m for e in self._nodes.values() for m in e.models}
         self._lock = threading.Lock()

@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 # Ray's name for it (ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE).
 SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"
 OVERVIEW_WINDOW_S = 60.0  # the dashboard's default $window: 1m
+OUTCOMES = (  # how a caller's request ended: completed, or its error's class
+    "completed", "rejected", "evicted", "superseded", "deadlineexceeded", "cancelled",
+    "invalidinput", "modelnotfound", "engineerror", "nodelost",
+)  # fmt: skip
 
 
 class RouterMetrics(Recorder):
@@ -51,6 +55,18 @@ class RouterMetrics(Recorder):
         sink: Sink | None = None,
     ) -> None:
         super().__init__({"fleet": fleet}, priorities, sink)
+
+    def start(self) -> None:
+        """A caller's counters start at zero for every priority class and outcome."""
+        classes = self.classes
+        self.zero(ROUTER_REQUESTS, priority=classes, outcome=OUTCOMES)
+        self.zero(ROUTER_SPILLED, priority=classes)
+        self.zero(ROUTER_SHED, priority=classes)
+        self.zero(ROUTER_REPLACED, priority=classes, reason=("evicted", "node_lost"))
+
+    def watching(self, nodes: Iterable[str]) -> None:
+        """The router watches ``nodes``: their loss counters start at zero."""
+        self.zero(NODES_LOST, node=nodes)
 
     def answered(
         self, request: InferRequest | GenerateRequest, error: Exception | None, seconds: float

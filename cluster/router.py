@@ -79,6 +79,7 @@ class Router:
     ) -> None:
         self.config = config
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
+        self._metrics.watching(spec.name for spec in config.node_specs())
         self._clock = clock or MonotonicClock()
         self._nodes = {
             spec.name: NodeEntry(spec, handles[spec.name]) for spec in config.node_specs()

@@ -226,10 +226,27 @@ def test_every_dashboard_panel_returns_data_from_prometheus(models_dir, tmp_path
             },
             models_dir,
         )
+        where = f'fleet="{FLEET}"'
         with (
             running_prometheus(sd_file, tmp_path) as prometheus,
             FleetClient.local(config) as fleet,
         ):
+            # Before any request the counters' series exist, at zero: a fresh fleet's
+            # panels show 0, not "no data".
+            fresh = {
+                "node": f"sum({series(REQUESTS, '', where, state='evicted')})",
+                "caller": f"sum({series(ROUTER_REQUESTS, '', where, outcome='rejected')})",
+            }
+            deadline = time.monotonic() + 30
+            while True:
+                zeros = {k: prometheus_query(prometheus, q) for k, q in fresh.items()}
+                if all(zeros.values()) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert {k: [v["value"][1] for v in vec] for k, vec in zeros.items()} == {
+                "node": ["0"],
+                "caller": ["0"],
+            }
             seen = _mixed_load(fleet)
             loaded_at = time.monotonic()
 
@@ -249,7 +266,6 @@ def test_every_dashboard_panel_returns_data_from_prometheus(models_dir, tmp_path
 
             # `edgefleet status` and Prometheus count the same requests.
             status = fleet.status()
-            where = f'fleet="{FLEET}"'
             expected = {
                 "completed": sum(
                     n.metrics.completed(c) for n in status.nodes for c in n.metrics.latency

@@ -329,3 +329,30 @@ def test_overview_window_gives_the_dashboards_figures():
     ov = window.add(snapshot({"foreground": [0, 5, 5, 5]}, evicted=0, rejected=12))
     assert ov.seconds == 10.0 and ov.throughput["foreground"] == pytest.approx(0.5)
     assert ov.evicted_per_s == 0 and ov.rejected_per_s == 0
+
+
+def test_counters_exist_at_zero_before_the_first_event():
+    async def main():
+        node, sink = await recorded_node()
+        counters = [d for d in vars(m).values() if isinstance(d, m.MetricDef)]
+        node_counters = [d for d in counters if d.kind == "counter" and "node" in d.labels]
+        for metric in node_counters:
+            if metric in (m.TOKENS, m.NODES_LOST):
+                continue  # no decoder on this node; the router counts losses
+            series = {k: v for k, v in sink.values.items() if k[0] == metric.name}
+            assert series and set(series.values()) == {0.0}, metric.name
+        for state in ("completed", "rejected", "evicted", "expired"):
+            for cls in DEFAULT_PRIORITIES:
+                assert sink.value(m.REQUESTS, priority=cls, model="m", state=state) == 0
+        await node.stop()
+
+    run(main())
+    sink = MemorySink()
+    RouterMetrics("f", sink=sink).start()
+    for cls in DEFAULT_PRIORITIES:
+        for outcome in ("completed", "rejected", "nodelost"):
+            assert (m.ROUTER_REQUESTS.name, frozenset(
+                {"fleet": "f", "priority": cls, "outcome": outcome}.items()
+            )) in sink.values
+        assert sink.value(m.ROUTER_SHED, priority=cls) == 0
+
