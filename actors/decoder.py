@@ -87,6 +87,7 @@ class Generation:
         self._stop_ids = frozenset(self.request.stop_ids)
         if self.rng is None and self.request.temperature > 0:
             self.rng = np.random.default_rng(self.request.seed)
+            self.rng.random(self.request.continued)  # one draw per token already sampled
 
     @property
     def prompt_len(self) -> int:
@@ -101,7 +102,7 @@ class Generation:
         n = len(self.tokens) - self.prompt_len
         if n and self.tokens[-1] in self._stop_ids:
             return "stop"
-        if n >= self.request.max_new_tokens:
+        if n >= self.request.max_new_tokens - self.request.continued:
             return "length"
         if n >= self.limit:
             return "budget"
@@ -139,6 +140,8 @@ def check_generation(
         raise InvalidInput(
             f"max_new_tokens must be between 1 and {max_new_tokens}, got {request.max_new_tokens}"
         )
+    if not 0 <= request.continued < len(ids):
+        raise InvalidInput(f"continued {request.continued} must be below the prompt length")
     if not 0 <= request.prefix_len <= len(ids):
         raise InvalidInput(
             f"prefix_len {request.prefix_len} must be between 0 and the prompt length ({len(ids)})"
@@ -168,9 +171,9 @@ def sample(
     if 0 < top_k < z.shape[0]:
         ids = np.argpartition(z, -top_k)[-top_k:]
         z = z[ids]
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    pick = int(rng.choice(p.shape[0], p=p))
+    cdf = np.cumsum(np.exp(z - z.max()))
+    # Exactly one draw per token, so a continuation can skip the draws made before it.
+    pick = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
     return int(ids[pick]) if ids is not None else pick
 
 

@@ -379,11 +379,17 @@ class NodeRuntime:
             isolate=True,
             pausable=True,
         )
-        limit = token_limit(
-            request.max_new_tokens, request.priority, self._lifecycle, self._budgets
-        )
+        limit = self._limit(request)
         gen = Generation(request, limit=limit, emit=emit, max_context=info.max_context)
         return req, gen
+
+    def _limit(self, request: GenerateRequest) -> int:
+        """New tokens ``request`` may still produce here: its budget in the current
+        lifecycle state, less what an earlier attempt generated."""
+        budget = token_limit(
+            request.max_new_tokens, request.priority, self._lifecycle, self._budgets
+        )
+        return max(0, budget - request.continued)
 
     def set_lifecycle(self, state: str) -> NodeStatus:
         """Set the node's lifecycle state; token budgets of running and paused
@@ -397,7 +403,7 @@ class NodeRuntime:
             self._counters["lifecycle_changes"] += 1
             for gen in self._gens.values():
                 r = gen.request
-                gen.limit = token_limit(r.max_new_tokens, r.priority, state, self._budgets)
+                gen.limit = self._limit(r)
         return self.status()
 
     def _check_serving(self) -> None:

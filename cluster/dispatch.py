@@ -636,7 +636,7 @@ class _Attempt:
             if left <= 0:
                 return self.finish(GenerationResult(r.id, "", finish_reason="length"))
             self.request_now = replace(
-                r, prompt_ids=(*r.prompt_ids, *self.tokens), max_new_tokens=left
+                r, prompt_ids=(*r.prompt_ids, *self.tokens), continued=len(self.tokens)
             )
         return None
 

@@ -184,6 +184,33 @@ def test_streams_spill_and_continue_after_node_loss(lm_path, lm_fleet):
     assert isinstance(missing.error, ModelNotFound)
 
 
+def test_a_continuation_after_node_loss_keeps_the_budget_and_the_sampling_stream(
+    lm_path, lm_fleet
+):
+    f = lm_fleet()
+    prompt = tuple(range(5, 25))
+    for name in ("a", "b"):  # both devices in the background: background gets 1/4
+        f.node(name).set_lifecycle("background")
+    f.refresh()
+    sampled = {"temperature": 1.0, "top_k": 8, "seed": 11}
+    alone, _ = collect(f, GenerateRequest("lm", prompt, 200, priority=3, **sampled))
+    assert len(alone) == 50  # the budget: a quarter of 200
+
+    victim: list[str] = []
+
+    def kill_after_some(sent):
+        if len(sent) >= 20 and not victim:
+            handle = next(h for h in f.handles.values() if h.node._gens)
+            handle.dead = True
+            victim.append(handle.node.spec.name)
+
+    tokens, result = collect(
+        f, GenerateRequest("lm", prompt, 200, priority=3, **sampled), kill_after_some
+    )
+    assert victim and result.node != victim[0]
+    assert tokens == alone and result.finish_reason == "budget"
+
+
 def test_a_session_goes_back_to_the_node_holding_its_kv(lm_fleet):
     f = lm_fleet(("a", "b", "c"))
     prompt = tuple(range(5, 25))
