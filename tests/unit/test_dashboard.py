@@ -6,6 +6,8 @@ unreachable server included."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import socket
 import threading
@@ -242,7 +244,8 @@ def _free_port() -> int:
         ("bad port", "bad Grafana URL 'http://127.0.0.1:99999'"),
     ],
 )
-def test_push_failures_are_one_clear_line(case, expected, grafana, monkeypatch, capsys):
+def test_push_failures_are_one_clear_line(case, expected, grafana, monkeypatch, capsys, caplog):
+    caplog.set_level(logging.DEBUG)  # the token is never printed, not even in debug logs
     url = {
         "unreachable": f"http://127.0.0.1:{_free_port()}",
         "bad url": "grafana.local:3000",
@@ -257,6 +260,9 @@ def test_push_failures_are_one_clear_line(case, expected, grafana, monkeypatch, 
     assert out.out == ""
     assert out.err.count("\n") == 1 and expected in out.err, out.err
     assert grafana.dashboards == {}
+    token = os.environ.get("GRAFANA_TOKEN")
+    if token:
+        assert token not in out.err + caplog.text
 
 
 def test_a_server_that_is_not_grafana_is_named(grafana):
