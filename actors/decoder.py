@@ -195,7 +195,7 @@ class DecoderEngine:
         self._session = open_session(name, path, threads)
         self.name = name
         self.path = path
-        self.stop_ids = tuple(stop_ids)
+        self.stop_ids = tuple(stop_ids)  # default: the model's own (see below)
         self.prefill_chunk = prefill_chunk
         self._lock = threading.Lock()
         self._prefilling: ort.RunOptions | None = None  # the prefill call in progress
@@ -223,6 +223,7 @@ class DecoderEngine:
         self.layers = len(self._past) // 2
         meta = _metadata(self._session, path)
         self.max_context = max_context or _context_from(meta)
+        self.stop_ids = self.stop_ids or _eos_ids(path, meta)
         first = inputs[self._past[0]]
         self._empty = tuple(
             np.zeros(self._kv_shape(inputs[n].shape, meta, n), dtype=inputs[n].dtype)
@@ -406,6 +407,22 @@ def _metadata(session: ort.InferenceSession, path: Path) -> dict[str, Any]:
         except ValueError:
             meta[key] = value
     return meta
+
+
+def _eos_ids(path: Path, meta: Mapping[str, Any]) -> tuple[int, ...]:
+    """The model's end-of-sequence token ids: ``eos_token_id`` (one id or a list) of a
+    generation_config.json beside the model, else of its config.json or metadata."""
+    sources: list[Mapping[str, Any]] = []
+    generation = path.parent / "generation_config.json"
+    if generation.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            sources.append(json.loads(generation.read_text()))
+    for source in (*sources, meta):
+        eos = source.get("eos_token_id") if isinstance(source, Mapping) else None
+        ids = [eos] if isinstance(eos, int) else eos
+        if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+            return tuple(ids)
+    return ()
 
 
 def _context_from(meta: Mapping[str, Any]) -> int | None:

@@ -49,6 +49,7 @@ class ModelInfo:
     load_s: float = 0.0
     vocab: int | None = None  # decoders: vocabulary size and context length
     max_context: int | None = None
+    stop_ids: tuple[int, ...] = ()  # the config's, else the model's eos_token_id
 
 
 class ModelManager:
@@ -83,6 +84,7 @@ class ModelManager:
                 if info.config.warmup or engine.vocab is None:
                     info.costs_s = engine.warmup()
                 info.vocab, info.max_context = engine.vocab, engine.max_context
+                info.stop_ids = engine.stop_ids
             else:
                 if info.config.warmup:
                     info.costs_s = measure_costs(engine, info.config)

@@ -361,8 +361,8 @@ class NodeRuntime:
             max_context=info.max_context,
             max_new_tokens=settings.max_new_tokens,
         )
-        if settings.stop_ids:
-            request = replace(request, stop_ids=(*request.stop_ids, *settings.stop_ids))
+        if not request.stop_ids and info.stop_ids:  # a request's own stop ids replace them
+            request = replace(request, stop_ids=info.stop_ids)
         now = self._clock.now()
         deadline = None
         if request.deadline_unix is not None:

@@ -58,7 +58,9 @@ class GenerationConfig(_Strict):
         "(metadata or a config.json beside it)",
     )
     stop_ids: list[int] = Field(
-        default_factory=list, description="token ids that end every generation (e.g. EOS)"
+        default_factory=list,
+        description="token ids that end a generation; default: the model's eos_token_id "
+        "(generation_config.json or config.json beside it); a request's own replace them",
     )
     max_new_tokens: int = Field(4096, ge=1, description="the most a request may ask for")
     prefill_chunk: int = Field(

@@ -4,6 +4,7 @@ continuation on another node after a node loss)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from actors.node import NodeRuntime
 from edgefleet.config import parse_config
 from edgefleet.errors import InvalidInput, ModelNotFound
 from edgefleet.messages import GenerationResult, TokenChunk
-from edgefleet.modelgen import make_tiny_lm
+from edgefleet.modelgen import TINY_LM_VOCAB, make_tiny_lm
 from edgefleet.request import GenerateRequest
 from tests.fakes import LocalFleet
 
@@ -295,3 +296,40 @@ def test_status_table_shows_lifecycle_paused_work_and_kv():
     table = status_table(FleetStatus("f", (quiet, node), {"edge-0": True, "edge-1": True}))
     assert "lifecycle background; paused 3:1; KV cache 4.0 MiB" in table
     assert table.count("lifecycle") == 1  # a node with nothing to say gets no extra line
+
+
+@pytest.mark.parametrize("where", ["generation_config.json", "config.json"])
+def test_generations_stop_at_the_models_eos_token_by_default(tmp_path, where):
+    lm = make_tiny_lm(tmp_path / "lm.onnx")
+    prompt = tuple(range(5, 25))
+    free = reference(lm, prompt, 30)
+    eos = free[6]
+    first = free.index(eos)
+    (tmp_path / where).write_text(json.dumps({"eos_token_id": [TINY_LM_VOCAB + 7, eos]}))
+
+    def fleet(**generation):
+        config = parse_config(
+            {
+                "fleet": {"name": "g"},
+                "models": {"lm": {"path": "lm.onnx", "kind": "decoder", "generation": generation}},
+                "nodes": [{"name": "a"}],
+            },
+            tmp_path,
+        )
+        return LocalFleet(config, NodeRuntime)
+
+    f = fleet()
+    try:
+        tokens, result = collect(f, GenerateRequest("lm", prompt, 30))
+        assert tokens == free[: first + 1] and result.finish_reason == "stop"
+        other = free[first + 3]  # a request's own stop ids replace the model's
+        tokens, result = collect(f, GenerateRequest("lm", prompt, 30, stop_ids=(other,)))
+        assert tokens == free[: free.index(other) + 1] and result.finish_reason == "stop"
+    finally:
+        f.close()
+    f = fleet(stop_ids=[TINY_LM_VOCAB + 1])  # so do the config's
+    try:
+        tokens, result = collect(f, GenerateRequest("lm", prompt, 30))
+        assert tokens == free and result.finish_reason == "length"
+    finally:
+        f.close()
