@@ -48,10 +48,12 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m bench.run") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.run",
-        description="Run edgefleet's benchmarks and print a Markdown report.",
+        prog=prog,
+        description="Run edgefleet's benchmarks and print a Markdown report (progress goes "
+        "to stderr). Without --only, every scenario runs.",
+        epilog=f"example: {prog} --quick --only priority_latency --out /tmp/results.md",
     )
     parser.add_argument(
         "--quick", action="store_true", help="short durations: a smoke run in about two minutes"
@@ -64,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"run only these scenarios ({', '.join(s.name for s in SCENARIOS)})",
     )
-    parser.add_argument("--out", type=Path, help="also write the report to this file")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="PATH",
+        help="also write the report to this file (default: stdout only)",
+    )
     return parser
 
 
@@ -142,11 +149,11 @@ def render(
     return "\n".join(header + summary) + "\n" + body + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "python -m bench.run") -> int:
     args_list = list(argv) if argv is not None else None
     if args_list and args_list[0] == "--":  # `edgefleet bench -- --quick`
         args_list = args_list[1:]
-    args = build_parser().parse_args(args_list)
+    args = build_parser(prog).parse_args(args_list)
     wanted = set(args.only or [s.name for s in SCENARIOS])
     chosen = [s for s in SCENARIOS if s.name in wanted]
     started = utc_now()

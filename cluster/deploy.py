@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray._private import ray_constants
 from ray.actor import ActorHandle
 
-from cluster.head import LOOPBACK, recorded_address, recorded_token_auth
+from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth
 from cluster.names import NAMESPACE, actor_name, router_name
 from edgefleet.config import FleetConfig, NodeSpec
-from edgefleet.errors import ModelNotFound
+from edgefleet.errors import FleetNotRunning, FleetStartError
 
 ROUTER_MAX_CONCURRENCY = 100_000  # requests one router holds open across the fleet
-START_TIMEOUT_S = 300.0
+CONTROL_TIMEOUT_S = 30.0  # a router that does not answer a control call by then is lost
+PROGRESS_EVERY_S = 5.0  # while actors wait to be placed, say which and what they ask for
 
 
 def max_concurrency(spec: NodeSpec) -> int:
@@ -41,6 +45,16 @@ def pin_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def use_auth_mode(token: bool) -> None:
+    """Set Ray's authentication mode for this process and the Ray processes it starts:
+    token authentication (the token in ~/.ray/auth_token or RAY_AUTH_TOKEN, written on
+    first use) or none. Set explicitly, Ray uses it without a warning about its default."""
+    from ray._private.authentication.authentication_token_setup import Config
+
+    os.environ["RAY_AUTH_MODE"] = "token" if token else "disabled"
+    Config.initialize("")  # Ray caches its configuration: make this process see the mode
+
+
 def connect_ray(address: str | None, fleet: str, *, token_auth: bool = False) -> None:
     """Connect this process to the Ray cluster a fleet runs on.
 
@@ -48,38 +62,74 @@ def connect_ray(address: str | None, fleet: str, *, token_auth: bool = False) ->
     ``fleet`` when there is one (loopback, token authentication), else Ray's own
     discovery (``RAY_ADDRESS``, then the cluster on this machine). ``token_auth``
     (the config's ``ray.auth: token``) speaks token authentication to any cluster.
+
+    Raises FleetNotRunning at once, saying what to do, when there is no cluster to
+    connect to or nothing answers at its address (Ray itself would retry for a minute).
     """
     recorded = recorded_address(fleet)
-    if address in (None, "auto") and recorded is not None:
-        address = recorded
+    found = address in (None, "auto") and recorded is None  # by Ray's own discovery
+    if address is None or address == "auto":
+        address = recorded if recorded is not None else _discover(fleet)
     if address == recorded:
         token_auth = token_auth or recorded_token_auth(fleet)
-    if address is not None and address.split("://")[-1].startswith((LOOPBACK, "localhost")):
+    if not reachable(address):
+        if address == recorded:
+            raise FleetNotRunning(
+                f"fleet {fleet!r} is not running: the Ray head `edgefleet up --detach` "
+                f"started for it at {address} is gone; `edgefleet down --fleet {fleet}` "
+                "cleans up what is left of it"
+            )
+        where = " (found in RAY_ADDRESS or Ray's record of its last start)" if found else ""
+        raise FleetNotRunning(
+            f"fleet {fleet!r}: no Ray cluster answers at {address}{where}; check the address, "
+            f"or start the fleet with `edgefleet up CONFIG --detach`"
+        )
+    if address.split("://")[-1].startswith((LOOPBACK, "localhost")):
         pin_loopback()  # else Ray swaps 127.0.0.1 for this machine's address
     if token_auth:
-        # Ray's own switch to token authentication, as ray.init uses for new clusters;
-        # the token is in ~/.ray/auth_token (or RAY_AUTH_TOKEN).
-        from ray._private.authentication.authentication_token_setup import _enable_token_auth
-
-        _enable_token_auth()
+        use_auth_mode(token=True)
     ray.init(
-        address=address or "auto",
+        address=address,
         namespace=NAMESPACE,
         logging_level=logging.WARNING,
         log_to_driver=False,
     )
 
 
-def init_loopback_ray(*, num_cpus: int, system_config: Mapping[str, Any] | None = None) -> None:
+def _discover(fleet: str) -> str:
+    """The address Ray's own discovery finds (``RAY_ADDRESS``, else the cluster last
+    started on this machine, else any running one), without connecting to it."""
+    from ray._private.services import get_ray_address_from_environment
+
+    try:
+        return str(get_ray_address_from_environment("auto", None))
+    except ConnectionError:
+        raise FleetNotRunning(
+            f"fleet {fleet!r} is not running: there is no Ray cluster on this machine "
+            f"(none recorded for it, no RAY_ADDRESS); start it with "
+            f"`edgefleet up CONFIG --detach`, or pass --address"
+        ) from None
+
+
+def init_loopback_ray(
+    *,
+    num_cpus: int,
+    system_config: Mapping[str, Any] | None = None,
+    token_auth: bool = True,
+    log_to_driver: bool = True,
+) -> None:
     """Start a private Ray instance whose processes all listen on 127.0.0.1 only.
 
     Its metrics agent (loopback too) is listed in Ray's Prometheus service-discovery
     file, so a Prometheus configured by ``edgefleet dashboard prometheus-config`` finds
-    it. ``system_config`` goes to Ray (e.g. ``metrics_report_interval_ms``).
+    it. ``system_config`` goes to Ray (e.g. ``metrics_report_interval_ms``);
+    ``token_auth`` chooses Ray's authentication mode; ``log_to_driver`` False keeps the
+    actors' output in Ray's log files instead of this process's console.
     """
     from cluster.metrics import write_service_discovery
 
     pin_loopback()
+    use_auth_mode(token=token_auth)
     ray.init(
         address="local",
         namespace=NAMESPACE,
@@ -87,6 +137,7 @@ def init_loopback_ray(*, num_cpus: int, system_config: Mapping[str, Any] | None 
         include_dashboard=False,
         _node_ip_address=LOOPBACK,
         logging_level=logging.WARNING,
+        log_to_driver=log_to_driver,
         _system_config=dict(system_config or {}),
     )
     node_ip = ray.util.get_node_ip_address()
@@ -99,50 +150,153 @@ def init_loopback_ray(*, num_cpus: int, system_config: Mapping[str, Any] | None 
         logging.getLogger(__name__).warning("no Prometheus service-discovery file: %s", exc)
 
 
-def start_local_ray(config: FleetConfig) -> None:
-    """The embedded default: a private Ray on loopback sized for the config's nodes."""
-    init_loopback_ray(num_cpus=config.local.num_cpus or max(2, len(config.node_specs())))
+def start_local_ray(config: FleetConfig, *, log_to_driver: bool = True) -> None:
+    """The embedded default: a private Ray on loopback sized for the config's nodes,
+    with the config's authentication mode (``ray.auth``)."""
+    init_loopback_ray(
+        num_cpus=config.local.num_cpus or max(2, len(config.node_specs())),
+        token_auth=config.ray.auth == "token",
+        log_to_driver=log_to_driver,
+    )
+
+
+@dataclass(frozen=True)
+class _Starting:
+    """An actor being placed and started: what to call it and what it asks of a machine."""
+
+    what: str  # "node edge-0", "router"
+    num_cpus: float = 0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def asks(self, offered: Mapping[str, float], labelled: list[Mapping[str, str]]) -> str:
+        """``node edge-0 asks for resources gpu=1 (no machine offers resource gpu)``: what
+        it needs, and what of that this cluster (``offered`` resources, the machines'
+        labels) lacks."""
+        parts = [f"{self.num_cpus:g} CPU"] if self.num_cpus else []
+        if self.resources:
+            parts.append("resources " + ", ".join(f"{k}={v:g}" for k, v in self.resources.items()))
+        if self.labels:
+            parts.append("labels " + ", ".join(f"{k}={v}" for k, v in self.labels.items()))
+        lacking = [f"resource {k}" for k in self.resources if k not in offered]
+        lacking += [
+            f"label {k}={v}"
+            for k, v in self.labels.items()
+            if re.fullmatch(r"[\w.-]+", v) and all(m.get(k) != v for m in labelled)
+        ]
+        text = f"{self.what} asks for {' and '.join(parts) or 'no special resources'}"
+        return text + (f" (no machine offers {', '.join(lacking)})" if lacking else "")
+
+
+def _describe(waiting: list[_Starting]) -> str:
+    """What each of ``waiting`` asks for, against what the cluster offers now."""
+    try:
+        offered = ray.cluster_resources()
+        labelled = [n.get("Labels", {}) for n in ray.nodes() if n.get("Alive")]
+    except Exception:  # a description only: never the reason a start fails
+        offered, labelled = {}, []
+    return "; ".join(s.asks(offered, labelled) for s in waiting)
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one plain line: a Ray task error's cause, no colour codes, and of a
+    multi-line message (a remote traceback) its last line."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _wait_started(
+    starting: Mapping[ray.ObjectRef, _Starting], timeout_s: float, progress: Progress | None
+) -> None:
+    """Wait for every actor's ``start`` call; say every PROGRESS_EVERY_S which are still
+    waiting and what they ask for. Raises FleetStartError naming the actor and the cause
+    when one fails, or those still waiting after ``timeout_s``."""
+    pending = dict(starting)
+    began = time.monotonic()
+    report_at = began + PROGRESS_EVERY_S
+    while pending:
+        now = time.monotonic()
+        if now - began >= timeout_s:
+            raise FleetStartError(
+                f"not started within {timeout_s:g} s: {_describe(list(pending.values()))}; "
+                "run them where a machine offers what they ask for, or change the config "
+                "(`ray.start_timeout_s` or `up --start-timeout` set how long to wait)"
+            )
+        wait_s = min(report_at, began + timeout_s) - now
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, wait_s))
+        if done:
+            item = pending.pop(done[0])
+            try:
+                ray.get(done[0])
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                raise FleetStartError(f"{item.what} could not start: {_one_line(exc)}") from None
+            if progress:
+                count = f" ({len(starting) - len(pending)}/{len(starting)})"
+                progress(f"{item.what} ready{count if len(starting) > 1 else ''}")
+        elif time.monotonic() >= report_at:
+            report_at += PROGRESS_EVERY_S
+            if progress:
+                progress(
+                    f"still starting after {time.monotonic() - began:.0f} s (giving up at "
+                    f"{timeout_s:g} s): {_describe(list(pending.values()))}"
+                )
+
+
+def _refuse_running(fleet: str) -> None:
+    """Raise FleetStartError if ``fleet``'s router already runs on this Ray cluster."""
+    try:
+        ray.get_actor(router_name(fleet), namespace=NAMESPACE)
+    except ValueError:
+        return
+    raise FleetStartError(
+        f"fleet {fleet!r} is already running on this Ray cluster; stop it first with "
+        f"`edgefleet down --fleet {fleet}`"
+    )
 
 
 def deploy_nodes(
     config: FleetConfig, progress: Progress | None = None, *, detached: bool = False
 ) -> dict[str, ActorHandle]:
     """Create and start one node actor per node spec; returns handles by node name.
-    Detached nodes outlive the process that deployed them (``edgefleet up --detach``)."""
+    Detached nodes outlive the process that deployed them (``edgefleet up --detach``).
+
+    Raises FleetStartError, having stopped every node it created, when the fleet already
+    runs here, a node fails to start (naming it and the cause), or nodes are not placed
+    and started within ``ray.start_timeout_s`` (naming what they ask for).
+    """
     from actors.node import NodeRuntime  # the node runtime (ONNX Runtime) only where deployed
 
+    _refuse_running(config.fleet.name)
     remote_node = ray.remote(NodeRuntime)
     handles: dict[str, ActorHandle] = {}
-    specs: list[NodeSpec] = config.node_specs()
-    for spec in specs:
-        handles[spec.name] = remote_node.options(
-            name=actor_name(config.fleet.name, spec.name),
-            namespace=NAMESPACE,
-            num_cpus=spec.num_cpus,
-            resources=spec.resources or None,
-            label_selector=spec.labels or None,
-            max_concurrency=max_concurrency(spec),
-            max_restarts=-1,  # Ray brings a crashed node back; the router restarts its loop
-            lifetime="detached" if detached else None,
-        ).remote(spec)
-    pending = {h.start.remote(): name for name, h in handles.items()}
+    starting: dict[ray.ObjectRef, _Starting] = {}
     try:
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=START_TIMEOUT_S)
-            if not done:
-                raise RuntimeError(f"nodes did not start within {START_TIMEOUT_S:.0f} s")
-            ray.get(done[0])
-            name = pending.pop(done[0])
-            if progress:
-                progress(f"node {name} ready ({len(handles) - len(pending)}/{len(handles)})")
+        for spec in config.node_specs():
+            handle = handles[spec.name] = remote_node.options(
+                name=actor_name(config.fleet.name, spec.name),
+                namespace=NAMESPACE,
+                num_cpus=spec.num_cpus,
+                resources=spec.resources or None,
+                label_selector=spec.labels or None,
+                max_concurrency=max_concurrency(spec),
+                max_restarts=-1,  # Ray brings a crashed node back; the router restarts its loop
+                lifetime="detached" if detached else None,
+            ).remote(spec)
+            ask = _Starting(f"node {spec.name}", spec.num_cpus, spec.resources, spec.labels)
+            starting[handle.start.remote()] = ask
+        _wait_started(starting, config.ray.start_timeout_s, progress)
     except BaseException:
-        teardown(handles)
+        teardown(handles, timeout_s=1.0)
         raise
     return handles
 
 
-def deploy_router(config: FleetConfig) -> ActorHandle:
-    """Create the fleet's router (named, detached, restarted by Ray) once its nodes exist."""
+def deploy_router(config: FleetConfig, progress: Progress | None = None) -> ActorHandle:
+    """Create the fleet's router (named, detached, restarted by Ray) once its nodes exist.
+    Raises FleetStartError, having stopped it, as :func:`deploy_nodes` does."""
     from cluster.router import RouterActor
 
     router = (
@@ -158,7 +312,12 @@ def deploy_router(config: FleetConfig) -> ActorHandle:
         )
         .remote(config)
     )
-    ray.get(router.start.remote(), timeout=START_TIMEOUT_S)
+    ask = _Starting("router", config.router.num_cpus, config.router.resources)
+    try:
+        _wait_started({router.start.remote(): ask}, config.ray.start_timeout_s, progress)
+    except BaseException:
+        ray.kill(router, no_restart=True)
+        raise
     return router
 
 
@@ -175,18 +334,37 @@ def teardown(
 
 
 def find_fleet(fleet: str) -> tuple[ActorHandle, FleetConfig]:
-    """The router of a running fleet and the configuration it was deployed with."""
+    """The router of a running fleet and the configuration it was deployed with; raises
+    FleetNotRunning when there is none, or it does not answer within CONTROL_TIMEOUT_S."""
     try:
         router = ray.get_actor(router_name(fleet), namespace=NAMESPACE)
     except ValueError:
-        raise ModelNotFound(
+        raise FleetNotRunning(
             f"no fleet {fleet!r} is running on this Ray cluster; start one with `edgefleet up`"
         ) from None
-    return router, ray.get(router.config.remote(), timeout=START_TIMEOUT_S)
+    try:
+        config: FleetConfig = ray.get(router.config.remote(), timeout=CONTROL_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        raise FleetNotRunning(
+            f"the router of fleet {fleet!r} did not answer within {CONTROL_TIMEOUT_S:g} s"
+        ) from None
+    except ray.exceptions.RayActorError as exc:
+        raise FleetNotRunning(
+            f"the router of fleet {fleet!r} is not reachable: {_one_line(exc)}"
+        ) from None
+    return router, config
 
 
 def node_handles(config: FleetConfig) -> dict[str, ActorHandle]:
-    return {
-        spec.name: ray.get_actor(actor_name(config.fleet.name, spec.name), namespace=NAMESPACE)
-        for spec in config.node_specs()
-    }
+    """Handles of the fleet's node actors; FleetNotRunning names one that is not there."""
+    handles = {}
+    for spec in config.node_specs():
+        try:
+            handles[spec.name] = ray.get_actor(
+                actor_name(config.fleet.name, spec.name), namespace=NAMESPACE
+            )
+        except ValueError:
+            raise FleetNotRunning(
+                f"node {spec.name} of fleet {config.fleet.name!r} is not running"
+            ) from None
+    return handles

@@ -9,13 +9,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
+
+from edgefleet.errors import FleetStartError
 
 LOOPBACK = "127.0.0.1"
 
@@ -46,6 +50,20 @@ def recorded_address(fleet: str) -> str | None:
 def recorded_token_auth(fleet: str) -> bool:
     """Whether that head runs with token authentication (it does unless told not to)."""
     return bool(_recorded(fleet).get("token_auth", True))
+
+
+def reachable(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether anything accepts a TCP connection at a Ray address (``host:port``, maybe
+    with a scheme such as ``ray://``): a quick answer before Ray's own connect, which
+    retries a dead address for a minute. An address without a port counts as reachable."""
+    host, _, port = address.split("://")[-1].rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        return True
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def _free_port() -> int:
@@ -98,7 +116,7 @@ def start_head(
     )
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     if result.returncode != 0:
-        raise RuntimeError(f"could not start a Ray head: {result.stderr.strip()[-2000:]}")
+        raise FleetStartError(f"could not start a Ray head: {result.stderr.strip()[-2000:]}")
     address = f"{LOOPBACK}:{port}"
     state = {"fleet": fleet, "address": address, "token_auth": token_auth}
     _state_file(fleet).write_text(json.dumps(state))
@@ -124,16 +142,51 @@ def head_processes(fleet: str) -> list[psutil.Process]:
     return list(found.values())
 
 
-def stop_head(fleet: str, timeout_s: float = 15.0) -> int:
-    """Stop the processes of ``fleet``'s head; returns how many there were."""
-    procs = [p for p in head_processes(fleet) if p.pid != os.getpid()]
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _end(procs: list[psutil.Process], grace_s: float) -> None:
+    """Terminate ``procs``, wait up to ``grace_s`` for them to exit, kill the rest."""
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    deadline = time.monotonic() + grace_s
+    while (alive := [p for p in procs if not _gone(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for p in alive:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    psutil.wait_procs(alive, timeout=timeout_s)
-    _state_file(fleet).unlink(missing_ok=True)
+    deadline = time.monotonic() + grace_s
+    while any(not _gone(p) for p in alive) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def stop_children(grace_s: float = 1.0) -> int:
+    """Stop every process this one started, and theirs; returns how many there were.
+    For a command whose embedded Ray start was interrupted: Ray had no handle yet to
+    stop them by, and its agents would outlive the command."""
+    procs = psutil.Process().children(recursive=True)
+    _end(procs, grace_s)
+    return len(procs)
+
+
+def stop_head(fleet: str, grace_s: float = 2.0) -> int:
+    """Stop the processes of ``fleet``'s head and remove its folder; returns how many
+    processes there were. In Ray's own order (``ray stop``): the raylet (its workers go
+    with it), then the other processes, the GCS last; stopped at once, they wait on each
+    other for many seconds. Whatever outlives ``grace_s`` after SIGTERM is killed."""
+    procs = [p for p in head_processes(fleet) if p.pid != os.getpid()]
+    names: dict[int, str] = {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            names[p.pid] = p.name()
+    first = [p for p in procs if names.get(p.pid) == "raylet"]
+    last = [p for p in procs if names.get(p.pid) == "gcs_server"]
+    for group in (first, [p for p in procs if p not in first and p not in last], last):
+        _end(group, grace_s)
+    shutil.rmtree(head_dir(fleet), ignore_errors=True)
     return len(procs)

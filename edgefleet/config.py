@@ -209,8 +209,9 @@ class RayClusterConfig(_Strict):
 
     auth: Literal["token", "none"] = Field(
         "token",
-        description="'token': Ray token authentication (RAY_AUTH_MODE=token) for the head "
-        "`up --detach` starts and for connecting to a cluster",
+        description="'token': Ray token authentication (RAY_AUTH_MODE=token) for the Ray "
+        "edgefleet starts (embedded, or the head `up --detach` starts) and for connecting "
+        "to a cluster; 'none': without (RAY_AUTH_MODE=disabled)",
     )
     dashboard_port: int | None = Field(
         None,
@@ -218,6 +219,12 @@ class RayClusterConfig(_Strict):
         le=65535,
         description="serve Ray's dashboard and job API on 127.0.0.1:PORT from the head "
         "`up --detach` starts (for `ray job submit`); default: no dashboard",
+    )
+    start_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="how long `up` waits for the nodes and the router to be placed and "
+        "started before it gives up, naming what they ask for, and stops what it started",
     )
 
 
@@ -289,18 +296,14 @@ class FleetConfig(_Strict):
                     raise ValueError(f"nodes.{i}.models: unknown model {m!r}; known: {known}")
         return self
 
-    def missing_models(self) -> list[str]:
-        """``name: path`` of every model whose file does not exist (yet)."""
-        return [f"{n}: {m.path}" for n, m in self.models.items() if not m.path.is_file()]
-
     def require_models(self) -> None:
-        """Raise ModelNotFound naming every missing model file."""
-        missing = self.missing_models()
+        """Raise ModelNotFound naming every missing model file (see
+        :func:`missing_model_problem`)."""
+        missing = [
+            missing_model_problem(n, m.path) for n, m in self.models.items() if not m.path.is_file()
+        ]
         if missing:
-            raise ModelNotFound(
-                "model files missing: " + "; ".join(missing) + ". Generate the built-in "
-                "test models with `edgefleet models make DIR`."
-            )
+            raise ModelNotFound("model files missing: " + "; ".join(missing))
 
     def node_specs(self) -> list[NodeSpec]:
         """One spec per node; with no ``nodes:`` list, ``local.nodes`` identical nodes."""
@@ -325,6 +328,20 @@ class FleetConfig(_Strict):
             )
             for n in nodes
         ]
+
+
+def missing_model_problem(name: str, path: Path) -> str:
+    """What to say of a model whose file is missing. Only a built-in model (see
+    :func:`edgefleet.modelgen.builtin_model`) is pointed at the commands that write it;
+    a user's own model has to be put at its path."""
+    from edgefleet.modelgen import builtin_model  # imports onnx: only for a missing file
+
+    if builtin_model(path) is None:
+        return f"model {name!r}: {path} does not exist"
+    return (
+        f"model {name!r}: {path} does not exist yet (a built-in model: `edgefleet up` and "
+        "`edgefleet demo` write it, as does `edgefleet models make DIR`)"
+    )
 
 
 def parse_config(

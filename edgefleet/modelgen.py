@@ -733,12 +733,18 @@ def make_all(
     return written
 
 
+def builtin_model(path: PathLike) -> ModelSpec | None:
+    """The built-in model a model file stands for, by its stem (``tiny_lm.onnx`` is
+    ``tiny_lm``), or None for a user's own model."""
+    return BUILTIN_MODELS.get(Path(path).stem)
+
+
 def make_missing_models(config: Any, progress: Callable[[str], None] | None = None) -> None:
-    """Write the built-in models a fleet config names (by file stem: ``tiny_lm.onnx``
-    is ``tiny_lm``) whose files are missing. A user's own models are left alone; the
-    config reports them missing when the fleet starts."""
+    """Write the built-in models a fleet config names (see :func:`builtin_model`) whose
+    files are missing. A user's own models are left alone; the config reports them
+    missing when the fleet starts."""
     for name, model in config.models.items():
-        spec = BUILTIN_MODELS.get(model.path.stem)
+        spec = builtin_model(model.path)
         if model.path.is_file() or spec is None:
             continue
         if progress is not None:
@@ -778,6 +784,7 @@ __all__ = [
     "TINY_LM_VOCAB",
     "InputMaker",
     "ModelSpec",
+    "builtin_model",
     "calibrate_slow",
     "make_all",
     "make_classifier",

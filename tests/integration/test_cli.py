@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,8 @@ def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.
 
 COMMANDS = [
     ["up"], ["down"], ["status"], ["infer"], ["generate"], ["demo"], ["validate"],
-    ["bench"], ["models", "make"], ["dashboard", "export"], ["dashboard", "push"],
+    ["bench"], ["models", "make"], ["models", "show"], ["dashboard", "export"],
+    ["dashboard", "push"],
     ["dashboard", "prometheus-config"], ["dashboard", "check"],
 ]  # fmt: skip
 
@@ -141,6 +143,48 @@ def test_demo_runs_to_its_report(tmp_path):
     assert "event: edge-1 is now in the background" in out
 
 
+def test_ctrl_c_stops_the_demo_quickly_with_its_report_so_far(tmp_path):
+    shutil.copy(REPO / "configs" / "local.yaml", tmp_path / "local.yaml")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "demo", "--config", str(tmp_path / "local.yaml")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # Ctrl-C in a terminal reaches the whole process group
+    )
+    lines: list[str] = []
+    progress = threading.Event()
+
+    def read() -> None:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            lines.append(line)
+            if "s] completed" in line:
+                progress.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert progress.wait(UP_TIMEOUT_S), "".join(lines)[-3000:]
+        os.killpg(demo.pid, signal.SIGINT)
+        sent = time.monotonic()
+        demo.wait(timeout=UP_TIMEOUT_S)
+        stopped_s = time.monotonic() - sent
+        reader.join(10)
+        errors = demo.stderr.read() if demo.stderr else ""
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    out = "".join(lines)
+    assert demo.returncode == 130, errors[-3000:]
+    assert "interrupted: stopping the fleet" in out
+    assert any(line.startswith("background") for line in out.splitlines()), out[-3000:]
+    assert "generation       turns" in out
+    assert "Traceback" not in errors and "WARNING" not in errors, errors[-3000:]
+    assert stopped_s < 10, stopped_s  # 3 s on an idle machine; slack for a busy one
+
+
 def test_bench_quick_smoke_run_prints_a_report(tmp_path):
     out = tmp_path / "results.md"
     result = edgefleet("bench", "--quick", "--only", "priority_latency", "--out", str(out))
@@ -241,6 +285,10 @@ def test_up_detach_status_client_down(tmp_path):
         assert infer.returncode == 0, infer.stderr[-3000:]
         assert "logits: float32 [1, 10]" in infer.stdout
         assert np.load(tmp_path / "out.npz")["logits"].shape == (1, 10)
+        npy = tmp_path / "frame.npy"  # one unnamed array: the model's only input
+        np.save(npy, random_inputs("classifier")["images"])
+        one = edgefleet("infer", "classifier", "--fleet", fleet, "--input", str(npy))
+        assert one.returncode == 0 and "logits: float32 [1, 10]" in one.stdout, one.stderr[-3000:]
     finally:
         down = edgefleet("down", "--fleet", fleet)
     assert down.returncode == 0, down.stderr[-3000:]

@@ -164,3 +164,28 @@ def test_bad_configs_name_the_problem(tmp_path, text, expected):
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_missing_model_files_point_only_built_in_models_at_models_make(tmp_path):
+    from edgefleet.errors import ModelNotFound
+
+    config = load_config(write(tmp_path, "models:\n  mine: {path: mine.onnx}\n"))
+    with pytest.raises(ModelNotFound) as own:
+        config.require_models()
+    assert f"model 'mine': {tmp_path / 'mine.onnx'} does not exist" in str(own.value)
+    assert "models make" not in str(own.value)  # nothing can generate a user's own model
+    config = load_config(write(tmp_path, "models:\n  clf: {path: classifier.onnx}\n"))
+    with pytest.raises(ModelNotFound, match=r"built-in model: .*`edgefleet models make DIR`"):
+        config.require_models()
+
+
+def test_a_symlink_cannot_lead_a_model_path_out_of_model_dir(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.onnx").write_bytes(b"")
+    models = tmp_path / "fleet" / "models"
+    models.mkdir(parents=True)
+    (models / "m.onnx").symlink_to(outside / "secret.onnx")
+    path = write(tmp_path / "fleet", "model_dir: models\nmodels:\n  m: {path: m.onnx}\n")
+    with pytest.raises(ConfigError, match=r"models\.m\.path .*outside the model directory"):
+        load_config(path)

@@ -1,0 +1,320 @@
+"""A fleet's lifecycle from the command line, run as a user runs it: commands for a
+fleet that is not running answer at once, `up` refuses a fleet that runs and stops
+what it started when it fails, `down` cleans up after a head that died, and Ctrl-C
+ends every command promptly without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from cluster.head import _free_port, head_dir, head_processes
+from edgefleet.modelgen import random_inputs
+from tests.integration.test_cli import REPO, _fleet_processes, edgefleet
+
+pytestmark = pytest.mark.integration
+
+ANSWER_S = 10.0  # the requirement: a command for a fleet that is not there answers by then
+STOP_S = 10.0  # Ctrl-C: about 2 s on an idle machine; slack for a busy one
+START_S = 240.0  # starting Ray and a fleet on a busy machine
+
+
+class Running:
+    """A command started as a user starts it, its output watched as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # Ctrl-C in a terminal reaches the whole process group
+        )
+        self._out: list[bytes] = []
+        self._err: list[bytes] = []
+        self._more = threading.Condition()
+        for stream, into in ((self.proc.stdout, self._out), (self.proc.stderr, self._err)):
+            threading.Thread(target=self._read, args=(stream, into), daemon=True).start()
+
+    def _read(self, stream: object, into: list[bytes]) -> None:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+        while chunk := os.read(fd, 4096):
+            with self._more:
+                into.append(chunk)
+                self._more.notify_all()
+
+    @property
+    def out(self) -> str:
+        return b"".join(self._out).decode()
+
+    @property
+    def err(self) -> str:
+        return b"".join(self._err).decode()
+
+    def wait_for(self, text: str, timeout_s: float = START_S) -> None:
+        """Until ``text`` is in the output; fails, showing the output, if it never comes."""
+        with self._more:
+            came = self._more.wait_for(
+                lambda: text in self.out or self.proc.poll() is not None, timeout_s
+            )
+        assert came and text in self.out, (self.out + self.err)[-3000:]
+
+    def interrupt(self) -> float:
+        """Ctrl-C; the seconds until the command exited."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        self.proc.wait(START_S)
+        return time.monotonic() - sent
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def _timed(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    result = edgefleet(*args, timeout=120)
+    return result, time.monotonic() - start
+
+
+def _assert_plain(stderr: str) -> None:
+    assert "Traceback" not in stderr and "\x1b[" not in stderr, stderr[-3000:]
+
+
+def _write_config(path: Path, fleet: str, extra: str = "") -> Path:
+    path.write_text(
+        f"fleet: {{name: {fleet}}}\n"
+        "models:\n  classifier: {path: models/classifier.onnx}\n"
+        "  tiny_lm: {path: models/tiny_lm.onnx, kind: decoder}\n" + extra
+    )
+    return path
+
+
+def test_commands_for_a_fleet_that_is_not_running_answer_at_once(tmp_path):
+    np.savez(tmp_path / "frame.npz", **random_inputs("classifier"))
+    infer = ["infer", "classifier", "--input", str(tmp_path / "frame.npz")]
+    generate = ["generate", "tiny_lm", "--prompt-ids", "1", "2"]
+
+    # A fleet nobody started: nothing recorded for it (and maybe no Ray at all).
+    never = f"never{os.getpid()}"
+    for command in (["status"], ["down"], infer, generate):
+        result, took = _timed(*command, "--fleet", never)
+        assert result.returncode == 2, (command, result.stderr[-3000:])
+        assert never in result.stderr and "edgefleet up" in result.stderr, result.stderr
+        assert command != ["down"] or "nothing to stop" in result.stderr, result.stderr
+        _assert_plain(result.stderr)
+        assert took < ANSWER_S, (command, took)
+
+    # An address where nothing listens.
+    nowhere = f"127.0.0.1:{_free_port()}"
+    for command in (["status"], generate):
+        result, took = _timed(*command, "--fleet", never, "--address", nowhere)
+        assert result.returncode == 2, (command, result.stderr[-3000:])
+        assert f"no Ray cluster answers at {nowhere}" in result.stderr, result.stderr
+        _assert_plain(result.stderr)
+        assert took < ANSWER_S, (command, took)
+
+    # A head `up --detach` recorded, which is gone (Ray itself retries it for a minute).
+    stale = f"stale{os.getpid()}"
+    state = {"fleet": stale, "address": f"127.0.0.1:{_free_port()}", "token_auth": True}
+    head_dir(stale).mkdir(parents=True, exist_ok=True)
+    (head_dir(stale) / "edgefleet.json").write_text(json.dumps(state))
+    try:
+        for command in (["status"], infer, generate):
+            result, took = _timed(*command, "--fleet", stale)
+            assert result.returncode == 2, (command, result.stderr[-3000:])
+            assert f"fleet {stale!r} is not running" in result.stderr, result.stderr
+            assert f"`edgefleet down --fleet {stale}` cleans up" in result.stderr
+            _assert_plain(result.stderr)
+            assert took < ANSWER_S, (command, took)
+        down, took = _timed("down", "--fleet", stale)
+        assert down.returncode == 0, down.stderr[-3000:]
+        assert "was gone; cleaned up" in down.stdout and str(head_dir(stale)) in down.stdout
+        assert not head_dir(stale).exists() and took < ANSWER_S
+        again = edgefleet("down", "--fleet", stale)
+        assert again.returncode == 2 and "nothing to stop" in again.stderr
+    finally:
+        shutil.rmtree(head_dir(stale), ignore_errors=True)
+
+
+def test_a_running_fleet_refuses_a_second_up_ctrl_c_ends_clients_down_is_quick(tmp_path):
+    fleet = f"x{os.getpid()}"
+    config = _write_config(tmp_path / "fleet.yaml", fleet)
+    try:
+        up = edgefleet("up", str(config), "--detach")
+        assert up.returncode == 0, up.stderr[-3000:]
+        processes = sorted(p.pid for p in head_processes(fleet))
+
+        second = edgefleet("up", str(config), "--detach")
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"fleet {fleet!r} is already running" in second.stderr
+        assert f"`edgefleet down --fleet {fleet}`" in second.stderr
+        assert "started a Ray head" not in second.stdout
+        assert sorted(p.pid for p in head_processes(fleet)) == processes  # nothing new
+
+        # Ctrl-C in the middle of a stream cancels it: exit 130, no traceback.
+        gen = Running(
+            "generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", "1", "2", "3",
+            "--max-new-tokens", "400", "--priority", "background",
+        )  # fmt: skip
+        try:
+            gen.wait_for(" ")  # the first token
+            took = gen.interrupt()
+        finally:
+            gen.kill()
+        # It may have finished just before the signal came (exit 0).
+        assert gen.proc.returncode in (0, 130), gen.err[-3000:]
+        _assert_plain(gen.err)
+        assert took < STOP_S, took
+
+        # Ctrl-C is how `status --watch` ends: exit 0.
+        watch = Running("status", "--fleet", fleet, "--watch", "--interval", "0.5")
+        try:
+            watch.wait_for("overview over the last")  # the second screen
+            took = watch.interrupt()
+        finally:
+            watch.kill()
+        assert watch.proc.returncode == 0, watch.err[-3000:]
+        _assert_plain(watch.err)
+        assert took < STOP_S, took
+    finally:
+        down, took = _timed("down", "--fleet", fleet)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert f"fleet {fleet!r} stopped (1 node(s) and its router)" in down.stdout
+    assert "stopped the Ray head" in down.stdout
+    assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
+    assert took < ANSWER_S, took  # it was 17 s when every process was stopped at once
+
+
+def test_down_cleans_up_after_a_head_that_died(tmp_path):
+    fleet = f"dead{os.getpid()}"
+    config = _write_config(tmp_path / "fleet.yaml", fleet)
+    try:
+        up = edgefleet("up", str(config), "--detach")
+        assert up.returncode == 0, up.stderr[-3000:]
+        (gcs,) = [p for p in head_processes(fleet) if p.name() == "gcs_server"]
+        gcs.kill()
+        gcs.wait(30)
+
+        status, took = _timed("status", "--fleet", fleet)
+        assert status.returncode == 2, status.stderr[-3000:]
+        assert f"fleet {fleet!r} is not running" in status.stderr
+        assert f"`edgefleet down --fleet {fleet}` cleans up" in status.stderr
+        _assert_plain(status.stderr)
+        assert took < ANSWER_S, took
+    finally:
+        down, took = _timed("down", "--fleet", fleet)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert "was gone; cleaned up" in down.stdout, down.stdout
+    assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
+    assert took < ANSWER_S, took
+    again = edgefleet("down", "--fleet", fleet)
+    assert again.returncode == 2 and "nothing to stop" in again.stderr
+
+
+def test_a_failed_up_says_why_in_one_line_and_stops_what_it_started(tmp_path):
+    fleet = f"fail{os.getpid()}"
+    # The model loads, but not within the node's memory budget: the node fails to start.
+    config = _write_config(
+        tmp_path / "fleet.yaml",
+        fleet,
+        "node_defaults: {memory_budget_mb: 0.5}\nlocal: {nodes: 2}\n",
+    )
+    try:
+        up = edgefleet("up", str(config), "--detach")
+        assert up.returncode == 2, up.stdout[-3000:]
+        assert "started a Ray head" in up.stdout and "stopped the Ray head it started" in up.stdout
+        (line,) = up.stderr.strip().splitlines()
+        assert line.startswith("error: node edge-") and "could not start: model " in line, line
+        assert "more than the node's memory budget" in line, line
+        _assert_plain(up.stderr)
+        down = edgefleet("down", "--fleet", fleet)
+        assert down.returncode == 2 and "nothing to stop" in down.stderr, down.stderr[-3000:]
+        assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
+
+        # A model file that is not ONNX: refused before anything starts.
+        (tmp_path / "models" / "classifier.onnx").write_text("not a model\n")
+        bad = edgefleet("up", str(config), "--detach")
+        assert bad.returncode == 2 and "classifier" in bad.stderr, bad.stderr[-3000:]
+        _assert_plain(bad.stderr)
+        assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
+    finally:
+        edgefleet("down", "--fleet", fleet)
+
+
+def test_up_says_which_nodes_wait_for_what_and_gives_up(tmp_path):
+    fleet = f"unplaced{os.getpid()}"
+    config = tmp_path / "fleet.yaml"
+    config.write_text(
+        f"fleet: {{name: {fleet}}}\n"
+        "models:\n  classifier: {path: models/classifier.onnx}\n"
+        "nodes:\n  - {name: cam-0, resources: {no_such_device: 1}}\n"
+        "ray: {start_timeout_s: 300}\n"
+    )
+    up = Running("up", str(config), "--start-timeout", "6")
+    try:
+        up.proc.wait(START_S)
+    finally:
+        up.kill()
+    assert up.proc.returncode == 2, up.err[-3000:]
+    assert re.search(r"still starting after \d+ s \(giving up at 6 s\)", up.out), up.out
+    assert "node cam-0 asks for resources no_such_device=1 (no machine offers" in up.out
+    (line,) = up.err.strip().splitlines()
+    assert line.startswith("error: not started within 6 s: node cam-0 asks for resources "), line
+    assert "no_such_device" in line and "start_timeout_s" in line
+    # The embedded Ray starts without warnings nobody can act on.
+    assert "Token authentication is enabled" not in up.err
+
+
+def test_ctrl_c_while_up_starts_and_while_it_serves(tmp_path):
+    config = _write_config(tmp_path / "fleet.yaml", f"fg{os.getpid()}")
+
+    starting = Running("up", str(config))
+    try:
+        starting.wait_for("starting an embedded Ray cluster")
+        time.sleep(1.0)  # Ray's processes are starting
+        started = psutil.Process(starting.proc.pid).children(recursive=True)
+        took = starting.interrupt()
+    finally:
+        starting.kill()
+    assert starting.proc.returncode == 130, starting.err[-3000:]
+    assert starting.err.strip() == "interrupted", starting.err[-3000:]
+    assert took < STOP_S, took
+    deadline = time.monotonic() + 30  # the processes it started go with it
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p.pid for p in started if _alive(p)]
+
+    serving = Running("up", str(config), "--interval", "0.5")
+    try:
+        serving.wait_for("completed 0")
+        took = serving.interrupt()
+    finally:
+        serving.kill()
+    assert serving.proc.returncode == 0, serving.err[-3000:]
+    assert "stopping the fleet" in serving.out
+    # No Ray warning a user cannot act on (Ray's default of token authentication).
+    assert "Token authentication is enabled" not in serving.err, serving.err[-3000:]
+    assert "WARNING" not in serving.err, serving.err[-3000:]
+    _assert_plain(serving.err)
+    assert took < STOP_S, took
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
