@@ -28,6 +28,7 @@ from actors.kvstore import KVStore, prefix_key, session_key
 from actors.metrics import NodeMetrics
 from actors.models import Loader, ModelManager, load_onnx
 from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
+from actors.trace import NodeTrace
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import MiB, NodeSpec
 from edgefleet.errors import EdgeFleetError, EngineError, InvalidInput, Rejected
@@ -67,6 +68,7 @@ class NodeRuntime:
     ) -> None:
         self.spec = spec
         self._metrics = metrics or NodeMetrics(spec.fleet, spec.name, spec.priorities)
+        self._trace = None if spec.trace_dir is None else NodeTrace(spec.trace_dir, spec.name)
         self._clock = clock or MonotonicClock()
         self._models = ModelManager(spec.models, spec.memory_budget_mb, loader or load_onnx)
         self._sched = LocalScheduler(
@@ -181,6 +183,8 @@ class NodeRuntime:
             await asyncio.gather(self._task, return_exceptions=True)
         self._end_all(f"node {self.spec.name} stopped")
         self._state = "stopped"
+        if self._trace is not None:
+            self._trace.close()
         await asyncio.get_running_loop().run_in_executor(self._executor, self._models.close)
         self._executor.shutdown(wait=False)
         return self.status()
@@ -683,6 +687,17 @@ class NodeRuntime:
             if gen is not None:
                 gen.cache = None  # its caller keeps the tokens; the KV memory goes now
             self._metrics.settled(o, self._clock.now(), service_s)
+            if self._trace is not None:
+                ran = o.state is S.COMPLETED and (
+                    gen is not None or o.request.id in (results or {})
+                )
+                self._trace.settled(
+                    o.request,
+                    o.state,
+                    ran=ran,
+                    service_s=gen.engine_s if gen is not None else service_s,
+                    tokens=len(gen.generated) if gen is not None else 0,
+                )
             timer = self._timers.pop(o.request.id, None)
             if timer is not None:
                 timer.cancel()

@@ -160,6 +160,10 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
         start = time.monotonic()
         last_report = start
         out(f"running a mixed workload for {duration_s:.0f} s on {len(config.node_specs())} nodes")
+        out(
+            "every 2 s: requests completed, requests not served (answered with a typed "
+            "error: rejected, evicted, superseded or expired) and each node's queue"
+        )
         threads = [
             threading.Thread(
                 target=_chat_loop, args=(client, decoder, c, start + duration_s, stop), daemon=True

@@ -484,6 +484,9 @@ class Dispatcher:
                         final = item
             except NodeGone:
                 final = attempt.lost(entry)
+            except Exception as exc:  # a typed answer, never a raw error (as call() gives)
+                log.exception("stream of %s failed", request.id)
+                final = attempt.broken(exc)
             except BaseException:  # the consumer went away, or worse: stop counting it
                 attempt.release(entry)
                 raise

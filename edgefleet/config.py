@@ -136,6 +136,12 @@ class NodeDefaults(_Strict):
         "priority", description="queue discipline; 'fifo' ignores priorities (a baseline)"
     )
     num_cpus: float = Field(0, ge=0, description="Ray CPUs reserved per node actor")
+    trace_dir: Path | None = Field(
+        None,
+        description="write a trace of every request each node settles (one JSON line "
+        "each, a file per node process: see actors/trace.py) into this folder; relative "
+        "to the YAML file's folder; default: no trace",
+    )
 
 
 class NodeConfig(_Strict):
@@ -245,6 +251,7 @@ class NodeSpec(_Strict):
     num_cpus: float = 0
     resources: dict[str, float] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+    trace_dir: Path | None = None  # where the node writes its trace (None: no trace)
 
 
 class FleetConfig(_Strict):
@@ -325,6 +332,7 @@ class FleetConfig(_Strict):
                 num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
                 resources=dict(n.resources),
                 labels=dict(n.labels),
+                trace_dir=d.trace_dir,
             )
             for n in nodes
         ]
@@ -365,7 +373,12 @@ def parse_config(
         models[name] = m.model_copy(update={"path": path})
     if problems:
         raise ConfigError("invalid fleet config:\n  " + "\n  ".join(problems))
-    return cfg.model_copy(update={"models": models, "model_dir": model_dir})
+    update: dict[str, Any] = {"models": models, "model_dir": model_dir}
+    trace_dir = cfg.node_defaults.trace_dir
+    if trace_dir is not None:
+        traced = {"trace_dir": (base_dir / trace_dir).resolve()}
+        update["node_defaults"] = cfg.node_defaults.model_copy(update=traced)
+    return cfg.model_copy(update=update)
 
 
 def load_config(path: str | Path) -> FleetConfig:

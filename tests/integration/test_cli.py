@@ -47,50 +47,60 @@ def test_every_command_has_help_with_an_example(command):
     assert "example" in result.stdout and f"edgefleet {' '.join(command)}" in result.stdout
 
 
-UP_TIMEOUT_S = 240.0
+START_S = 240.0  # starting Ray and a fleet on a busy machine
 
 
-def test_up_in_the_foreground_serves_until_interrupted(tmp_path):
-    config = tmp_path / "fleet.yaml"
-    config.write_text(
-        f"fleet: {{name: fg{os.getpid()}}}\nlocal: {{nodes: 1}}\n"
-        "models:\n  classifier: {path: models/classifier.onnx}\n"
-    )
-    errors = (tmp_path / "stderr.txt").open("w+")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "up", str(config), "--interval", "0.5"],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=errors,
-        text=True,
-    )
-    lines: list[str] = []
-    serving = threading.Event()
+class Running:
+    """A command started as a user starts it, its output watched as it comes."""
 
-    def read() -> None:  # the built-in model is written, Ray starts, the fleet serves
-        assert up.stdout is not None
-        for line in up.stdout:
-            lines.append(line)
-            if "completed 0" in line:
-                serving.set()
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cluster.cli", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # Ctrl-C in a terminal reaches the whole process group
+        )
+        self._out: list[bytes] = []
+        self._err: list[bytes] = []
+        self._more = threading.Condition()
+        for stream, into in ((self.proc.stdout, self._out), (self.proc.stderr, self._err)):
+            threading.Thread(target=self._read, args=(stream, into), daemon=True).start()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        # Generous bounds: a busy machine starts Ray and the node slowly, and stops them
-        # slowly too; what is checked is that it serves and stops on Ctrl-C.
-        assert serving.wait(UP_TIMEOUT_S), "".join(lines)[-3000:]
-        up.send_signal(signal.SIGINT)
-        up.wait(timeout=UP_TIMEOUT_S)
-        reader.join(10)
-    finally:
-        if up.poll() is None:
-            up.kill()
-    text = "".join(lines)
-    errors.seek(0)
-    assert up.returncode == 0, errors.read()[-3000:]
-    assert "generating model classifier" in text and "serving until Ctrl-C" in text
-    assert "stopping the fleet" in text
+    def _read(self, stream: object, into: list[bytes]) -> None:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+        while chunk := os.read(fd, 4096):
+            with self._more:
+                into.append(chunk)
+                self._more.notify_all()
+
+    @property
+    def out(self) -> str:
+        return b"".join(self._out).decode()
+
+    @property
+    def err(self) -> str:
+        return b"".join(self._err).decode()
+
+    def wait_for(self, text: str, timeout_s: float = START_S) -> None:
+        """Until ``text`` is in the output; fails, showing the output, if it never comes."""
+        with self._more:
+            came = self._more.wait_for(
+                lambda: text in self.out or self.proc.poll() is not None, timeout_s
+            )
+        assert came and text in self.out, (self.out + self.err)[-3000:]
+
+    def interrupt(self) -> float:
+        """Ctrl-C; the seconds until the command exited."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        self.proc.wait(START_S)
+        return time.monotonic() - sent
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
 
 
 def test_help_lists_commands_with_examples():
@@ -145,44 +155,18 @@ def test_demo_runs_to_its_report(tmp_path):
 
 def test_ctrl_c_stops_the_demo_quickly_with_its_report_so_far(tmp_path):
     shutil.copy(REPO / "configs" / "local.yaml", tmp_path / "local.yaml")
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "demo", "--config", str(tmp_path / "local.yaml")],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # Ctrl-C in a terminal reaches the whole process group
-    )
-    lines: list[str] = []
-    progress = threading.Event()
-
-    def read() -> None:
-        assert demo.stdout is not None
-        for line in demo.stdout:
-            lines.append(line)
-            if "s] completed" in line:
-                progress.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    demo = Running("demo", "--config", str(tmp_path / "local.yaml"))
     try:
-        assert progress.wait(UP_TIMEOUT_S), "".join(lines)[-3000:]
-        os.killpg(demo.pid, signal.SIGINT)
-        sent = time.monotonic()
-        demo.wait(timeout=UP_TIMEOUT_S)
-        stopped_s = time.monotonic() - sent
-        reader.join(10)
-        errors = demo.stderr.read() if demo.stderr else ""
+        demo.wait_for("s] completed")
+        took = demo.interrupt()
     finally:
-        if demo.poll() is None:
-            demo.kill()
-    out = "".join(lines)
-    assert demo.returncode == 130, errors[-3000:]
-    assert "interrupted: stopping the fleet" in out
-    assert any(line.startswith("background") for line in out.splitlines()), out[-3000:]
-    assert "generation       turns" in out
-    assert "Traceback" not in errors and "WARNING" not in errors, errors[-3000:]
-    assert stopped_s < 10, stopped_s  # 3 s on an idle machine; slack for a busy one
+        demo.kill()
+    assert demo.proc.returncode == 130, demo.err[-3000:]
+    assert "interrupted: stopping the fleet" in demo.out
+    assert any(line.startswith("background") for line in demo.out.splitlines()), demo.out
+    assert "generation       turns" in demo.out
+    assert "Traceback" not in demo.err and "WARNING" not in demo.err, demo.err[-3000:]
+    assert took < 10, took  # 3 s on an idle machine; slack for a busy one
 
 
 def test_bench_quick_smoke_run_prints_a_report(tmp_path):

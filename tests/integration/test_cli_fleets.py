@@ -9,10 +9,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,66 +19,12 @@ import pytest
 
 from cluster.head import _free_port, head_dir, head_processes
 from edgefleet.modelgen import random_inputs
-from tests.integration.test_cli import REPO, _fleet_processes, edgefleet
+from tests.integration.test_cli import START_S, Running, _fleet_processes, edgefleet
 
 pytestmark = pytest.mark.integration
 
 ANSWER_S = 10.0  # the requirement: a command for a fleet that is not there answers by then
 STOP_S = 10.0  # Ctrl-C: about 2 s on an idle machine; slack for a busy one
-START_S = 240.0  # starting Ray and a fleet on a busy machine
-
-
-class Running:
-    """A command started as a user starts it, its output watched as it comes."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", *args],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # Ctrl-C in a terminal reaches the whole process group
-        )
-        self._out: list[bytes] = []
-        self._err: list[bytes] = []
-        self._more = threading.Condition()
-        for stream, into in ((self.proc.stdout, self._out), (self.proc.stderr, self._err)):
-            threading.Thread(target=self._read, args=(stream, into), daemon=True).start()
-
-    def _read(self, stream: object, into: list[bytes]) -> None:
-        fd = stream.fileno()  # type: ignore[attr-defined]
-        while chunk := os.read(fd, 4096):
-            with self._more:
-                into.append(chunk)
-                self._more.notify_all()
-
-    @property
-    def out(self) -> str:
-        return b"".join(self._out).decode()
-
-    @property
-    def err(self) -> str:
-        return b"".join(self._err).decode()
-
-    def wait_for(self, text: str, timeout_s: float = START_S) -> None:
-        """Until ``text`` is in the output; fails, showing the output, if it never comes."""
-        with self._more:
-            came = self._more.wait_for(
-                lambda: text in self.out or self.proc.poll() is not None, timeout_s
-            )
-        assert came and text in self.out, (self.out + self.err)[-3000:]
-
-    def interrupt(self) -> float:
-        """Ctrl-C; the seconds until the command exited."""
-        os.killpg(self.proc.pid, signal.SIGINT)
-        sent = time.monotonic()
-        self.proc.wait(START_S)
-        return time.monotonic() - sent
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
 
 
 def _timed(*args: str) -> tuple[subprocess.CompletedProcess, float]:

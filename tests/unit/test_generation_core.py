@@ -15,8 +15,9 @@ import pytest
 from actors.decoder import DecoderEngine, Generation, KVCache, check_generation, sample
 from actors.kvstore import KVStore, prefix_key, session_key
 from actors.node import NodeRuntime
+from cluster.client import TokenStream
 from edgefleet.config import parse_config
-from edgefleet.errors import InvalidInput, ModelNotFound
+from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost
 from edgefleet.messages import GenerationResult, TokenChunk
 from edgefleet.modelgen import TINY_LM_VOCAB, make_tiny_lm
 from edgefleet.request import GenerateRequest
@@ -145,6 +146,20 @@ def collect(fleet, request, on_chunk=None):
     return tokens, result
 
 
+def node_killer(fleet, after=20):
+    """A stream callback that kills the node generating once ``after`` tokens came,
+    and the list that then holds its name."""
+    victim: list[str] = []
+
+    def kill(sent):
+        if len(sent) >= after and not victim:
+            handle = next(h for h in fleet.handles.values() if h.node._gens)
+            handle.dead = True
+            victim.append(handle.node.spec.name)
+
+    return victim, kill
+
+
 def reference(lm_path: Path, prompt, n):
     gen = Generation(GenerateRequest("lm", prompt, max_new_tokens=n), n, emit=lambda t: None)
     DecoderEngine("lm", lm_path).advance(gen)
@@ -168,14 +183,7 @@ def test_streams_spill_and_continue_after_node_loss(lm_path, lm_fleet):
         f.node(name)._state = "serving"
     f.refresh()
 
-    victim: list[str] = []
-
-    def kill_after_some(sent):
-        if len(sent) >= 20 and not victim:
-            handle = next(h for h in f.handles.values() if h.node._gens)
-            handle.dead = True
-            victim.append(handle.node.spec.name)
-
+    victim, kill_after_some = node_killer(f)
     tokens, result = collect(f, GenerateRequest("lm", prompt, max_new_tokens=300), kill_after_some)
     assert victim and result.node != victim[0]
     assert tokens == expected == list(result.tokens)  # each token once, none lost
@@ -197,14 +205,7 @@ def test_a_continuation_after_node_loss_keeps_the_budget_and_the_sampling_stream
     alone, _ = collect(f, GenerateRequest("lm", prompt, 200, priority=3, **sampled))
     assert len(alone) == 50  # the budget: a quarter of 200
 
-    victim: list[str] = []
-
-    def kill_after_some(sent):
-        if len(sent) >= 20 and not victim:
-            handle = next(h for h in f.handles.values() if h.node._gens)
-            handle.dead = True
-            victim.append(handle.node.spec.name)
-
+    victim, kill_after_some = node_killer(f)
     tokens, result = collect(
         f, GenerateRequest("lm", prompt, 200, priority=3, **sampled), kill_after_some
     )
@@ -234,6 +235,27 @@ def test_a_stream_closed_early_stops_the_generation_and_frees_the_node(lm_fleet)
         time.sleep(0.01)
     assert not f.node("a")._gens
     assert not any(v.work for v in f.dispatcher.views())
+
+
+def test_a_stream_whose_node_handle_breaks_ends_with_a_typed_error(lm_fleet):
+    f = lm_fleet(("a",))
+    handle = f.handles["a"]
+    streamed = handle.generate
+
+    def broken(request):  # not a node death: e.g. an item Ray could not fetch
+        items = streamed(request)
+        yield next(items)
+        items.close()
+        raise RuntimeError("object lost")
+
+    handle.generate = broken  # type: ignore[method-assign]
+    request = GenerateRequest("lm", tuple(range(5, 25)), 400)
+    stream = TokenStream(request.id, f.dispatcher.stream(request))
+    with pytest.raises(NodeLost, match="object lost"):
+        stream.collect()
+    assert stream.tokens and stream.result is not None
+    assert stream.result.tokens == tuple(stream.tokens)  # what was sent, each once
+    assert not any(v.work for v in f.dispatcher.views())  # no longer in flight anywhere
 
 
 def test_generation_result_unwrap():
