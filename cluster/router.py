@@ -124,7 +124,9 @@ class Router:
         is logged and started again."""
 
         async def loop() -> None:
-            while True:
+            # Not `while True`: on Python 3.11 asyncio.wait_for can swallow the
+            # cancellation stop() sends when the call it waits for ends at that moment.
+            while not self._stopping:
                 await asyncio.sleep(self.config.router.report_interval_s)
                 await self._poll(entry)
 

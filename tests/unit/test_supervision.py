@@ -5,6 +5,7 @@ node whose serve loop dies says so and answers what it held."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -167,5 +168,28 @@ def test_a_serve_loop_that_dies_in_a_call_answers_the_call_cancelled():
         assert isinstance(reply.error, Cancelled) and "executor bug" in str(reply.error)
         assert node.status().state == "failed"
         await node.stop()
+
+    run(main())
+
+
+def test_the_router_stops_even_when_a_poll_swallows_its_cancellation():
+    """asyncio.wait_for on Python 3.11 can return the result of a call that ended just
+    as the cancellation came, swallowing it: the polling must stop all the same."""
+
+    async def main() -> None:
+        node = NodeRuntime(fake_spec(), loader=FakeLoader())
+        await node.start()
+        router = Router(fleet_config(["a"]), {"a": Control(node)})
+        await router.start()
+        polled = asyncio.Event()
+
+        async def swallowing(entry: Any) -> None:
+            polled.set()
+            with contextlib.suppress(asyncio.CancelledError):  # as wait_for can do
+                await asyncio.sleep(0.5)
+
+        router._poll = swallowing  # type: ignore[method-assign]
+        await asyncio.wait_for(polled.wait(), 5)
+        await asyncio.wait_for(router.stop(), 5)
 
     run(main())
