@@ -137,10 +137,14 @@ def test_validate_good_and_bad(tmp_path):
     assert "models.a.batching.window_ms (line 2)" in bad.stderr
 
 
-def test_demo_runs_to_its_report(tmp_path):
+def test_demo_runs_to_its_report_beside_another_embedded_fleet(tmp_path, make_fleet):
+    # Another embedded fleet runs on this machine meanwhile (this test's own Ray): two
+    # embedded Ray instances must not collide (ports, agents, temporary folders).
+    other = make_fleet({"models": {"classifier": {"path": "classifier.onnx"}}})
     shutil.copy(REPO / "configs" / "local.yaml", tmp_path / "local.yaml")
     result = edgefleet("demo", "--config", str(tmp_path / "local.yaml"), "--duration", "4")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert other.infer("classifier", random_inputs("classifier"))["logits"].shape == (1, 10)
     out = result.stdout
     assert "generating model classifier" in out  # models made on first run
     assert "running a mixed workload" in out
@@ -161,7 +165,7 @@ def test_ctrl_c_stops_the_demo_quickly_with_its_report_so_far(tmp_path):
         took = demo.interrupt()
     finally:
         demo.kill()
-    assert demo.proc.returncode == 130, demo.err[-3000:]
+    assert demo.proc.returncode == 130, (demo.out[-2000:], demo.err[-2000:], took)
     assert "interrupted: stopping the fleet" in demo.out
     assert any(line.startswith("background") for line in demo.out.splitlines()), demo.out
     assert "generation       turns" in demo.out
