@@ -50,6 +50,10 @@ def test_every_command_has_help_with_an_example(command):
 START_S = 240.0  # starting Ray and a fleet on a busy machine
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Running:
     """A command started as a user starts it, its output watched as it comes."""
 
@@ -60,6 +64,10 @@ class Running:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,  # Ctrl-C in a terminal reaches the whole process group
+            # As from a terminal: SIGINT not ignored, though this test run may ignore it
+            # (a shell without job control starts background commands so) and a child
+            # inherits that.
+            preexec_fn=_default_sigint,
         )
         self._out: list[bytes] = []
         self._err: list[bytes] = []
