@@ -4,6 +4,12 @@ The event loop only moves data and decisions; engine calls and model loads run o
 the node's single engine thread. Every request that reaches ``infer`` gets exactly
 one :class:`Reply`: its outputs or a typed error. Every generation that reaches
 ``generate`` streams its tokens and ends with exactly one :class:`GenerationResult`.
+
+This file is intake, admission, the serve loop and settlement; the parts it composes
+each have their own file: the scheduling core (``actors.scheduler``), the engine
+thread (``actors.executor``), generations and their KV memory
+(``actors.generations``), answers kept for retries (``actors.replies``), models
+(``actors.models``), metrics and the trace.
 """
 
 from __future__ import annotations
@@ -13,24 +19,24 @@ import contextlib
 import logging
 import os
 import resource
-import threading
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import replace
 
 import numpy as np
 
-from actors.decoder import DecoderEngine, Generation, check_generation, common_prefix
-from actors.engine import Engine, RunAborted, check_inputs
-from actors.kvstore import KVStore, prefix_key, session_key
+from actors.decoder import Generation
+from actors.engine import RunAborted, check_inputs
+from actors.executor import EngineThread
+from actors.generations import NodeGenerations
 from actors.metrics import NodeMetrics
 from actors.models import Loader, ModelManager, load_onnx
+from actors.replies import RecentReplies
 from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
 from actors.trace import NodeTrace
 from edgefleet.clock import Clock, MonotonicClock
-from edgefleet.config import MiB, NodeSpec
+from edgefleet.config import NodeSpec
 from edgefleet.errors import EdgeFleetError, EngineError, InvalidInput, Rejected
 from edgefleet.messages import (
     NODE_COUNTERS,
@@ -43,14 +49,10 @@ from edgefleet.messages import (
 )
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
 from policies import QUEUE_ORDERS, BatchParams, PreemptionParams, QueueLimits
-from policies.budget import LIFECYCLE_STATES, TokenBudgets, token_limit
-from policies.kv import CacheView, KVAction, plan_kv_release
 
 S = RequestState
 log = logging.getLogger(__name__)
 
-RECENT_REPLIES = 1024  # answers kept to serve retries of the same request id...
-RECENT_BYTES = 32 * 1024 * 1024  # ...within this many bytes of outputs
 STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together
 MAX_REPORTED_SESSIONS = 256  # sessions named in a status report (most recent first)
 
@@ -77,35 +79,21 @@ class NodeRuntime:
             order=QUEUE_ORDERS[spec.order](),
             preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
         )
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{spec.name}")
+        self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
+        self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
+        self._gens = NodeGenerations(spec, self._clock, self._counters)
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._callers: Counter[str] = Counter()  # callers awaiting each request id
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._switches: deque[tuple[str, asyncio.Future[None]]] = deque()
-        self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._state = "starting"
         self._failure = ""  # why the node is out of service ("failed")
         self._start_error: Exception | None = None
-        self._switching: str | None = None
-        self._engine: Engine | None = None  # the engine running a call now
-        self._stop: threading.Event | None = None  # set to abort the call in progress
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._starting: asyncio.Future[None] | None = None
-        self._recent: OrderedDict[str, Reply] = OrderedDict()  # answers to recent ids
-        self._recent_bytes = 0
-        self._gens: dict[str, Generation] = {}  # live generations by request id
-        self._kv = KVStore()
-        self._kv_budget = int(spec.kv_budget_mb * MiB)
-        self._lifecycle: str = spec.lifecycle
-        self._budgets = TokenBudgets(
-            {
-                state: {spec.priorities[c]: share for c, share in shares.items()}
-                for state, shares in spec.token_budget.items()
-            },
-            classes=tuple(spec.priorities.values()),
-        )
+        self._recent = RecentReplies()  # answers that serve retries of known ids
 
     # --------------------------------------------------------------------- lifecycle
 
@@ -127,8 +115,7 @@ class NodeRuntime:
         return self.status()
 
     async def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._models.probe_all)
+        await self._engine.call(self._models.probe_all)
         infos = self._models.models()
         decoders = [i.name for i in infos if i.config.kind == "decoder"]
         self._metrics.start([i.name for i in infos], decoders)
@@ -176,8 +163,8 @@ class NodeRuntime:
         """Cancel queued work, abort the running call, unload models."""
         self._sched.draining = True
         self._settle(self._sched.cancel_all(f"node {self.spec.name} stopped"))
-        self._kv.clear()
-        self._abort_running()
+        self._gens.kv.clear()
+        self._engine.abort()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -185,8 +172,7 @@ class NodeRuntime:
         self._state = "stopped"
         if self._trace is not None:
             self._trace.close()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._models.close)
-        self._executor.shutdown(wait=False)
+        await self._engine.close()
         return self.status()
 
     async def drain(self) -> NodeStatus:
@@ -232,8 +218,8 @@ class NodeRuntime:
         existing = self._waiters.get(request.id)
         if existing is not None:
             return await self._wait(request.id, existing)
-        if request.id in self._recent:
-            return self._recent[request.id]
+        if (known := self._recent.get(request.id)) is not None:
+            return known
         if inputs is not None:
             request = replace(request, inputs=inputs)
         self._counters["received"] += 1
@@ -274,7 +260,7 @@ class NodeRuntime:
             assert self._wake is not None and self._idle is not None
             self._idle.clear()
             if admission.preempt:
-                self._abort_running()
+                self._engine.abort()
             if req.deadline is not None:
                 delay = max(0.0, req.deadline - self._clock.now())
                 self._timers[req.id] = loop.call_later(delay, self._expire, req.id)
@@ -308,7 +294,7 @@ class NodeRuntime:
             exc.request_id = request.id
             yield GenerationResult(request.id, self.spec.name, error=exc)
             return
-        self._gens[req.id] = gen
+        self._gens.live[req.id] = gen
         fut = self._admit(req)
         fut.add_done_callback(lambda _: ready.set())
         sent = 0
@@ -329,7 +315,7 @@ class NodeRuntime:
         finally:
             if not fut.done():  # the consumer went away: stop generating for nobody
                 self.cancel(req.id)
-            self._gens.pop(req.id, None)
+            self._gens.live.pop(req.id, None)
         cancelled = req.state is S.CANCELLED
         yield GenerationResult(
             req.id,
@@ -353,61 +339,13 @@ class NodeRuntime:
         self, request: GenerateRequest, emit: Callable[[int], None]
     ) -> tuple[Request, Generation]:
         self._check_serving()
-        info = self._models.info(request.model)
-        if info.config.kind != "decoder":
-            raise InvalidInput(f"model {request.model!r} is not a decoder: use infer()")
-        if not 0 <= request.priority <= 10:
-            raise InvalidInput(f"priority must be 0-10, got {request.priority}")
-        settings = info.config.generation
-        check_generation(
-            request,
-            vocab=info.vocab,
-            max_context=info.max_context,
-            max_new_tokens=settings.max_new_tokens,
-        )
-        if not request.stop_ids and info.stop_ids:  # a request's own stop ids replace them
-            request = replace(request, stop_ids=info.stop_ids)
-        now = self._clock.now()
-        deadline = None
-        if request.deadline_unix is not None:
-            deadline = now + (request.deadline_unix - time.time())
-        req = Request(
-            id=request.id,
-            model=request.model,
-            inputs={},
-            priority=request.priority,
-            arrival=now,
-            deadline=deadline,
-            nbytes=8 * len(request.prompt_ids),
-            group=request.id,
-            isolate=True,
-            pausable=True,
-        )
-        limit = self._limit(request)
-        gen = Generation(request, limit=limit, emit=emit, max_context=info.max_context)
-        return req, gen
-
-    def _limit(self, request: GenerateRequest) -> int:
-        """New tokens ``request`` may still produce here: its budget in the current
-        lifecycle state, less what an earlier attempt generated."""
-        budget = token_limit(
-            request.max_new_tokens, request.priority, self._lifecycle, self._budgets
-        )
-        return max(0, budget - request.continued)
+        return self._gens.make(request, self._models.info(request.model), emit)
 
     def set_lifecycle(self, state: str) -> NodeStatus:
         """Set the node's lifecycle state; token budgets of running and paused
         generations change at their next token."""
-        if state not in LIFECYCLE_STATES:
-            raise InvalidInput(
-                f"lifecycle state must be one of {', '.join(LIFECYCLE_STATES)}, got {state!r}"
-            )
-        if state != self._lifecycle:
-            self._lifecycle = state
+        if self._gens.set_lifecycle(state):
             self._counters["lifecycle_changes"] += 1
-            for gen in self._gens.values():
-                r = gen.request
-                gen.limit = self._limit(r)
         return self.status()
 
     def _check_serving(self) -> None:
@@ -458,17 +396,9 @@ class NodeRuntime:
             self._settle([outcome])
             return True
         if abort:
-            self._abort_running()
+            self._engine.abort()
         running = self._sched.running
         return running is not None and any(r.id == request_id for r in running.requests)
-
-    def _abort_running(self) -> None:
-        # The stop event first: a call the engine thread has not entered yet sees it
-        # and never starts; a call in progress is interrupted by abort().
-        if self._stop is not None:
-            self._stop.set()
-        if self._engine is not None:
-            self._engine.abort()
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)
@@ -500,7 +430,7 @@ class NodeRuntime:
 
     async def _switch(self, model: str, done: asyncio.Future[None]) -> None:
         try:
-            await self._load(model)
+            await self._engine.load(model)
         except EdgeFleetError as exc:
             if not done.done():
                 done.set_exception(exc)
@@ -508,34 +438,18 @@ class NodeRuntime:
             if not done.done():
                 done.set_result(None)
 
-    async def _load(self, model: str) -> Engine:
-        engine = self._models.resident(model)
-        if engine is not None:
-            return engine
-        self._switching = model
-        t0 = self._clock.now()
-        try:
-            loop = asyncio.get_running_loop()
-            engine = await loop.run_in_executor(self._executor, self._models.ensure, model)
-        finally:
-            self._switching = None
+    def _model_loaded(self, model: str, seconds: float) -> None:
         self._counters["model_loads"] += 1
-        self._metrics.model_loaded(model, self._clock.now() - t0)
-        return engine
+        self._metrics.model_loaded(model, seconds)
 
     async def _execute(self, plan: Plan) -> None:
         if plan.requests[0].pausable:
             await self._execute_generation(plan)
             return
-        loop = asyncio.get_running_loop()
         results: list[dict[str, np.ndarray]] | None = None
         t0 = self._clock.now()
-        stop = self._stop = threading.Event()
         try:
-            engine = await self._load(plan.model)
-            self._engine = engine
-            inputs = [r.inputs for r in plan.requests]
-            results = await loop.run_in_executor(self._executor, engine.run, inputs, stop)
+            results = await self._engine.run(plan.model, [r.inputs for r in plan.requests])
         except RunAborted:
             requeued = sum(not r.cancel_requested for r in plan.requests)
             if requeued:  # aborted for a more urgent arrival, not (only) for a cancel
@@ -550,8 +464,6 @@ class NodeRuntime:
             outcomes = self._sched.finish(plan, error=err)
         else:
             outcomes = self._sched.finish(plan)
-        finally:
-            self._engine = self._stop = None
         service = self._clock.now() - t0
         self._counters["engine_calls"] += 1
         self._counters["batched_requests"] += len(plan.requests)
@@ -564,33 +476,24 @@ class NodeRuntime:
     async def _execute_generation(self, plan: Plan) -> None:
         """Run one generation until it ends or is paused at a token boundary."""
         req = plan.requests[0]
-        gen = self._gens[req.id]
+        gen = self._gens.live[req.id]
         t0 = self._clock.now()
-        stop = self._stop = threading.Event()
         reason: str | None = None
         error: EdgeFleetError | None = None
         before = len(gen.tokens)
-        try:
-            engine = await self._load(plan.model)
-            assert isinstance(engine, DecoderEngine), f"{plan.model} is not a decoder"
-            self._engine = engine
+
+        def resident() -> None:  # the model is loaded: the generation starts or resumes
             if req.preemptions:
                 self._counters["resumed"] += 1
                 self._metrics.resumed(req.priority)
-            if gen.fed == 0 and gen.cache is None:  # first step: reuse cached KV if any
-                r = gen.request
-                cache, n = self._kv.lookup(
-                    r.model, r.prompt_ids, session=r.session, prefix_len=r.prefix_len, now=t0
-                )
-                gen.cache, gen.reused = cache, n
-            loop = asyncio.get_running_loop()
-            reason = await loop.run_in_executor(self._executor, engine.advance, gen, stop)
+            self._gens.attach_cache(gen)
+
+        try:
+            reason = await self._engine.advance(plan.model, gen, resident)
         except EdgeFleetError as exc:
             error = exc
         except Exception as exc:  # an engine bug must fail the request, never the node
             error = EngineError(f"model {plan.model!r}: {type(exc).__name__}: {exc}")
-        finally:
-            self._engine = self._stop = None
         self._counters["engine_calls"] += 1
         self._counters["tokens"] += len(gen.tokens) - before
         self._metrics.tokens(plan.model, req.priority, len(gen.tokens) - before)
@@ -603,73 +506,15 @@ class NodeRuntime:
                 self._counters["preemptions"] += 1
                 self._counters["paused"] += 1
                 self._metrics.paused(req.priority)
-                self._release_kv()
+                self._gens.release(self._sched.paused)
         else:
             gen.finish_reason = reason
             self._counters[f"finish_{reason}"] += 1
             if reason == "budget":
                 self._metrics.budget_cut(req.priority)
             outcomes = self._sched.finish(plan)
-            self._keep_kv(gen)
+            self._gens.keep(gen, self._sched.paused)
         self._settle(outcomes, plan=plan, service_s=self._clock.now() - t0)
-
-    # ----------------------------------------------------------------- KV memory
-
-    def _keep_kv(self, gen: Generation) -> None:
-        """Keep a finished generation's KV for its session, and its shared prefix."""
-        r, cache, now = gen.request, gen.cache, self._clock.now()
-        if cache is None:
-            return
-        if r.prefix_len > 0 and not self._kv.has(
-            key := prefix_key(r.model, r.prompt_ids[: r.prefix_len])
-        ):
-            prefix = cache.prefix(r.prefix_len)
-            if prefix is not None:
-                self._kv.put(key, r.model, gen.tokens, prefix, now)
-        if r.session is not None:
-            self._kv.put(session_key(r.model, r.session), r.model, gen.tokens, cache, now)
-        gen.cache = None
-        self._release_kv()
-
-    def _shared_len(self, gen: Generation) -> int:
-        """Tokens of ``gen``'s cache worth keeping in a trim: its declared prefix, else
-        the longest start it shares with another cache of the same model."""
-        if gen.request.prefix_len > 0:
-            return gen.request.prefix_len
-        others: list[Sequence[int]] = [e.tokens for e in self._kv.entries(gen.request.model)]
-        others += [
-            g.tokens
-            for g in self._gens.values()
-            if g is not gen and g.cache is not None and g.request.model == gen.request.model
-        ]
-        return max((common_prefix(gen.tokens, t) for t in others), default=0)
-
-    def _release_kv(self) -> None:
-        """Bring paused and cached KV under the node's KV budget (see policies.kv)."""
-        paused = {r.id: r for r in self._sched.paused}
-        views = self._kv.views()
-        for rid, r in paused.items():
-            cache = self._gens[rid].cache
-            if cache is not None:
-                keep = cache.bytes_for(self._shared_len(self._gens[rid]))
-                views.append(CacheView(rid, cache.nbytes, keep, True, r.priority, seq=r.seq))
-        for key, action in plan_kv_release(views, self._kv_budget):
-            gen = self._gens.get(key) if key in paused else None
-            if gen is None:
-                self._kv.drop(key)
-                self._counters["kv_dropped"] += 1
-            elif action is KVAction.TRIM and gen.cache is not None:
-                gen.cache = gen.cache.prefix(self._shared_len(gen))
-                self._counters["kv_trimmed"] += 1
-            else:
-                gen.cache = None
-                self._counters["kv_dropped"] += 1
-
-    def _kv_bytes(self) -> dict[str, int]:
-        paused = sum(
-            c.nbytes for r in self._sched.paused if (c := self._gens[r.id].cache) is not None
-        )
-        return {"paused": paused, "cached": self._kv.nbytes}
 
     # ----------------------------------------------------------------- settlement
 
@@ -683,7 +528,7 @@ class NodeRuntime:
     ) -> None:
         for o in outcomes:
             self._counters[o.state.value] += 1
-            gen = self._gens.get(o.request.id)
+            gen = self._gens.live.get(o.request.id)
             if gen is not None:
                 gen.cache = None  # its caller keeps the tokens; the KV memory goes now
             self._metrics.settled(o, self._clock.now(), service_s)
@@ -720,17 +565,7 @@ class NodeRuntime:
             )
             fut.set_result(reply)
             if o.state in (S.COMPLETED, S.FAILED) and r.started is not None:
-                self._remember(reply)  # it ran; a refusal is not kept (a retry runs)
-
-    def _remember(self, reply: Reply) -> None:
-        size = sum(a.nbytes for a in (reply.outputs or {}).values())
-        if size > RECENT_BYTES // 4:
-            return  # too large to keep: a retry of it would run again (inference is idempotent)
-        self._recent[reply.request_id] = reply
-        self._recent_bytes += size
-        while len(self._recent) > RECENT_REPLIES or self._recent_bytes > RECENT_BYTES:
-            _, old = self._recent.popitem(last=False)
-            self._recent_bytes -= sum(a.nbytes for a in (old.outputs or {}).values())
+                self._recent.remember(reply)  # it ran; a refusal is not kept (a retry runs)
 
     # --------------------------------------------------------------------- status
 
@@ -768,14 +603,14 @@ class NodeRuntime:
             ),
             models=models,
             counters=dict(self._counters),
-            switching=self._switching,
+            switching=self._engine.switching,
             rss_mb=_rss_mb(),
             peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             pid=os.getpid(),
             paused=self._sched.paused_by_priority(),
-            lifecycle=self._lifecycle,
-            kv_bytes=self._kv_bytes(),
-            sessions=tuple(self._kv.sessions()[:MAX_REPORTED_SESSIONS]),
+            lifecycle=self._gens.lifecycle,
+            kv_bytes=self._gens.kv_bytes(self._sched.paused),
+            sessions=tuple(self._gens.kv.sessions()[:MAX_REPORTED_SESSIONS]),
             metrics=self._metrics.summary(),
             queued_rows=self._sched.queued_rows(),
             busy=self._sched.busy_share(),

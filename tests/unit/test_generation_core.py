@@ -153,7 +153,7 @@ def node_killer(fleet, after=20):
 
     def kill(sent):
         if len(sent) >= after and not victim:
-            handle = next(h for h in fleet.handles.values() if h.node._gens)
+            handle = next(h for h in fleet.handles.values() if h.node._gens.live)
             handle.dead = True
             victim.append(handle.node.spec.name)
 
@@ -231,9 +231,9 @@ def test_a_stream_closed_early_stops_the_generation_and_frees_the_node(lm_fleet)
     assert isinstance(next(stream), TokenChunk)
     stream.close()
     end = time.monotonic() + 30
-    while f.node("a")._gens and time.monotonic() < end:
+    while f.node("a")._gens.live and time.monotonic() < end:
         time.sleep(0.01)
-    assert not f.node("a")._gens
+    assert not f.node("a")._gens.live
     assert not any(v.work for v in f.dispatcher.views())
 
 
