@@ -33,6 +33,7 @@ class NodeGenerations:
         self.live: dict[str, Generation] = {}
         self.kv = KVStore()
         self._kv_budget = int(spec.kv_budget_mb * MiB)
+        self._token_bytes: dict[str, int] = {}  # KV bytes a token, by model (seen so far)
         self.lifecycle: str = spec.lifecycle
         self._budgets = TokenBudgets(
             {
@@ -136,8 +137,11 @@ class NodeGenerations:
         gen.cache = None
         self.release(paused)
 
-    def release(self, paused: Iterable[Request]) -> None:
-        """Bring paused and cached KV under the node's KV budget (see policies.kv)."""
+    def release(self, paused: Iterable[Request], running: Iterable[Generation] = ()) -> None:
+        """Bring paused and cached KV under the node's KV budget (see policies.kv). The
+        caches of ``running`` generations cannot give way, so they count against the
+        budget at the size they may still grow to."""
+        budget = self._kv_budget - sum(self._projected(g) for g in running)
         paused_by_id = {r.id: r for r in paused}
         views = self.kv.views()
         for rid, r in paused_by_id.items():
@@ -145,7 +149,7 @@ class NodeGenerations:
             if cache is not None:
                 keep = cache.bytes_for(self._shared_len(self.live[rid]))
                 views.append(CacheView(rid, cache.nbytes, keep, True, r.priority, seq=r.seq))
-        for key, action in plan_kv_release(views, self._kv_budget):
+        for key, action in plan_kv_release(views, budget):
             gen = self.live.get(key) if key in paused_by_id else None
             if gen is None:
                 self.kv.drop(key)
@@ -170,6 +174,22 @@ class NodeGenerations:
         ]
         return max((common_prefix(gen.tokens, t) for t in others), default=0)
 
-    def kv_bytes(self, paused: Iterable[Request]) -> dict[str, int]:
+    def _projected(self, gen: Generation) -> int:
+        """Bytes of ``gen``'s cache once it has made every token it may still make."""
+        cache = gen.cache
+        if cache is not None and cache.length:
+            self._token_bytes[gen.request.model] = cache.nbytes // cache.length
+        per_token = self._token_bytes.get(gen.request.model, 0)
+        made = len(gen.generated)
+        left = max(0, min(gen.limit, gen.request.max_new_tokens - gen.request.continued) - made)
+        tokens = len(gen.tokens) + left
+        if gen.max_context is not None:
+            tokens = min(tokens, gen.max_context)
+        return per_token * tokens
+
+    def kv_bytes(
+        self, paused: Iterable[Request], running: Iterable[Generation] = ()
+    ) -> dict[str, int]:
         held = sum(c.nbytes for r in paused if (c := self.live[r.id].cache) is not None)
-        return {"paused": held, "cached": self.kv.nbytes}
+        busy = sum(g.cache.nbytes for g in running if g.cache is not None)
+        return {"running": busy, "paused": held, "cached": self.kv.nbytes}

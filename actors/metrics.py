@@ -106,8 +106,8 @@ RSS_BYTES = _gauge("edgefleet_node_rss_bytes", _NODE, "Resident memory of the no
 KV_BYTES = _gauge(
     "edgefleet_kv_cache_bytes",
     (*_NODE, "kind"),
-    "KV cache bytes held: kind=paused (paused generations), kind=cached (sessions and "
-    "shared prefixes)",
+    "KV cache bytes held: kind=running (generations decoding now), kind=paused (paused "
+    "generations), kind=cached (sessions and shared prefixes)",
 )
 ADMITTED = _counter(
     "edgefleet_admitted_total",

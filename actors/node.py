@@ -487,6 +487,7 @@ class NodeRuntime:
                 self._counters["resumed"] += 1
                 self._metrics.resumed(req.priority)
             self._gens.attach_cache(gen)
+            self._gens.release(self._sched.paused, running=[gen])
 
         try:
             reason = await self._engine.advance(plan.model, gen, resident)
@@ -569,6 +570,12 @@ class NodeRuntime:
 
     # --------------------------------------------------------------------- status
 
+    def _running_generations(self) -> list[Generation]:
+        plan = self._sched.running
+        if plan is None:
+            return []
+        return [g for r in plan.requests if (g := self._gens.live.get(r.id)) is not None]
+
     def status(self) -> NodeStatus:
         running = self._sched.running
         now = self._clock.now()
@@ -609,7 +616,7 @@ class NodeRuntime:
             pid=os.getpid(),
             paused=self._sched.paused_by_priority(),
             lifecycle=self._gens.lifecycle,
-            kv_bytes=self._gens.kv_bytes(self._sched.paused),
+            kv_bytes=self._gens.kv_bytes(self._sched.paused, self._running_generations()),
             sessions=tuple(self._gens.kv.sessions()[:MAX_REPORTED_SESSIONS]),
             metrics=self._metrics.summary(),
             queued_rows=self._sched.queued_rows(),

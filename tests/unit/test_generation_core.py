@@ -7,21 +7,24 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from actors.decoder import DecoderEngine, Generation, KVCache, check_generation, sample
+from actors.generations import NodeGenerations
 from actors.kvstore import KVStore, prefix_key, session_key
 from actors.node import NodeRuntime
 from cluster.client import TokenStream
+from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost
 from edgefleet.messages import GenerationResult, TokenChunk
 from edgefleet.modelgen import TINY_LM_VOCAB, make_tiny_lm
-from edgefleet.request import GenerateRequest
-from tests.fakes import LocalFleet
+from edgefleet.request import GenerateRequest, Request
+from tests.fakes import LocalFleet, fake_spec
 
 
 def test_sampling_is_greedy_at_zero_and_seeded_otherwise():
@@ -193,9 +196,7 @@ def test_streams_spill_and_continue_after_node_loss(lm_path, lm_fleet):
     assert isinstance(missing.error, ModelNotFound)
 
 
-def test_a_continuation_after_node_loss_keeps_the_budget_and_the_sampling_stream(
-    lm_path, lm_fleet
-):
+def test_a_continuation_after_node_loss_keeps_the_budget_and_the_sampling_stream(lm_path, lm_fleet):
     f = lm_fleet()
     prompt = tuple(range(5, 25))
     for name in ("a", "b"):  # both devices in the background: background gets 1/4
@@ -355,3 +356,30 @@ def test_generations_stop_at_the_models_eos_token_by_default(tmp_path, where):
         assert tokens == free and result.finish_reason == "length"
     finally:
         f.close()
+
+
+def test_the_kv_budget_counts_the_running_generations_caches():
+    # Budget: 240 bytes a token x 100 tokens. A paused generation holds 60 tokens; a
+    # running one holds 30 and may grow to 30 + 20 more: 110 tokens in all, over budget,
+    # so the paused cache gives way (it shares no prefix to keep: nothing is left).
+    token_bytes = _cache(1).nbytes
+    spec = fake_spec().model_copy(update={"kv_budget_mb": 100 * token_bytes / (1024 * 1024)})
+    counters: Counter[str] = Counter()
+    gens = NodeGenerations(spec, FakeClock(), counters)
+
+    def live(rid: str, first: int, prompt_len: int, cached: int, max_new: int) -> Generation:
+        prompt = tuple(range(first, first + prompt_len))
+        request = GenerateRequest("m", prompt, max_new_tokens=max_new)
+        g = Generation(request, max_new, print)
+        g.cache = _cache(cached)
+        gens.live[rid] = g
+        return g
+
+    paused = live("p", 1, 60, 60, 10)
+    running = live("r", 100, 30, 30, 20)  # shares no prefix with the paused one
+    parked = Request("p", "m", {}, priority=3, arrival=0.0)
+    gens.release([parked])
+    assert paused.cache is not None  # alone, 60 + 0 tokens fit
+    gens.release([parked], running=[running])
+    assert paused.cache is None and counters["kv_trimmed"] + counters["kv_dropped"] == 1
+    assert gens.kv_bytes([], running=[running])["running"] == running.cache.nbytes
