@@ -187,10 +187,21 @@ class FleetClient:
         deadline_s: float | None = None,
         key: str | None = None,
         request_id: str | None = None,
+        at_most_once: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Run one inference and return its outputs, or raise a typed EdgeFleetError."""
+        """Run one inference and return its outputs, or raise a typed EdgeFleetError.
+
+        A request whose node is lost while holding it is placed again under the same
+        id (inference is idempotent); ``at_most_once=True`` answers NodeLost instead,
+        for a caller that must never have it run twice."""
         return self.infer_reply(
-            model, inputs, priority=priority, deadline_s=deadline_s, key=key, request_id=request_id
+            model,
+            inputs,
+            priority=priority,
+            deadline_s=deadline_s,
+            key=key,
+            request_id=request_id,
+            at_most_once=at_most_once,
         ).unwrap()
 
     def infer_reply(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> Reply:
@@ -208,6 +219,7 @@ class FleetClient:
         deadline_s: float | None = None,
         key: str | None = None,
         request_id: str | None = None,
+        at_most_once: bool = False,
     ) -> cf.Future[Reply]:
         """Send one request without waiting; returns a future of its :class:`Reply`.
 
@@ -224,6 +236,7 @@ class FleetClient:
                 deadline_s=deadline_s,
                 key=key,
                 request_id=request_id,
+                at_most_once=at_most_once,
             )
         )
 
@@ -236,6 +249,7 @@ class FleetClient:
         deadline_s: float | None = None,
         key: str | None = None,
         request_id: str | None = None,
+        at_most_once: bool = False,
     ) -> tuple[InferRequest, Any]:
         """The request, and an object reference of its inputs when they are large."""
         self._check_model(model)
@@ -250,6 +264,7 @@ class FleetClient:
             id=check_text(request_id, "request_id") or new_request_id(),
             deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
             key=check_text(key, "key"),
+            at_most_once=bool(at_most_once),
         )
         if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
             return replace(request, inputs={}), ray.put(dict(inputs))
@@ -274,10 +289,17 @@ class FleetClient:
         deadline_s: float | None = None,
         key: str | None = None,
         request_id: str | None = None,
+        at_most_once: bool = False,
     ) -> dict[str, np.ndarray]:
         """Awaitable :meth:`infer`, for asyncio services."""
         future = self.submit(
-            model, inputs, priority=priority, deadline_s=deadline_s, key=key, request_id=request_id
+            model,
+            inputs,
+            priority=priority,
+            deadline_s=deadline_s,
+            key=key,
+            request_id=request_id,
+            at_most_once=at_most_once,
         )
         reply: Reply = await asyncio.wrap_future(future)
         return reply.unwrap()
@@ -297,6 +319,7 @@ class FleetClient:
         stop_ids: Iterable[int] = (),
         deadline_s: float | None = None,
         request_id: str | None = None,
+        at_most_once: bool = False,
     ) -> TokenStream:
         """Generate with a decoder model; iterate the result for token ids as they
         are produced. Afterwards ``finish_reason`` is ``stop``, ``length``, ``budget``
@@ -304,7 +327,8 @@ class FleetClient:
 
         ``session`` lets follow-up turns of a chat reuse the KV of earlier ones on the
         node that holds it; ``prefix_len`` marks a shared system prompt. ``deadline_s``
-        bounds the wait before the first step.
+        bounds the wait before the first step. A generation whose node is lost goes on
+        on another node from the tokens sent; ``at_most_once=True`` ends it NodeLost.
         """
         self._check_model(model)
         request = GenerateRequest(
@@ -320,6 +344,7 @@ class FleetClient:
             seed=seed,
             stop_ids=token_ids(stop_ids, "stop_ids"),
             deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
+            at_most_once=bool(at_most_once),
         )
         return TokenStream(request.id, self._dispatcher.stream(request))
 

@@ -379,7 +379,7 @@ class Dispatcher:
                 try:
                     call = entry.handle.infer(attempt.request_now, inputs)  # type: ignore[arg-type]
                 except NodeGone:
-                    attempt.lost(entry)
+                    attempt.lost(entry, sent=False)
                     entry = None
                     continue
                 call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
@@ -408,11 +408,9 @@ class Dispatcher:
                     again.daemon = True
                     again.start()
                     return
-                attempt.lost(entry)
-                final = None
+                final = attempt.lost(entry)
             except NodeGone:
-                attempt.lost(entry)
-                final = None
+                final = attempt.lost(entry)
             else:
                 final = attempt.settle(entry, reply)
         except Exception as exc:
@@ -439,7 +437,9 @@ class Dispatcher:
                 try:
                     reply = self._call_node(attempt, entry, inputs)
                 except NodeGone:
-                    attempt.lost(entry)
+                    lost = attempt.lost(entry)
+                    if lost is not None:
+                        return lost  # type: ignore[return-value]
                     continue
                 final = attempt.settle(entry, reply)
                 if final is not None:
@@ -614,7 +614,10 @@ class _Attempt:
 
     def wait_same(self, entry: _Entry) -> float | None:
         """How long to wait before asking ``entry``'s node again, out of reach as it
-        is; None once it has been so for ``router.lost_after_s`` (place elsewhere)."""
+        is; None once it has been so for ``router.lost_after_s`` (place elsewhere), or
+        at once for an at-most-once request (a restarted node would run it again)."""
+        if self.request.at_most_once:
+            return None
         now = self.d._clock.now()
         name = entry.spec.name
         if self.unreachable is None or self.unreachable[0] != name:
@@ -626,14 +629,23 @@ class _Attempt:
         backoff = min(UNREACHABLE_MAX_WAIT_S, UNREACHABLE_FIRST_WAIT_S * 2**tries)
         return backoff * (0.5 + self.d._jitter.random())
 
-    def lost(self, entry: _Entry) -> Final | None:
+    def lost(self, entry: _Entry, *, sent: bool = True) -> Final | None:
         """``entry``'s node died with the request: place it again (a generation goes on
-        from the tokens sent). None: try the next node."""
+        from the tokens sent). None: try the next node. An at-most-once request the
+        node may have run (it was ``sent``) ends NodeLost instead."""
         self.release(entry)
         self.d._lose(entry)
+        r = self.request
+        if r.at_most_once and sent:
+            return self.fail(
+                NodeLost(
+                    f"node {entry.spec.name} was lost while it held the request, which may "
+                    "have run there; an at_most_once request is not sent again",
+                    request_id=r.id,
+                )
+            )
         self.d._count("replaced")
         self.d._metrics.replaced(self.request.priority, "node_lost")
-        r = self.request
         if isinstance(r, GenerateRequest) and self.tokens:
             left = r.max_new_tokens - len(self.tokens)
             if left <= 0:

@@ -133,6 +133,9 @@ class InferRequest:
     id: str = field(default_factory=new_request_id)
     deadline_unix: float | None = None
     key: str | None = None
+    # Never run twice: when the node holding it is lost (it may have run there), the
+    # caller gets NodeLost instead of the request being placed again.
+    at_most_once: bool = False
 
     @staticmethod
     def deadline_from_timeout(timeout_s: float | None) -> float | None:
@@ -178,6 +181,8 @@ class GenerateRequest:
     # that was lost: this one goes on from there, within the same token budget and on
     # the same sampling stream, as if never interrupted.
     continued: int = 0
+    # Never continued elsewhere: a lost node ends it with NodeLost and the tokens sent.
+    at_most_once: bool = False
 
 
 @dataclass(eq=False)

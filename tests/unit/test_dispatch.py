@@ -231,6 +231,42 @@ def test_requests_on_a_dying_node_are_placed_again_and_answered_once(fleet):
     assert f.dispatcher.healthy()["a"]
 
 
+def test_at_most_once_requests_on_a_dying_node_end_node_lost_and_run_nowhere_else(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, shed={}, placement={"picker": "best"})
+    futures = [
+        f.dispatcher.submit(replace(req(10, rid=f"r{i}"), at_most_once=True)) for i in range(20)
+    ]
+    wait_for(lambda: f.node("a").status().queue_length > 0)
+    f.handles["a"].dead = True
+    replies = [r.result(60) for r in futures]
+    assert sorted(r.request_id for r in replies) == sorted(f"r{i}" for i in range(20))
+    on_a = [r for r in replies if r.error is not None]
+    assert on_a and all(isinstance(r.error, NodeLost) for r in on_a)
+    assert "may have run" in str(on_a[0].error)
+    # None of them went to b: b ran only those placed there in the first place.
+    ran_on_b = f.node("b").status().counters["completed"]
+    assert ran_on_b == sum(r.error is None for r in replies)
+
+
+@pytest.mark.parametrize("path", ["submit", "call"])
+def test_an_at_most_once_request_is_not_asked_again_when_its_node_is_out_of_reach(fleet, path):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, shed={}, placement={"picker": "best"})
+    for h in f.handles.values():
+        h.unreachable = 1  # the node runs it; the caller only hears "unavailable"
+    request = replace(req(10, rid=f"amo-{path}"), at_most_once=True)
+    reply = (
+        f.dispatcher.submit(request).result(30) if path == "submit" else f.dispatcher.call(request)
+    )
+    assert isinstance(reply.error, NodeLost), reply
+
+    def runs():
+        return sum(f.node(n).status().counters.get("completed", 0) for n in f.handles)
+
+    wait_for(lambda: runs() >= 1)  # it ran where it was sent, and only there
+    time.sleep(0.2)
+    assert runs() == 1
+
+
 def test_every_node_lost_or_unknown_model(fleet):
     f = fleet({"a": {}})
     f.handles["a"].dead = True

@@ -196,6 +196,20 @@ def test_streams_spill_and_continue_after_node_loss(lm_path, lm_fleet):
     assert isinstance(missing.error, ModelNotFound)
 
 
+def test_an_at_most_once_generation_ends_node_lost_with_its_tokens_when_its_node_dies(
+    lm_path, lm_fleet
+):
+    f = lm_fleet()
+    prompt = tuple(range(5, 25))
+    victim, kill_after_some = node_killer(f)
+    request = GenerateRequest("lm", prompt, max_new_tokens=300, at_most_once=True)
+    tokens, result = collect(f, request, kill_after_some)
+    assert victim and isinstance(result.error, NodeLost) and "may have run" in str(result.error)
+    assert tokens == list(result.tokens) == reference(lm_path, prompt, 300)[: len(tokens)]
+    survivor = next(n for n in ("a", "b") if n != victim[0])
+    assert f.node(survivor).status().counters["received"] == 0  # not continued there
+
+
 def test_a_continuation_after_node_loss_keeps_the_budget_and_the_sampling_stream(lm_path, lm_fleet):
     f = lm_fleet()
     prompt = tuple(range(5, 25))
