@@ -85,6 +85,7 @@ SUMMARY_TOKENS = 40
 PRIORITIES = ("foreground", "inline", "background", "offline", 5, 1)
 SUBMIT_RATE = 25.0  # submitted requests per second (plus bursts)
 BURST = 24  # background requests submitted at once, now and then
+AT_MOST_ONCE_SHARE = 0.5  # inference and summaries sent with at_most_once=True
 REPORT_INTERVAL_S = 0.25
 KV_BUDGET_MB = 16  # sessions' and paused generations' KV per node
 LOST_AFTER_S = 2.0
@@ -204,6 +205,7 @@ class Sent:
     tokens: list[int] = field(default_factory=list)  # delivered, in order (generation)
     after_end: int = 0  # tokens or errors delivered after the answer (must stay 0)
     wrong: str = ""  # why the answer's content is wrong ('' when it is right)
+    at_most_once: bool = False  # never placed again once sent: NodeLost instead
 
     @property
     def answered_at(self) -> float | None:
@@ -226,12 +228,14 @@ class Ledger:
         priority: int | str,
         ref: tuple[Any, ...],
         max_new_tokens: int = 0,
+        at_most_once: bool = False,
     ) -> Sent:
         with self._lock:
             rid = f"{api[0]}{next(self._ids):07d}"
             sent = self.sent[rid] = Sent(
                 rid, api, model, priority, time.time(), ref, max_new_tokens
             )
+            sent.at_most_once = at_most_once
         return sent
 
     def answer(self, sent: Sent, answer: Answer) -> None:
@@ -430,7 +434,8 @@ class Load:
         self, rng: random.Random, priority: int | str, deadline_s: float | None = None
     ) -> None:
         model, i = self._feed(rng)
-        sent = self.ledger.new("submit", model, priority, (model, i))
+        once = rng.random() < AT_MOST_ONCE_SHARE
+        sent = self.ledger.new("submit", model, priority, (model, i), at_most_once=once)
         key = f"camera-{rng.randrange(2)}" if priority == "inline" and rng.random() < 0.3 else None
         try:
             future = self.client.submit(
@@ -440,6 +445,7 @@ class Load:
                 deadline_s=deadline_s,
                 key=key,
                 request_id=sent.id,
+                at_most_once=once,
             )
         except Exception as exc:
             outcome, what = _typed(exc)
@@ -486,10 +492,15 @@ class Load:
         while not self.stop.wait(rng.uniform(0.005, 0.03)):
             model, i = self._feed(rng)
             priority = rng.choice(PRIORITIES)
-            sent = self.ledger.new("infer", model, priority, (model, i))
+            once = rng.random() < AT_MOST_ONCE_SHARE
+            sent = self.ledger.new("infer", model, priority, (model, i), at_most_once=once)
             try:
                 outputs = self.client.infer(
-                    model, self.refs.feeds[model][i], priority=priority, request_id=sent.id
+                    model,
+                    self.refs.feeds[model][i],
+                    priority=priority,
+                    request_id=sent.id,
+                    at_most_once=once,
                 )
             except Exception as exc:
                 outcome, what = _typed(exc)
@@ -510,6 +521,7 @@ class Load:
                 priority=sent.priority,
                 prefix_len=len(SYSTEM),
                 request_id=sent.id,
+                at_most_once=sent.at_most_once,
                 **kw,
             )
             for token in stream:
@@ -550,7 +562,12 @@ class Load:
             j = rng.randrange(SUMMARIES)
             priority = rng.choice(("background", "offline", 2))
             sent = self.ledger.new(
-                "generate", LM, priority, ("summary", j), max_new_tokens=SUMMARY_TOKENS
+                "generate",
+                LM,
+                priority,
+                ("summary", j),
+                max_new_tokens=SUMMARY_TOKENS,
+                at_most_once=rng.random() < AT_MOST_ONCE_SHARE,
             )
             deadline = rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None
             self._generate(sent, self.refs.summaries[j][0], deadline_s=deadline)
@@ -1042,6 +1059,9 @@ class Figures:
     ran_more: int = 0
     reran_after_kill: int = 0
     reran_unexplained: int = 0
+    reran_at_most_once: int = 0  # at_most_once ids run more than once (for any reason)
+    at_most_once_sent: int = 0
+    at_most_once_lost: int = 0  # at_most_once requests answered NodeLost
     success_without_run: int = 0
     wrong_node: int = 0  # successes naming a node that has no execution of them
     success_by_caller: int = 0  # generations the caller ended after their node died
@@ -1127,6 +1147,11 @@ class Figures:
                 self.reran_unexplained == 0,
             ),
             (
+                "at_most_once ids run more than once",
+                self.reran_at_most_once,
+                self.reran_at_most_once == 0,
+            ),
+            (
                 "actors (or their processes) alive after the client closed",
                 len(self.leaked),
                 not self.leaked,
@@ -1169,6 +1194,7 @@ def analyse(
             f.examples.append(text)
 
     for s in sent:
+        f.at_most_once_sent += s.at_most_once
         if not s.answers:
             f.no_answer += 1
             example(f"{s.id} ({s.api} {s.model} p={s.priority}): no answer")
@@ -1177,6 +1203,7 @@ def analyse(
             f.two_answers += 1
             example(f"{s.id}: {len(s.answers)} answers: {[a.what for a in s.answers]}")
         a = s.answers[0]
+        f.at_most_once_lost += s.at_most_once and a.what == "NodeLost"
         if a.outcome == "ok":
             f.ok += 1
         elif a.outcome == "typed":
@@ -1242,6 +1269,7 @@ def analyse(
             f.ran_once += 1
             continue
         f.ran_more += 1
+        f.reran_at_most_once += ledger.sent[rid].at_most_once
         answered = ledger.sent[rid].answered_at
         explained = True
         for first, then in itertools.pairwise(ran):
@@ -1399,6 +1427,11 @@ def render(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> st
                     f.reran_after_kill,
                 ],
                 ["... re-run with no kill to explain it", f.reran_unexplained],
+                [
+                    "requests sent at_most_once / answered NodeLost ('may have run')",
+                    f"{f.at_most_once_sent:,} / {f.at_most_once_lost:,}",
+                ],
+                ["at_most_once ids run more than once", f.reran_at_most_once],
                 ["successes without an execution", f.success_without_run],
                 ["successes naming a node that has no execution of them", f.wrong_node],
                 [

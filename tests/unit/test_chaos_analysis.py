@@ -54,7 +54,8 @@ def test_every_broken_promise_is_counted(tmp_path):
     wrong = sent(answers=[ok])
     wrong.wrong = "logits differ"
     unexplained = sent(answers=[ok])
-    explained = sent(answers=[Answer(t + 9, "ok", "completed", "b")])
+    # Ran again after its node died: explained, yet a broken promise for at_most_once.
+    explained = sent(answers=[Answer(t + 9, "ok", "completed", "b")], at_most_once=True)
     sent(answers=[ok])  # a success nothing ran
     elsewhere = sent(answers=[Answer(t + 1, "ok", "completed", "b")])  # ran on a only
     gen = dict(api="generate", ref=("chat", 0, 0), max_new_tokens=4)
@@ -62,7 +63,7 @@ def test_every_broken_promise_is_counted(tmp_path):
     exact.tokens = [7, 8, 9, 10]
     dupe = sent(answers=[Answer(t + 1, "ok", "length", "a")], **gen)
     dupe.tokens = [7, 8, 8, 9]
-    cut = sent(answers=[Answer(t + 1, "typed", "NodeLost")], **gen)
+    cut = sent(answers=[Answer(t + 1, "typed", "NodeLost")], at_most_once=True, **gen)
     cut.tokens = [7, 9]
 
     traces = tmp_path / "trace"
@@ -93,6 +94,8 @@ def test_every_broken_promise_is_counted(tmp_path):
     assert dict(figures.untyped) == {"RuntimeError": 1}
     assert figures.wrong_outputs == 1
     assert (figures.ran_more, figures.reran_after_kill, figures.reran_unexplained) == (2, 1, 1)
+    assert (figures.at_most_once_sent, figures.at_most_once_lost) == (2, 1)
+    assert figures.reran_at_most_once == 1
     assert figures.success_without_run == 1 and figures.wrong_node == 1
     assert (figures.unknown_ids, figures.truncated_lines) == (1, 1)
     assert (figures.gen_exact, figures.gen_token_errors, figures.gen_partial_errors) == (1, 1, 1)
