@@ -12,15 +12,30 @@ that arrives during a prefill call aborts that call (ONNX Runtime's terminate fl
 the prefill runs again on resume, so urgent work never waits for a long prompt. A cache
 trimmed to a prefix (or dropped) is rebuilt by prefilling the tokens it no longer
 covers, so the output does not change.
+
+A dynamically quantized model (``DynamicQuantizeLinear``: each call's activations share
+one scale computed from the call's data) is the exception: its logits depend on how
+tokens are grouped into calls, so a prefill of many tokens does not give the KV that one
+call per token gave. ``DecoderEngine.exact_grouping`` marks such models; their caches
+are rebuilt by replaying the generation's own calls (``Generation.aligned``), and a
+cache built by another request's calls (a session or shared prefix) is not reused.
+
+Generations of one model can also decode together (``advance_batch``): one call per
+token feeds every row its last token, caches left-padded to a shared length, so the
+weights are read once for all of them. Logits match decoding alone to float rounding
+(the padding changes the order of a few sums), so tokens are those made alone unless
+two candidates tie that closely. A generation leaves the group, with its own cache, at
+the token where it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +52,10 @@ PRESENT = "present."
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
 WARMUP_PROMPT = 16
 WARMUP_TOKENS = 32
+# Op types that quantize activations with a scale taken from each call's data: ONNX's
+# DynamicQuantizeLinear (what quantize_dynamic and Optimum's quantizer put before each
+# MatMulInteger) and ONNX Runtime's DynamicQuantizeMatMul / DynamicQuantizeLSTM.
+DYNAMIC_QUANTIZE = b"DynamicQuantize"
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,9 @@ class Generation:
     engine_cpu_s: float = 0.0  # CPU time of the engine thread (no time lost to others)
     rng: np.random.Generator | None = None
     finish_reason: str | None = None
+    # Set by the engine of an exact_grouping model: the prefill chunk its calls use
+    # (0: the prompt in one call). None: any grouping of tokens into calls will do.
+    exact_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -96,6 +118,23 @@ class Generation:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    @property
+    def original_prompt_len(self) -> int:
+        """Prompt tokens of the first attempt (a continuation's prompt also holds the
+        tokens an earlier attempt generated)."""
+        return self.prompt_len - self.request.continued
+
+    def aligned(self, n: int) -> int:
+        """The longest cache length <= ``n`` this generation's cache can be trimmed to
+        and still be rebuilt with the same output: ``n`` itself, unless its model is
+        exact_grouping. Then only the ends of the calls an uninterrupted run makes
+        qualify: the original prompt in chunks of ``exact_chunk`` tokens (one call for
+        0), then every token. Callers that trim (``KVCache.prefix``) MUST pass a length
+        this returns, or the engine drops the rest back to the boundary on resume."""
+        if self.exact_chunk is None or n >= self.original_prompt_len:
+            return n
+        return n - n % self.exact_chunk if self.exact_chunk > 0 else 0
 
     def end_reason(self) -> str | None:
         """Why the generation ends before another step, or None to go on."""
@@ -193,6 +232,9 @@ class DecoderEngine:
         prefill_chunk: int = 0,
     ) -> None:
         self._session = open_session(name, path, threads)
+        # Logits depend on how tokens are grouped into calls: caches are rebuilt by
+        # replaying the original calls, never reused from other requests or batched.
+        self.exact_grouping = dynamically_quantized(path)
         self.name = name
         self.path = path
         self.stop_ids = tuple(stop_ids)  # default: the model's own (see below)
@@ -290,21 +332,43 @@ class DecoderEngine:
     def step(self, gen: Generation, stop: threading.Event | None = None) -> int | None:
         """Feed the tokens the cache does not cover yet and produce the next token; a
         prompt longer than ``prefill_chunk`` is fed one chunk per step (None: no token
-        yet). Raises RunAborted when ``stop`` aborted a prefill."""
-        start = gen.cache.length if gen.cache is not None else 0
-        new = gen.tokens[start:]
-        if 0 < self.prefill_chunk < len(new):
-            _, arrays = self.forward(new[: self.prefill_chunk], start, gen.cache, stop)
-            gen.cache = KVCache(arrays, start + self.prefill_chunk)
-            gen.fed += self.prefill_chunk
-            return None
-        logits, arrays = self.forward(new, start, gen.cache, stop)
-        gen.cache = KVCache(arrays, start + len(new))
-        gen.fed += len(new)
+        yet). On an exact_grouping model each step is one call of the uninterrupted run
+        (see ``_exact_call``), so a cache is rebuilt over several steps. Raises
+        RunAborted when ``stop`` aborted a prefill."""
+        if self.exact_grouping:
+            start, end = self._exact_call(gen)
+        else:
+            start = gen.cache.length if gen.cache is not None else 0
+            end = len(gen.tokens)
+            if 0 < self.prefill_chunk < end - start:
+                end = start + self.prefill_chunk
+        logits, arrays = self.forward(gen.tokens[start:end], start, gen.cache, stop)
+        gen.cache = KVCache(arrays, end)
+        gen.fed += end - start
+        if end < len(gen.tokens):
+            return None  # a prefill chunk, or a call replayed to rebuild a cache
         token = sample(logits, gen.request.temperature, gen.request.top_k, gen.rng)
         gen.tokens.append(token)
         gen.emit(token)
         return token
+
+    def _exact_call(self, gen: Generation) -> tuple[int, int]:
+        """Tokens ``[start, end)`` of ``gen``'s next call on an exact_grouping model: the
+        call its uninterrupted run makes where the cache ends. A cache trimmed between
+        two such calls is first cut back to the earlier one's end; a cache another
+        request's calls built (a reused session or prefix) is dropped."""
+        gen.exact_chunk = self.prefill_chunk
+        if gen.reused:
+            gen.cache, gen.reused = None, 0
+        start = gen.aligned(gen.cache.length if gen.cache is not None else 0)
+        if gen.cache is not None:
+            gen.cache = gen.cache.prefix(start)
+        prompt = gen.original_prompt_len
+        if start >= prompt:
+            return start, start + 1  # decoding (or replaying) one token per call
+        if self.prefill_chunk > 0:
+            return start, min(start + self.prefill_chunk, prompt)
+        return start, prompt
 
     def forward(
         self,
@@ -349,6 +413,132 @@ class DecoderEngine:
                     self._prefilling = None
         return out[0][0, -1], tuple(out[1:])
 
+    # ---------------------------------------------------------------- batched decode
+
+    @property
+    def batchable_decode(self) -> bool:
+        """Whether ``advance_batch`` decodes its generations in one model call per token.
+        That takes a shared dynamic batch axis, per-row ``position_ids`` (left padding
+        would shift the positions a model derives itself), a plain with-past graph (no
+        ``use_cache_branch``) and numbers that do not depend on the rest of the call
+        (not ``exact_grouping``). Otherwise the generations take turns, a token each."""
+        return (
+            self._sig.batchable
+            and self._has_positions
+            and not self._cache_branch
+            and not self.exact_grouping
+        )
+
+    def advance_batch(
+        self, gens: Sequence[Generation], stop: threading.Event | None = None
+    ) -> dict[str, str | None]:
+        """Decode several generations together until each ends or ``stop`` is set.
+        Returns each one's finish reason by request id: None means paused at a token
+        boundary with its cache kept, so a later ``advance`` or ``advance_batch`` (in any
+        grouping) continues it exactly. Request ids MUST be distinct.
+
+        A generation whose cache does not cover all but its last token is first brought
+        up alone through ``step`` (prefill in chunks, rebuild after a trim), as
+        ``advance`` would. Then the generations with one token to feed decode in one
+        model call per token, caches left-padded to a shared length; a generation leaves
+        the group at the token where it ends. On return every generation holds its own
+        unpadded cache. Greedy and seeded outputs are those of each generation decoded
+        alone (logits agree to float rounding), and a shared call's engine time is split
+        evenly among its rows. Without ``batchable_decode`` the generations take turns
+        through ``step``, a token each."""
+        ids = [gen.request.id for gen in gens]
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"advance_batch needs generations of distinct request ids: {ids}")
+        try:
+            ready = [gen for gen in gens if self._bring_up(gen, stop)]
+            if self.batchable_decode and len(ready) > 1 and not _is_set(stop):
+                ready = self._decode_together(ready, stop)
+            self._decode_in_turn(ready, stop)
+        except RunAborted:
+            pass  # a prefill aborted for a pause: its cache is as it was
+        return {gen.request.id: gen.end_reason() for gen in gens}
+
+    def forward_rows(
+        self,
+        ids: Sequence[int],
+        positions: np.ndarray,
+        mask: np.ndarray,
+        past: Sequence[np.ndarray],
+    ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """One token for each of several rows in one call: logits ``[rows, vocab]`` and
+        the new cache arrays (``past`` with one more column). Row ``r`` feeds ``ids[r]``
+        at position ``positions[r, 0]`` and attends to the columns ``mask[r]`` marks.
+        Not abortable: a decode call is short."""
+        feed: dict[str, Any] = {
+            "input_ids": np.asarray(ids, dtype=self._ids_dtype).reshape(-1, 1),
+            "attention_mask": mask,
+            "position_ids": positions,
+        }
+        feed.update(zip(self._past, past, strict=True))
+        try:
+            out = self._session.run(self._outputs, feed)
+        except Exception as exc:
+            raise EngineError(f"model {self.name!r} failed: {exc}") from None
+        return out[0][:, -1], tuple(out[1:])
+
+    def _bring_up(self, gen: Generation, stop: threading.Event | None) -> bool:
+        """Step ``gen`` alone until its cache covers all but its last token (True), or
+        it ends or ``stop`` is set first (False)."""
+        while gen.end_reason() is None and not _is_set(stop):
+            if gen.cache is not None and gen.cache.length == len(gen.tokens) - 1:
+                return True
+            self._timed_step(gen, stop)
+        return False
+
+    def _decode_in_turn(self, gens: Sequence[Generation], stop: threading.Event | None) -> None:
+        """A step each in turn until every generation ends or ``stop`` is set."""
+        live = list(gens)
+        while live and not _is_set(stop):
+            for gen in live:
+                if _is_set(stop):
+                    return
+                if gen.end_reason() is None:  # the budget can shrink meanwhile
+                    self._timed_step(gen, stop)
+            live = [gen for gen in live if gen.end_reason() is None]
+
+    def _decode_together(
+        self, gens: Sequence[Generation], stop: threading.Event | None
+    ) -> list[Generation]:
+        """Decode ``gens`` (each with one token to feed) in one call per token while two
+        or more go on and ``stop`` is not set; return those still going, each with its
+        own cache again."""
+        mark = time.perf_counter(), time.thread_time()
+        batch = _Batch(gens)
+        try:
+            while len(batch.gens) > 1 and not _is_set(stop):
+                rows = list(batch.gens)
+                logits, arrays = self.forward_rows(
+                    [gen.tokens[-1] for gen in rows],
+                    batch.positions(),
+                    batch.mask(self._mask_dtype),
+                    batch.arrays,
+                )
+                batch.grown(arrays)
+                for row, gen in enumerate(rows):
+                    token = sample(logits[row], gen.request.temperature, gen.request.top_k, gen.rng)
+                    gen.tokens.append(token)
+                    gen.fed += 1
+                    gen.emit(token)
+                batch.release([r for r, gen in enumerate(rows) if gen.end_reason() is not None])
+                mark = _charge(rows, mark)
+        finally:
+            left = batch.release(range(len(batch.gens)))
+            _charge(left, mark)
+        return left
+
+    def _timed_step(self, gen: Generation, stop: threading.Event | None) -> None:
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            self.step(gen, stop)
+        finally:
+            gen.engine_s += time.perf_counter() - t0
+            gen.engine_cpu_s += time.thread_time() - cpu0
+
     def warmup(self) -> dict[int, float]:
         """Run one short generation; learn the vocabulary size; return the engine
         seconds of a warm-up-sized generation (the node's cost table entry)."""
@@ -389,8 +579,101 @@ class DecoderEngine:
         return (1, heads, 0, head_dim)
 
 
+class _Batch:
+    """Generations decoding together, one row each, their caches left-padded to one
+    width: row ``r`` holds its own cache in columns ``pads[r]:`` of every array. The
+    arrays a call returns are the next call's past as they are (no copy per token);
+    rows are copied out only when they leave, and the others re-packed then."""
+
+    def __init__(self, gens: Sequence[Generation]) -> None:
+        caches: list[KVCache] = []
+        for gen in gens:
+            if gen.cache is None:
+                raise ValueError(f"generation {gen.request.id} joins a batch without a cache")
+            caches.append(gen.cache)
+        self.gens = list(gens)
+        self.width = max(c.length for c in caches)
+        self.pads = np.array([self.width - c.length for c in caches], dtype=np.int64)
+        arrays = []
+        for i, like in enumerate(caches[0].arrays):
+            # Zeros, not garbage: padded keys are masked out, but NaN * 0 is still NaN.
+            out = np.zeros((len(gens), like.shape[1], self.width, like.shape[3]), like.dtype)
+            for row, cache in enumerate(caches):
+                out[row, :, self.pads[row] :] = cache.arrays[i][0]
+            arrays.append(out)
+        self.arrays: tuple[np.ndarray, ...] = tuple(arrays)
+
+    def positions(self) -> np.ndarray:
+        """Each row's position of the token it feeds next: its own length, not the
+        padded one."""
+        return (self.width - self.pads)[:, None]
+
+    def mask(self, dtype: np.dtype[Any]) -> np.ndarray:
+        """The attention mask of the next call: padding 0, the row's cache and its new
+        token 1."""
+        return (np.arange(self.width + 1) >= self.pads[:, None]).astype(dtype)
+
+    def grown(self, arrays: tuple[np.ndarray, ...]) -> None:
+        """Take a call's present arrays (one column more) as the batch's cache."""
+        self.arrays = arrays
+        self.width += 1
+
+    def release(self, rows: Iterable[int]) -> list[Generation]:
+        """Give ``rows`` their own unpadded caches back and drop them from the batch;
+        return their generations."""
+        leaving = sorted(set(rows))
+        if not leaving:
+            return []
+        released = []
+        for row in leaving:
+            gen, pad = self.gens[row], int(self.pads[row])
+            # A row whose token was not sampled (an emit that raised) covers all its
+            # tokens; it keeps all but the last so its next step has one to feed.
+            n = min(self.width - pad, len(gen.tokens) - 1)
+            gen.cache = KVCache(
+                tuple(
+                    np.ascontiguousarray(a[row : row + 1, :, pad : pad + n]) for a in self.arrays
+                ),
+                n,
+            )
+            released.append(gen)
+        keep = [r for r in range(len(self.gens)) if r not in leaving]
+        self.gens = [self.gens[r] for r in keep]
+        if keep:
+            # Padding every row still has is dropped: attention over it is wasted work.
+            cut = int(self.pads[keep].min())
+            self.pads = self.pads[keep] - cut
+            self.width -= cut
+            self.arrays = tuple(np.ascontiguousarray(a[keep, :, cut:]) for a in self.arrays)
+        return released
+
+
+def _is_set(stop: threading.Event | None) -> bool:
+    return stop is not None and stop.is_set()
+
+
+def _charge(gens: Sequence[Generation], since: tuple[float, float]) -> tuple[float, float]:
+    """Split the engine time since ``since`` (wall, thread CPU) evenly among ``gens``;
+    return the new mark."""
+    now = time.perf_counter(), time.thread_time()
+    for gen in gens:
+        gen.engine_s += (now[0] - since[0]) / len(gens)
+        gen.engine_cpu_s += (now[1] - since[1]) / len(gens)
+    return now
+
+
 def _ignore(token: int) -> None:
     pass
+
+
+def dynamically_quantized(path: Path) -> bool:
+    """True when the model at ``path`` quantizes activations with a scale computed from
+    each call's data (see DYNAMIC_QUANTIZE). An op type is stored as plain text in the
+    ONNX file, so a byte search finds it in the graph, its subgraphs and functions
+    without parsing anything: onnx.load would read every embedded weight into memory
+    (load_external_data=False skips only external files, which hold no ops)."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(DYNAMIC_QUANTIZE) >= 0
 
 
 def _metadata(session: ort.InferenceSession, path: Path) -> dict[str, Any]:

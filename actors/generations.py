@@ -34,6 +34,10 @@ class NodeGenerations:
         self.kv = KVStore()
         self._kv_budget = int(spec.kv_budget_mb * MiB)
         self._token_bytes: dict[str, int] = {}  # KV bytes a token, by model (seen so far)
+        # Decoders whose outputs depend on how tokens are grouped into calls (dynamically
+        # quantized): a cache another request built would change the output, so their
+        # generations never reuse one, and none is kept for them.
+        self.exact_models: set[str] = set()
         self.lifecycle: str = spec.lifecycle
         self._budgets = TokenBudgets(
             {
@@ -110,7 +114,7 @@ class NodeGenerations:
 
     def attach_cache(self, gen: Generation) -> None:
         """Before a generation's first step: start from a cached session or prefix."""
-        if gen.fed == 0 and gen.cache is None:
+        if gen.fed == 0 and gen.cache is None and gen.request.model not in self.exact_models:
             r = gen.request
             cache, n = self.kv.lookup(
                 r.model,
@@ -124,7 +128,8 @@ class NodeGenerations:
     def keep(self, gen: Generation, paused: Iterable[Request]) -> None:
         """Keep a finished generation's KV for its session, and its shared prefix."""
         r, cache, now = gen.request, gen.cache, self._clock.now()
-        if cache is None:
+        if cache is None or r.model in self.exact_models:
+            gen.cache = None
             return
         if r.prefix_len > 0 and not self.kv.has(
             key := prefix_key(r.model, r.prompt_ids[: r.prefix_len])
@@ -147,7 +152,7 @@ class NodeGenerations:
         for rid, r in paused_by_id.items():
             cache = self.live[rid].cache
             if cache is not None:
-                keep = cache.bytes_for(self._shared_len(self.live[rid]))
+                keep = cache.bytes_for(self._trim_len(self.live[rid]))
                 views.append(CacheView(rid, cache.nbytes, keep, True, r.priority, seq=r.seq))
         for key, action in plan_kv_release(views, budget):
             gen = self.live.get(key) if key in paused_by_id else None
@@ -155,11 +160,16 @@ class NodeGenerations:
                 self.kv.drop(key)
                 self._counters["kv_dropped"] += 1
             elif action is KVAction.TRIM and gen.cache is not None:
-                gen.cache = gen.cache.prefix(self._shared_len(gen))
+                gen.cache = gen.cache.prefix(self._trim_len(gen))
                 self._counters["kv_trimmed"] += 1
             else:
                 gen.cache = None
                 self._counters["kv_dropped"] += 1
+
+    def _trim_len(self, gen: Generation) -> int:
+        """What a trim keeps of ``gen``'s cache: its shared start, cut back to where its
+        model can rebuild the rest with the same output."""
+        return gen.aligned(self._shared_len(gen))
 
     def _shared_len(self, gen: Generation) -> int:
         """Tokens of ``gen``'s cache worth keeping in a trim: its declared prefix, else

@@ -50,6 +50,7 @@ class ModelInfo:
     vocab: int | None = None  # decoders: vocabulary size and context length
     max_context: int | None = None
     stop_ids: tuple[int, ...] = ()  # the config's, else the model's eos_token_id
+    exact_grouping: bool = False  # outputs depend on how tokens are grouped into calls
 
 
 class ModelManager:
@@ -85,6 +86,7 @@ class ModelManager:
                     info.costs_s = engine.warmup()
                 info.vocab, info.max_context = engine.vocab, engine.max_context
                 info.stop_ids = engine.stop_ids
+                info.exact_grouping = engine.exact_grouping
             else:
                 if info.config.warmup:
                     info.costs_s = measure_costs(engine, info.config)

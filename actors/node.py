@@ -118,6 +118,7 @@ class NodeRuntime:
         await self._engine.call(self._models.probe_all)
         infos = self._models.models()
         decoders = [i.name for i in infos if i.config.kind == "decoder"]
+        self._gens.exact_models = {i.name for i in infos if i.exact_grouping}
         self._metrics.start([i.name for i in infos], decoders)
         for info in infos:
             if info.config.kind == "decoder":
@@ -590,6 +591,7 @@ class NodeRuntime:
                 loads=i.loads,
                 kind=i.config.kind,
                 load_ms=i.load_s * 1000 if i.loads else None,
+                exact_grouping=i.exact_grouping,
             )
             for i in self._models.models()
         )

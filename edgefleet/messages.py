@@ -111,6 +111,9 @@ class ModelStatus:
     loads: int
     kind: str = "tensor"
     load_ms: float | None = None  # measured at its last load
+    # A dynamically quantized decoder: its output depends on how tokens are grouped into
+    # engine calls, so it reuses no session or prefix KV and is never batch-decoded.
+    exact_grouping: bool = False
 
 
 @dataclass(frozen=True)

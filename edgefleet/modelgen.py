@@ -398,7 +398,7 @@ def _int64_init(name: str, value: Sequence[int] | int) -> onnx.TensorProto:
 
 
 def _tiny_lm_weights(
-    rng: np.random.Generator, layers: int, hidden: int, vocab: int, max_context: int
+    rng: np.random.Generator, layers: int, hidden: int, kv_width: int, vocab: int, max_context: int
 ) -> dict[str, FloatArray]:
     def normal(shape: tuple[int, ...], std: float) -> FloatArray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -419,8 +419,8 @@ def _tiny_lm_weights(
     for i in range(layers):
         p = f"h.{i}"
         weights |= norm(f"{p}.ln_1")
-        weights[f"{p}.attn.c_attn.weight"] = scaled(hidden, 3 * hidden)
-        weights[f"{p}.attn.c_attn.bias"] = normal((3 * hidden,), _TINY_LM_BIAS_STD)
+        weights[f"{p}.attn.c_attn.weight"] = scaled(hidden, hidden + 2 * kv_width)
+        weights[f"{p}.attn.c_attn.bias"] = normal((hidden + 2 * kv_width,), _TINY_LM_BIAS_STD)
         weights[f"{p}.attn.c_proj.weight"] = scaled(hidden, hidden)
         weights[f"{p}.attn.c_proj.bias"] = normal((hidden,), _TINY_LM_BIAS_STD)
         weights |= norm(f"{p}.ln_2")
@@ -465,7 +465,7 @@ def _tiny_lm_mask(add: _Nodes) -> str:
     return add("And", [causal, padding4], "mask.allowed")
 
 
-def _tiny_lm_block(add: _Nodes, i: int, h: str, allowed: str) -> str:
+def _tiny_lm_block(add: _Nodes, i: int, h: str, allowed: str, grouped: bool) -> str:
     p = f"h.{i}"
 
     def linear(x: str, name: str) -> str:
@@ -485,9 +485,17 @@ def _tiny_lm_block(add: _Nodes, i: int, h: str, allowed: str) -> str:
     qkv = add("Reshape", [qkv, "const.qkv_shape"], f"{p}.attn.qkv_heads")
     qkv = add("Transpose", [qkv], f"{p}.attn.qkv_bhsd", perm=[0, 2, 1, 3])
     q, k, v = (f"{p}.attn.{n}" for n in ("q", "k", "v"))
-    add.multi("Split", [qkv], [q, k, v], axis=1)
+    if grouped:
+        add.multi("Split", [qkv, "const.qkv_split"], [q, k, v], axis=1)
+    else:
+        add.multi("Split", [qkv], [q, k, v], axis=1)
     key = add("Concat", [f"past_key_values.{i}.key", k], f"present.{i}.key", axis=2)
     value = add("Concat", [f"past_key_values.{i}.value", v], f"present.{i}.value", axis=2)
+    if grouped:
+        key, value = (
+            _repeat_kv(add, key, f"{p}.attn.key"),
+            _repeat_kv(add, value, f"{p}.attn.value"),
+        )
     key_t = add("Transpose", [key], f"{p}.attn.key_t", perm=[0, 1, 3, 2])
     scores = add("MatMul", [q, key_t], f"{p}.attn.scores")
     scores = add("Mul", [scores, "const.attn_scale"], f"{p}.attn.scaled")
@@ -509,6 +517,15 @@ def _tiny_lm_block(add: _Nodes, i: int, h: str, allowed: str) -> str:
     return add("Add", [h, linear(act, f"{p}.mlp.c_proj")], f"{p}.out")
 
 
+def _repeat_kv(add: _Nodes, x: str, name: str) -> str:
+    """``[B, kv_heads, T, D]`` -> ``[B, heads, T, D]``, each K/V head repeated for the
+    ``heads / kv_heads`` consecutive query heads that share it (Hugging Face's
+    ``repeat_kv``)."""
+    x = add("Unsqueeze", [x, "const.axes_2"], f"{name}.grouped")
+    x = add("Expand", [x, "const.kv_expand"], f"{name}.repeated")
+    return add("Reshape", [x, "const.kv_heads_shape"], f"{name}.heads")
+
+
 def make_tiny_lm(
     path: PathLike,
     *,
@@ -518,6 +535,7 @@ def make_tiny_lm(
     vocab: int = TINY_LM_VOCAB,
     max_context: int = TINY_LM_CONTEXT,
     seed: int = DEFAULT_SEED,
+    kv_heads: int | None = None,
 ) -> Path:
     """Write a tiny GPT-style causal language model with a KV cache and return its path.
 
@@ -542,6 +560,13 @@ def make_tiny_lm(
     untied ``lm_head`` give the logits. Weights are random (``default_rng(seed)``) and
     scaled so greedy decoding does not collapse into a repeated token. Metadata:
     ``max_position_embeddings`` and ``model_type`` (``edgefleet-tiny-lm``).
+
+    ``kv_heads`` (a divisor of ``heads``) makes the attention grouped-query, as Llama and
+    Qwen exports are: ``c_attn`` projects to ``heads`` query heads and ``kv_heads`` key
+    and value heads, the cache inputs and outputs are ``[batch_size, kv_heads, ...,
+    head_dim]``, and each K/V head serves ``heads / kv_heads`` consecutive query heads.
+    The metadata then also holds ``num_key_value_heads``. None (the default) writes the
+    multi-head model, byte for byte as before the option existed.
     """
     for name, value in (
         ("layers", layers),
@@ -552,14 +577,20 @@ def make_tiny_lm(
     ):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    kv = heads if kv_heads is None else kv_heads
+    if not 1 <= kv <= heads or heads % kv:
+        raise ValueError(f"kv_heads must divide heads ({heads}), got {kv_heads}")
+    grouped = kv != heads
     hidden = heads * head_dim
-    weights = _tiny_lm_weights(np.random.default_rng(seed), layers, hidden, vocab, max_context)
+    weights = _tiny_lm_weights(
+        np.random.default_rng(seed), layers, hidden, kv * head_dim, vocab, max_context
+    )
     constants = [
         _int64_init("const.zero", 0),
         _int64_init("const.one", 1),
         _int64_init("const.axes_1", [1]),
         _int64_init("const.axes_1_2", [1, 2]),
-        _int64_init("const.qkv_shape", [0, 0, 3 * heads, head_dim]),
+        _int64_init("const.qkv_shape", [0, 0, heads + 2 * kv, head_dim]),
         _int64_init("const.hidden_shape", [0, 0, hidden]),
         _init("const.attn_scale", np.array(1.0 / math.sqrt(head_dim))),
         _init("const.mask_value", np.array(_TINY_LM_MASK_VALUE)),
@@ -568,6 +599,13 @@ def make_tiny_lm(
         _init("const.f_one", np.array(1.0)),
         _init("const.f_half", np.array(0.5)),
     ]
+    if grouped:
+        constants += [
+            _int64_init("const.qkv_split", [heads, kv, kv]),
+            _int64_init("const.axes_2", [2]),
+            _int64_init("const.kv_expand", [1, 1, heads // kv, 1, 1]),
+            _int64_init("const.kv_heads_shape", [0, heads, -1, head_dim]),
+        ]
 
     add = _Nodes()
     tokens = add("Gather", ["wte", "input_ids"], "embed.tokens")
@@ -575,7 +613,7 @@ def make_tiny_lm(
     h = add("Add", [tokens, positions], "embed.out")
     allowed = _tiny_lm_mask(add)
     for i in range(layers):
-        h = _tiny_lm_block(add, i, h, allowed)
+        h = _tiny_lm_block(add, i, h, allowed, grouped)
     h = add(
         "LayerNormalization",
         [h, "ln_f.weight", "ln_f.bias"],
@@ -588,8 +626,8 @@ def make_tiny_lm(
     def ids(name: str, length: str) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, TensorProto.INT64, ["batch_size", length])
 
-    cache_in: list[Dim] = ["batch_size", heads, "past_sequence_length", head_dim]
-    cache_out: list[Dim] = ["batch_size", heads, "total_sequence_length", head_dim]
+    cache_in: list[Dim] = ["batch_size", kv, "past_sequence_length", head_dim]
+    cache_out: list[Dim] = ["batch_size", kv, "total_sequence_length", head_dim]
     inputs = [
         ids("input_ids", "sequence_length"),
         ids("attention_mask", "total_sequence_length"),
@@ -608,6 +646,8 @@ def make_tiny_lm(
         [_init(name, array) for name, array in weights.items()] + constants,
     )
     metadata = {"max_position_embeddings": str(max_context), "model_type": TINY_LM_MODEL_TYPE}
+    if kv_heads is not None:
+        metadata["num_key_value_heads"] = str(kv_heads)
     return _finish(graph, path, metadata)
 
 

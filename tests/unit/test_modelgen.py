@@ -361,24 +361,31 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
-def _reference_logits(weights: dict[str, np.ndarray], ids: np.ndarray, heads: int) -> np.ndarray:
-    """Pre-LN GPT-2 forward over whole unpadded sequences in float64 numpy."""
+def _reference_logits(
+    weights: dict[str, np.ndarray], ids: np.ndarray, heads: int, kv_heads: int | None = None
+) -> np.ndarray:
+    """Pre-LN GPT-2 forward over whole unpadded sequences in float64 numpy; with
+    ``kv_heads``, query head ``h`` attends with K/V head ``h // (heads // kv_heads)``."""
     w = {name: array.astype(np.float64) for name, array in weights.items()}
     batch, seq = ids.shape
     hidden = w["wte"].shape[1]
     head_dim = hidden // heads
+    kv = kv_heads or heads
     layers = sum(1 for name in w if name.endswith(".ln_1.weight"))
     causal = np.tril(np.ones((seq, seq), dtype=bool))
 
     def split_heads(x: np.ndarray) -> np.ndarray:
-        return x.reshape(batch, seq, heads, head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(batch, seq, -1, head_dim).transpose(0, 2, 1, 3)
 
     h = w["wte"][ids] + w["wpe"][np.arange(seq)]
     for i in range(layers):
         p = f"h.{i}."
         x = _layer_norm(h, w[p + "ln_1.weight"], w[p + "ln_1.bias"])
         qkv = x @ w[p + "attn.c_attn.weight"] + w[p + "attn.c_attn.bias"]
-        q, k, v = (split_heads(part) for part in np.split(qkv, 3, axis=-1))
+        q, k, v = (
+            split_heads(part) for part in np.split(qkv, [hidden, hidden + kv * head_dim], -1)
+        )
+        k, v = (np.repeat(t, heads // kv, axis=1) for t in (k, v))
         scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(head_dim)
         scores = np.where(causal, scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
@@ -636,3 +643,83 @@ def test_short_loop_detector() -> None:
     assert _has_short_loop([1, 2, 3] + [4] * 8)
     assert _has_short_loop([9] + [4, 5] * 4)
     assert not _has_short_loop([4, 4, 4, 5, 6, 5, 6, 7] * 3)
+
+
+# --------------------------------------------------------------- grouped-query attention
+
+GQA_HEADS, GQA_KV_HEADS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def gqa_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("gqa")
+    return make_tiny_lm(directory / "gqa.onnx", heads=GQA_HEADS, kv_heads=GQA_KV_HEADS)
+
+
+def _gqa_past(batch: int) -> Feed:
+    empty = np.zeros((batch, GQA_KV_HEADS, 0, HEAD_DIM), dtype=np.float32)
+    return {f"past_key_values.{i}.{k}": empty for i in range(LAYERS) for k in ("key", "value")}
+
+
+def test_tiny_lm_gqa_signature_and_metadata(gqa_path: Path) -> None:
+    sess = _session(gqa_path)
+    cache_in = ["batch_size", GQA_KV_HEADS, "past_sequence_length", HEAD_DIM]
+    cache_out = ["batch_size", GQA_KV_HEADS, "total_sequence_length", HEAD_DIM]
+    assert _signature(sess.get_inputs())[3:] == [
+        (f"past_key_values.{i}.{kind}", FLOAT, cache_in)
+        for i in range(LAYERS)
+        for kind in ("key", "value")
+    ]
+    assert _signature(sess.get_outputs())[1:] == [
+        (f"present.{i}.{kind}", FLOAT, cache_out)
+        for i in range(LAYERS)
+        for kind in ("key", "value")
+    ]
+    meta = sess.get_modelmeta().custom_metadata_map
+    assert meta["num_key_value_heads"] == str(GQA_KV_HEADS)
+    hidden, kv_width = GQA_HEADS * HEAD_DIM, GQA_KV_HEADS * HEAD_DIM
+    assert _weights(gqa_path)["h.0.attn.c_attn.weight"].shape == (hidden, hidden + 2 * kv_width)
+
+
+def test_tiny_lm_gqa_matches_numpy_reference(gqa_path: Path) -> None:
+    ids = np.random.default_rng(11).integers(0, VOCAB, size=(2, 19), dtype=np.int64)
+    positions = np.tile(np.arange(19, dtype=np.int64), (2, 1))
+    logits, past = _lm_call(_session(gqa_path), ids, np.ones_like(ids), positions, _gqa_past(2))
+    assert past["past_key_values.0.key"].shape == (2, GQA_KV_HEADS, 19, HEAD_DIM)
+    expected = _reference_logits(_weights(gqa_path), ids, GQA_HEADS, GQA_KV_HEADS)
+    np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    # Logits of this size make the comparison meaningful: not all ~0, not saturated.
+    assert 0.3 < float(logits.std()) < 10.0
+
+
+@pytest.mark.parametrize("chunks", [[10, 1, 1, 1, 1, 1], [6, 4, 5]])
+def test_tiny_lm_gqa_kv_cache_matches_full_forward(gqa_path: Path, chunks: list[int]) -> None:
+    sess = _session(gqa_path)
+    ids = np.random.default_rng(12).integers(0, VOCAB, size=(2, 15), dtype=np.int64)
+    full, _ = _lm_call(sess, ids, np.ones_like(ids), np.tile(np.arange(15), (2, 1)), _gqa_past(2))
+    past, pieces, start = _gqa_past(2), [], 0
+    for size in chunks:
+        stop = start + size
+        positions = np.tile(np.arange(start, stop, dtype=np.int64), (2, 1))
+        logits, past = _lm_call(
+            sess, ids[:, start:stop], np.ones((2, stop), np.int64), positions, past
+        )
+        assert past["past_key_values.3.value"].shape == (2, GQA_KV_HEADS, stop, HEAD_DIM)
+        pieces.append(logits)
+        start = stop
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_tiny_lm_kv_heads_equal_to_heads_is_the_multi_head_model(
+    tmp_path: Path, tiny_lm_path: Path, lm: Any
+) -> None:
+    path = make_tiny_lm(tmp_path / "mha.onnx", kv_heads=HEADS)
+    ids = np.random.default_rng(13).integers(0, VOCAB, size=(1, 9), dtype=np.int64)
+    np.testing.assert_array_equal(_full_forward(_session(path), ids), _full_forward(lm, ids))
+    assert _weights(path).keys() == _weights(tiny_lm_path).keys()
+
+
+@pytest.mark.parametrize("kv_heads", [0, 3, 8])
+def test_tiny_lm_rejects_kv_heads_that_do_not_divide_heads(tmp_path: Path, kv_heads: int) -> None:
+    with pytest.raises(ValueError, match="kv_heads"):
+        make_tiny_lm(tmp_path / "bad.onnx", heads=4, kv_heads=kv_heads)
