@@ -75,9 +75,7 @@ def require_loadable_models(config: FleetConfig, names: Iterable[str] | None = N
     load on a node; call it before starting anything."""
     problems = model_problems(config, names)
     if problems:
-        raise ConfigError(
-            f"{len(problems)} model(s) would not load:\n  " + "\n  ".join(problems)
-        )
+        raise ConfigError(f"{len(problems)} model(s) would not load:\n  " + "\n  ".join(problems))
 
 
 def _not_onnx(path: Path) -> str | None:
@@ -107,6 +105,14 @@ def signature_lines(name: str, model: ModelConfig, sig: Signature) -> list[str]:
     lines += [f"  output  {s.name:<{width}}  {s.describe()}" for s in sig.outputs]
     if model.kind == "decoder":
         lines.append(f"  a decoder: `edgefleet generate {name} --prompt-ids ...` feeds it")
+        from actors.decoder import dynamically_quantized
+
+        if dynamically_quantized(model.path):
+            lines.append(
+                "  dynamically quantized: its outputs depend on how tokens are grouped into "
+                "calls, so a node replays each generation's calls when it rebuilds a cache, "
+                "reuses no session or prefix KV for it and never decodes it in a batch"
+            )
     else:
         lines.append(f"  an .npz of inputs: {npz_example(name, sig)}")
     return lines

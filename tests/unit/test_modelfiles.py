@@ -41,3 +41,21 @@ def test_an_npz_is_read_as_named_arrays(tmp_path: Path):
     (tmp_path / "cut.npz").write_bytes((tmp_path / "in.npz").read_bytes()[:40])
     with pytest.raises(InvalidInput, match=r"cut.npz is not a NumPy .npz/.npy file"):
         read_input_file(tmp_path / "cut.npz")
+
+
+def test_models_show_says_when_a_decoder_is_dynamically_quantized(tmp_path: Path):
+    import onnxruntime as ort
+    from onnxruntime.quantization import quantize_dynamic
+
+    from actors.engine import session_signature
+    from cluster.modelfiles import signature_lines
+    from edgefleet.config import ModelConfig
+    from edgefleet.modelgen import make_tiny_lm
+
+    plain = make_tiny_lm(tmp_path / "lm.onnx")
+    quantized = tmp_path / "lm.int8.onnx"
+    quantize_dynamic(str(plain), str(quantized))
+    for path, said in ((plain, False), (quantized, True)):
+        sig = session_signature(ort.InferenceSession(str(path)))
+        lines = signature_lines("lm", ModelConfig(path=path, kind="decoder"), sig)
+        assert any("dynamically quantized" in line for line in lines) is said
