@@ -79,8 +79,7 @@ class NodeGenerations:
             arrival=now,
             deadline=deadline,
             nbytes=8 * len(request.prompt_ids),
-            group=request.id,
-            isolate=True,
+            group=request.id,  # never in an inference batch; decode batches form apart
             pausable=True,
         )
         gen = Generation(

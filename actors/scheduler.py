@@ -6,14 +6,19 @@ not requeued: it keeps its place (and, on the node, its KV cache) and resumes be
 queued work of its own priority. Every method returns the
 requests it settled as :class:`Outcome` values; the caller delivers them. The core
 never sleeps, never touches an engine or Ray, and reads time only from its clock,
-so tests drive it exactly with a fake clock. Decisions come from ``policies``.
+so tests drive it exactly with a fake clock. Decisions come from ``policies``; the
+core keeps what they decide on: the arrival rate of each model by priority (for the
+adaptive batching window) and recent engine time by priority (for starvation bounds).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import deque
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from edgefleet.clock import Clock
 from edgefleet.errors import (
@@ -24,7 +29,7 @@ from edgefleet.errors import (
     Rejected,
     Superseded,
 )
-from edgefleet.request import Request, RequestState
+from edgefleet.request import MAX_PRIORITY, MIN_PRIORITY, Request, RequestState
 from policies import (
     Admit,
     BatchParams,
@@ -38,6 +43,11 @@ from policies import (
     should_preempt,
 )
 from policies.admission import retry_after
+from policies.starvation import StarvationParams, promote
+from policies.views import ArrivalView
+
+if TYPE_CHECKING:
+    from actors.models import ModelInfo
 
 S = RequestState
 DEFAULT_ROW_COST_S = 0.01  # until the first call of a model has been timed
@@ -45,7 +55,14 @@ DRAIN_RETRY_S = 1.0  # a draining node will not take work again soon: try elsewh
 # Weight of each call in the running per-row cost: small, so one call slowed by a busy
 # machine does not make the node look slow to placement (noise steers placement badly).
 ROW_COST_WEIGHT = 0.05
-BUSY_WINDOW_S = 2.0  # engine time by priority is reported over this window
+BUSY_WINDOW_S = 2.0  # engine time by priority is reported (and shares kept) over this window
+# Weight of each gap in the running inter-arrival estimate: recent enough to follow a
+# change of rate within a few arrivals, smooth enough that one odd gap does not decide.
+ARRIVAL_WEIGHT = 0.2
+# Gaps are counted as at most this many windows: any longer gap says the same (no
+# companion in time), and capping it lets the estimate recover within a few arrivals
+# when a burst follows a quiet spell.
+GAP_CAP_WINDOWS = 2.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,41 @@ class ModelRules:
 
     batching: BatchParams = BatchParams()
     follow_dedup: bool = False
+    decode_rows: int = 1  # decoders: generations of one priority decoded together
+
+
+def model_rules(info: ModelInfo) -> ModelRules:
+    """The scheduling rules of a model from what the node measured and configured: the
+    batch size worth waiting for, the measured cost per call by batch size (which bounds
+    lower-priority rows in a call) and the window; for a decoder, how many generations
+    decode together."""
+    batching = info.config.batching
+    if info.config.kind == "decoder":
+        return ModelRules(decode_rows=info.config.generation.decode_batch)
+    return ModelRules(
+        BatchParams(
+            window_s=batching.window_ms / 1000.0,
+            max_rows=info.batch_limit,
+            costs=tuple(sorted(info.costs_s.items())),
+            lower_cost_bound=batching.lower_priority_cost_bound,
+            adaptive=batching.adaptive_window,
+        ),
+        follow_dedup=info.config.dedup == "follow",
+    )
+
+
+@dataclass
+class _Arrivals:
+    """Running estimate of the gap between arrivals of one model at one priority."""
+
+    last: float
+    gap: float | None = None  # EWMA of gaps; None until a second arrival
+
+    def observe(self, now: float, cap_s: float) -> None:
+        gap = min(now - self.last, cap_s)
+        w = ARRIVAL_WEIGHT
+        self.gap = gap if self.gap is None else (1 - w) * self.gap + w * gap
+        self.last = now
 
 
 @dataclass(frozen=True)
@@ -96,10 +148,15 @@ class Admission:
     accepted: bool
     settled: tuple[Outcome, ...] = ()  # the arrival itself when refused, evictions, duplicates
     preempt: bool = False  # the caller should abort the running call
+    join: bool = False  # a generation that may join the running decode: stop it at a token
 
 
 class LocalScheduler:
-    """Priority lanes, bounded admission, dedup, batching, deadlines and preemption."""
+    """Priority lanes, bounded admission, dedup, batching, deadlines, preemption and
+    starvation bounds.
+
+    ``starvation`` (default: none) promotes queued lower-priority work that is below its
+    class's share of engine time or has waited past its class's maximum."""
 
     def __init__(
         self,
@@ -109,11 +166,16 @@ class LocalScheduler:
         order: QueueOrder,
         preemption: PreemptionParams,
         rules: Mapping[str, ModelRules] | None = None,
+        starvation: StarvationParams | None = None,
     ) -> None:
         self._clock = clock
         self._limits = limits
         self._order = order
         self._preemption = preemption
+        self._starvation = starvation or StarvationParams()
+        # A discipline that ignores priorities has no lower-priority rows to bound.
+        self._ranked = order.rank(MIN_PRIORITY) != order.rank(MAX_PRIORITY)
+        self._arrivals: dict[str, dict[int, _Arrivals]] = {}  # model -> priority -> gaps
         self._rules: dict[str, ModelRules] = dict(rules or {})
         self._lanes: dict[int, deque[Request]] = {}  # rank -> FIFO lane
         self._ranks: list[int] = []  # lane ranks, highest first
@@ -127,6 +189,10 @@ class LocalScheduler:
         self._preempting = False
         self._row_cost: dict[str, float] = {}
         self._busy: deque[tuple[float, int, float]] = deque()  # (end, priority, seconds)
+        # Engine seconds by the priority of the rows they served (a call's time split by
+        # rows), for the classes' shares; aborted calls served nobody.
+        self._served: deque[tuple[float, int, float]] = deque()  # (end, priority, seconds)
+        self._served_sum: dict[int, float] = {}  # the sums of ``_served`` by priority
         self.draining = False
 
     # ----------------------------------------------------------------- configuration
@@ -179,13 +245,27 @@ class LocalScheduler:
         self._seq += 1
         req.move(S.QUEUED)
         self._enqueue(req, at_head=False)
+        self._observe_arrival(req, now)
         preempt = (
             self._running is not None
             and not self._preempting
             and should_preempt(self._running.rank, rank, self._preemption)
         )
         self._preempting |= preempt
-        return Admission(True, tuple(settled), preempt)
+        return Admission(True, tuple(settled), preempt, join=not preempt and self._joins(req))
+
+    def _joins(self, req: Request) -> bool:
+        """Whether generation ``req`` could decode with the running generations: same
+        model and rank, and room for it."""
+        plan = self._running
+        return (
+            req.pausable
+            and plan is not None
+            and plan.requests[0].pausable
+            and plan.model == req.model
+            and plan.rank == self._order.rank(req.priority)
+            and len(plan.requests) < self.rules(req.model).decode_rows
+        )
 
     def _refuse(self, req: Request, reason: str, *, retry: float) -> Admission:
         req.move(S.REJECTED)
@@ -207,28 +287,43 @@ class LocalScheduler:
         settled = self._expire_overdue(now)
         if self._running is not None:
             return Step(settled=settled)
-        leader = next((lane[0] for rank in self._ranks if (lane := self._lanes[rank])), None)
+        lanes = [lane for rank in self._ranks if (lane := self._lanes[rank])]
+        natural = lanes[0][0] if lanes else None
+        promoted = None
+        if natural is not None and self._starvation.enabled and len(lanes) > 1:
+            call_s = self._call_estimate(natural)
+            promoted_id = promote(lanes, self._served_s(now), now, self._starvation, call_s)
+            promoted = self._queued[promoted_id] if promoted_id is not None else None
         resume = self._next_paused()
-        if resume is not None and (
-            leader is None or self._order.rank(resume.priority) >= self._order.rank(leader.priority)
+        if (
+            resume is not None
+            and (
+                natural is None
+                or self._order.rank(resume.priority) >= self._order.rank(natural.priority)
+            )
+            and (promoted is None or self._starvation.is_protected(resume.priority))
         ):
-            del self._paused[resume.id]
-            resume.move(S.RUNNING)
-            self._running = Plan(resume.model, (resume,), self._order.rank(resume.priority), now)
-            return Step(plan=self._running, settled=settled)
+            return Step(plan=self._decode(resume, now), settled=settled)
+        leader = promoted or natural
         if leader is None:
             return Step(settled=settled)
+        if leader.pausable:
+            return Step(plan=self._decode(leader, now), settled=settled)
         params = self.rules(leader.model).batching
+        if not self._ranked:
+            params = replace(params, lower_cost_bound=None)
+        if promoted is not None:
+            params = replace(params, window_s=0.0)  # it has waited long enough already
         if leader.isolate or params.max_rows <= 1:
             candidates = [leader]
         else:
-            candidates = [
+            candidates = [leader] + [
                 r
                 for rank in self._ranks
                 for r in self._lanes[rank]
-                if r.model == leader.model and r.group == leader.group
+                if r is not leader and r.model == leader.model and r.group == leader.group
             ]
-        plan = plan_batch(candidates, now, params)
+        plan = plan_batch(candidates, now, params, self._arrival_views(leader.model))
         if not plan.ids:
             return Step(wake_at=self._earliest(plan.wait_until), settled=settled)
         chosen = {rid: self._queued[rid] for rid in plan.ids}
@@ -239,6 +334,40 @@ class LocalScheduler:
         rank = max(self._order.rank(r.priority) for r in requests)
         self._running = Plan(leader.model, requests, rank, now)
         return Step(plan=self._running, settled=settled)
+
+    def _decode(self, first: Request, now: float) -> Plan:
+        """A decode call led by generation ``first`` (paused or queued), with up to the
+        model's ``decode_rows`` generations of the same model and rank: paused ones
+        first (they resume in arrival order), then queued ones. Lower ranks never join:
+        they would slow the leader's every token."""
+        rank = self._order.rank(first.priority)
+        chosen = [first]
+        limit = self.rules(first.model).decode_rows
+        if limit > 1 and not first.isolate:
+            paused = sorted(
+                (
+                    r
+                    for r in self._paused.values()
+                    if r is not first
+                    and r.model == first.model
+                    and self._order.rank(r.priority) == rank
+                ),
+                key=lambda r: r.seq,
+            )
+            queued = (
+                r
+                for r in self._lanes.get(rank, ())
+                if r is not first and r.pausable and r.model == first.model and not r.isolate
+            )
+            chosen += itertools.islice(itertools.chain(paused, queued), limit - 1)
+        for r in chosen:
+            if self._paused.pop(r.id, None) is not None:
+                r.move(S.RUNNING)
+            else:
+                self._remove(r, S.RUNNING)
+                r.started = now
+        self._running = Plan(first.model, tuple(chosen), rank, now)
+        return self._running
 
     def _next_paused(self) -> Request | None:
         """The paused generation to resume first: highest rank, then earliest arrival."""
@@ -252,29 +381,41 @@ class LocalScheduler:
         *,
         error: EdgeFleetError | None = None,
         aborted: bool = False,
-        paused: bool = False,
+        paused: bool | Collection[str] = False,
+        preempted: bool = True,
     ) -> tuple[Outcome, ...]:
         """Settle a finished engine call.
 
         Success completes every request. An aborted call goes back to the head of its
-        priority. A paused generation waits, with its state, to resume. A failed batch
-        of several is split: each request is requeued to run alone, so only the request
-        that is really bad fails.
+        priority. Paused generations (``paused``: all of the call's, or these ids; the
+        others completed) wait, with their state, to resume; a pause counts as a
+        preemption unless ``preempted`` is False (stopped to let another generation
+        join). A failed batch of several is split: each request is requeued to run
+        alone, so only the request that is really bad fails.
         """
+        pause = {r.id for r in plan.requests} if paused is True else set(paused or ())
         assert plan is self._running, "finish() must get the plan next_work() returned"
         self._running = None
         self._preempting = False
         now = self._clock.now()
-        self._busy.append((now, max(r.priority for r in plan.requests), now - plan.started))
+        elapsed = now - plan.started
+        self._busy.append((now, max(r.priority for r in plan.requests), elapsed))
+        if self._starvation.enabled and not aborted:
+            rows = max(1, plan.rows)
+            for r in plan.requests:
+                seconds = elapsed * r.rows / rows
+                self._served.append((now, r.priority, seconds))
+                self._served_sum[r.priority] = self._served_sum.get(r.priority, 0.0) + seconds
+            self._served_s(now)  # drop what fell out of the window
         settled: list[Outcome] = []
         requeue: list[Request] = []
         for r in plan.requests:
             if r.cancel_requested:
                 r.move(S.CANCELLED)
                 settled.append(Outcome(r, S.CANCELLED, Cancelled("cancelled", request_id=r.id)))
-            elif paused:
+            elif r.id in pause:
                 r.move(S.PAUSED)
-                r.preemptions += 1
+                r.preemptions += preempted
                 self._paused[r.id] = r
             elif aborted or (error is not None and len(plan.requests) > 1):
                 r.move(S.QUEUED)
@@ -289,13 +430,18 @@ class LocalScheduler:
                 settled.append(Outcome(r, S.COMPLETED))
         for r in reversed(requeue):
             self._enqueue(r, at_head=True)
-        if error is None and not aborted and not paused and plan.requests[0].preemptions == 0:
+        if error is None and not aborted and not pause and plan.requests[0].preemptions == 0:
             self._observe(plan.model, (now - plan.started) / max(1, plan.rows))
         return tuple(settled)
 
     @property
     def running(self) -> Plan | None:
         return self._running
+
+    @property
+    def preempting(self) -> bool:
+        """An arrival asked for the running call to be aborted for it."""
+        return self._preempting
 
     # ------------------------------------------------------------ cancel and expire
 
@@ -388,6 +534,35 @@ class LocalScheduler:
         self._bytes -= req.nbytes
         self._with_deadline -= req.deadline is not None
         req.move(new_state)
+
+    def _observe_arrival(self, req: Request, now: float) -> None:
+        by_priority = self._arrivals.setdefault(req.model, {})
+        gaps = by_priority.get(req.priority)
+        if gaps is None:
+            by_priority[req.priority] = _Arrivals(now)
+        else:
+            window = self.rules(req.model).batching.window_s
+            gaps.observe(now, GAP_CAP_WINDOWS * window if window > 0 else math.inf)
+
+    def _arrival_views(self, model: str) -> dict[int, ArrivalView]:
+        return {
+            p: ArrivalView(a.last, a.gap)
+            for p, a in self._arrivals.get(model, {}).items()
+            if a.gap is not None
+        }
+
+    def _served_s(self, now: float) -> dict[int, float]:
+        """Engine seconds spent on each priority's rows over the last ``BUSY_WINDOW_S``."""
+        while self._served and self._served[0][0] < now - BUSY_WINDOW_S:
+            _, priority, seconds = self._served.popleft()
+            self._served_sum[priority] -= seconds
+        return self._served_sum
+
+    def _call_estimate(self, leader: Request) -> float:
+        """Seconds a call led by ``leader`` may take: its model's rows at most, at the
+        observed cost per row."""
+        rows = max(leader.rows, self.rules(leader.model).batching.max_rows)
+        return rows * self._row_cost.get(leader.model, DEFAULT_ROW_COST_S)
 
     def _observe(self, model: str, row_cost: float) -> None:
         old = self._row_cost.get(model)

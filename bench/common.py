@@ -475,7 +475,8 @@ def embedded_ray(num_cpus: int = 2) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One model entry of a benchmark fleet (several entries may share a file)."""
+    """One model entry of a benchmark fleet (several entries may share a file).
+    ``batching`` adds other keys of its ``batching:`` section (e.g. ``min_gain``)."""
 
     name: str
     path: Path
@@ -483,6 +484,7 @@ class ModelEntry:
     max_batch_size: int = 1
     only_if_faster: bool = True
     threads: int = 1
+    batching: Mapping[str, Any] = field(default_factory=dict)
 
 
 NO_SHED: Mapping[str, Any] = {"placement": {"shed": {}}}
@@ -500,6 +502,7 @@ def fleet_config(
     nodes: int = 1,
     node_list: Sequence[Mapping[str, Any]] | None = None,
     router: Mapping[str, Any] | None = None,
+    starvation: Mapping[str, Any] | None = None,
 ) -> FleetConfig:
     """Build a FleetConfig the way a YAML file would (through ``parse_config``).
 
@@ -507,7 +510,7 @@ def fleet_config(
     ``nodes:`` entries. ``router`` is the ``router:`` section; by default router
     shedding is off (:data:`NO_SHED`): the node-level scenarios measure one node's
     scheduler, and the router must not shed background work before the node's own
-    queue is full.
+    queue is full. ``starvation`` is ``node_defaults.starvation`` (default: none).
     """
     data: dict[str, Any] = {
         "fleet": {"name": name},
@@ -520,6 +523,7 @@ def fleet_config(
                     "window_ms": m.window_ms,
                     "max_batch_size": m.max_batch_size,
                     "only_if_faster": m.only_if_faster,
+                    **m.batching,
                 },
             }
             for m in models
@@ -531,6 +535,8 @@ def fleet_config(
         },
         "router": dict(NO_SHED if router is None else router),
     }
+    if starvation is not None:
+        data["node_defaults"]["starvation"] = dict(starvation)
     if node_list is not None:
         data["nodes"] = [dict(n) for n in node_list]
     return parse_config(data, base_dir)
@@ -771,12 +777,76 @@ class BenchModel:
     width: int
     layers: int
     target_ms: float  # the batch-1 cost it was calibrated to
+    linear: bool = False  # a :func:`make_linear` model (cost proportional to rows)
 
     def describe(self) -> str:
+        if self.linear:
+            return (
+                f"model whose cost grows with its rows (`bench.common.make_linear`: input "
+                f"[N, {self.width}] tiled to [N, {self.width * LINEAR_TILE}], {self.layers} "
+                f"Tanh layers), calibrated to ~{self.target_ms:g} ms per batch-1 call"
+            )
         return (
             f"slow MLP (`modelgen.calibrate_slow`), width {self.width}, {self.layers} layers, "
             f"calibrated to ~{self.target_ms:g} ms per batch-1 call"
         )
+
+
+LINEAR_TILE = 64  # a make_linear model works on rows this many times its input width
+
+
+def make_linear(path: Path, layers: int, width: int) -> Path:
+    """Write a model whose call costs nearly in proportion to its rows.
+
+    ``x`` float32 ``[N, width]`` is tiled to ``[N, width * LINEAR_TILE]``, goes through
+    ``layers`` element-wise Tanh ops and is sliced back to ``[N, width]``. Nothing is
+    shared between rows (unlike a matrix product, whose weights are read once per call),
+    so batch 4 costs about 4x batch 1, while requests and replies stay small.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Tile", ["x", "repeats"], ["h0"])]
+    for i in range(layers):
+        nodes.append(helper.make_node("Tanh", [f"h{i}"], [f"h{i + 1}"]))
+    nodes.append(helper.make_node("Slice", [f"h{layers}", "starts", "ends", "axes"], ["y"]))
+    ints = {"repeats": [1, LINEAR_TILE], "starts": [0], "ends": [width], "axes": [1]}
+    graph = helper.make_graph(
+        nodes,
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor(k, TensorProto.INT64, [len(v)], v) for k, v in ints.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, str(path))
+    return path
+
+
+def linear_call_ms(path: Path, width: int, rows: int = 1, repeats: int = 9) -> float:
+    """Median ms of back-to-back calls of a :func:`make_linear` model, in-process."""
+    session = raw_session(path)
+    feed = slow_feed(width, rows=rows)
+    for _ in range(3):
+        session.run(None, feed)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        session.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return 1000 * median(times)
+
+
+def calibrate_linear(path: Path, target_ms: float, width: int) -> tuple[Path, int]:
+    """A :func:`make_linear` model whose batch-1 call takes about ``target_ms`` here: two
+    probe depths give the cost per layer apart from the fixed cost of a call."""
+    shallow, deep = 50, 200
+    t_shallow = linear_call_ms(make_linear(path, shallow, width), width)
+    t_deep = linear_call_ms(make_linear(path, deep, width), width)
+    per_layer = max(1e-6, (t_deep - t_shallow) / (deep - shallow))
+    fixed = max(0.0, t_shallow - shallow * per_layer)
+    layers = max(1, round((target_ms - fixed) / per_layer))
+    return make_linear(path, layers, width), layers
 
 
 class ModelFactory:
@@ -797,6 +867,21 @@ class ModelFactory:
             self._made[key] = BenchModel(path, width, layers, target_ms)
             log(
                 f"calibrated width-{width} model to {target_ms:g} ms: {layers} layers "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
+        return self._made[key]
+
+    def linear(self, target_ms: float, *, width: int = 256) -> BenchModel:
+        """A :func:`make_linear` model whose batch-1 call takes about ``target_ms``."""
+        key = ("lin", width, target_ms)
+        if key not in self._made:
+            t0 = time.perf_counter()
+            path, layers = calibrate_linear(
+                self.directory / f"linear_w{width}_{target_ms:g}ms.onnx", target_ms, width
+            )
+            self._made[key] = BenchModel(path, width, layers, target_ms, linear=True)
+            log(
+                f"calibrated a linear model to {target_ms:g} ms: {layers} layers "
                 f"({time.perf_counter() - t0:.1f} s)"
             )
         return self._made[key]

@@ -43,6 +43,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("node_overhead", node_overhead.run, node_overhead.TITLE),
     Scenario("batching_window", batching_window.run, batching_window.TITLE),
     Scenario("priority_latency", priority_latency.run, priority_latency.TITLE),
+    Scenario("priority_batching", priority_latency.run_batching, priority_latency.BATCHING_TITLE),
     Scenario("fleet", fleet.run, fleet.TITLE),
     Scenario("generation", generation.run, generation.TITLE),
 )

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from edgefleet.errors import ConfigError, ModelNotFound
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
 from policies.placement.registry import PipelineParams, PlacementParams
+from policies.starvation import ClassBound, StarvationParams
 
 MiB = 1024 * 1024
 
@@ -37,7 +38,24 @@ class BatchingConfig(_Strict):
         True, description="measure at warm-up; never wait for a batch that would not pay"
     )
     min_gain: float = Field(
-        0.05, ge=0, lt=1, description="per-row cost must fall by this fraction to batch"
+        0.25,
+        ge=0,
+        lt=1,
+        description="per-row cost must fall by this fraction to batch at all: waiting for "
+        "companions costs latency, and a smaller gain is within the noise of the warm-up "
+        "measurement (e.g. 0.25: four rows must cost at most three single calls)",
+    )
+    lower_priority_cost_bound: float = Field(
+        0.10,
+        ge=0,
+        description="rows of lower priority than a call's leader join it only while the "
+        "measured cost per batch size says they lengthen the call by at most this fraction",
+    )
+    adaptive_window: bool = Field(
+        True,
+        description="a request alone does not wait when recent arrivals say no request that "
+        "could join it is due before the window ends (once one has joined, the window runs "
+        "its course); false: always wait the window out",
     )
 
     @field_validator("pad_to")
@@ -63,6 +81,13 @@ class GenerationConfig(_Strict):
         "(generation_config.json or config.json beside it); a request's own replace them",
     )
     max_new_tokens: int = Field(4096, ge=1, description="the most a request may ask for")
+    decode_batch: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="generations of one priority decoded together, sharing each engine "
+        "step (1: one at a time)",
+    )
     prefill_chunk: int = Field(
         0,
         ge=0,
@@ -112,6 +137,77 @@ class PreemptionConfig(_Strict):
     min_priority_gap: int = Field(5, ge=1, le=10)
 
 
+class StarvationClass(_Strict):
+    """What one priority class is guaranteed against higher classes."""
+
+    min_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of engine time (over the last 2 s) below which the class's "
+        "queued work leads the next call; 0: none",
+    )
+    max_wait_ms: float | None = Field(
+        None,
+        gt=0,
+        description="the longest a request of the class should wait: it leads a call (its "
+        "priority rises) once three more calls would take it past this; default: no maximum",
+    )
+
+    @model_validator(mode="after")
+    def _sets_a_bound(self) -> StarvationClass:
+        if self.min_share == 0 and self.max_wait_ms is None:
+            raise ValueError("set min_share and/or max_wait_ms")
+        return self
+
+
+class StarvationConfig(_Strict):
+    """Starvation bounds: promoted lower-priority work runs ahead of higher classes, except
+    protected ones (see policies/starvation.py)."""
+
+    classes: dict[str, StarvationClass] = Field(
+        default_factory=dict, description="priority class -> its bound; default: none"
+    )
+    protected: list[str] | None = Field(
+        None,
+        description="classes that promoted lower work never delays; default: the highest class",
+    )
+
+    def problems(self, where: str, priorities: Mapping[str, int]) -> list[str]:
+        """What is wrong with the class names and shares, each naming its YAML path."""
+        known = ", ".join(priorities)
+        out = [
+            f"{where}.classes.{name}: unknown priority class {name!r}; known: {known}"
+            for name in self.classes
+            if name not in priorities
+        ]
+        out += [
+            f"{where}.protected: unknown priority class {name!r}; known: {known}"
+            for name in self.protected or []
+            if name not in priorities
+        ]
+        total = sum(c.min_share for c in self.classes.values())
+        if total > 1:
+            out.append(f"{where}.classes: min_share values add up to {total:g}; at most 1")
+        return out
+
+    def params(self, priorities: Mapping[str, int]) -> StarvationParams:
+        """The scheduler's parameters, with class names resolved to priorities."""
+        protected = self.protected
+        if protected is None:
+            protected = [max(priorities, key=lambda n: priorities[n])] if priorities else []
+        return StarvationParams(
+            bounds={
+                priorities[name]: ClassBound(
+                    c.min_share, None if c.max_wait_ms is None else c.max_wait_ms / 1000.0
+                )
+                for name, c in self.classes.items()
+            },
+            protected=frozenset(priorities[name] for name in protected),
+            classes=tuple(sorted(set(priorities.values()))),
+        )
+
+
 Lifecycle = Literal["foreground", "background"]
 
 
@@ -124,7 +220,10 @@ class NodeDefaults(_Strict):
     preemption: PreemptionConfig = PreemptionConfig()
     memory_budget_mb: float = Field(2048, gt=0)
     kv_budget_mb: float = Field(
-        256, gt=0, description="memory for paused generations' and sessions' KV caches"
+        256,
+        gt=0,
+        description="memory for the KV caches of running and paused generations, sessions "
+        "and shared prefixes",
     )
     token_budget: dict[Lifecycle, dict[str, float]] = Field(
         default_factory=_default_token_budget,
@@ -135,6 +234,7 @@ class NodeDefaults(_Strict):
     order: Literal["priority", "fifo"] = Field(
         "priority", description="queue discipline; 'fifo' ignores priorities (a baseline)"
     )
+    starvation: StarvationConfig = StarvationConfig()
     num_cpus: float = Field(0, ge=0, description="Ray CPUs reserved per node actor")
     trace_dir: Path | None = Field(
         None,
@@ -152,6 +252,7 @@ class NodeConfig(_Strict):
     memory_budget_mb: float | None = Field(None, gt=0)
     kv_budget_mb: float | None = Field(None, gt=0)
     order: Literal["priority", "fifo"] | None = None
+    starvation: StarvationConfig | None = None
     num_cpus: float | None = Field(None, ge=0)
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -248,6 +349,7 @@ class NodeSpec(_Strict):
     token_budget: dict[Lifecycle, dict[str, float]] = Field(default_factory=dict)
     lifecycle: Lifecycle = "foreground"
     order: Literal["priority", "fifo"] = "priority"
+    starvation: StarvationConfig = StarvationConfig()
     num_cpus: float = 0
     resources: dict[str, float] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
@@ -292,6 +394,14 @@ class FleetConfig(_Strict):
                     raise ValueError(f"{where}: unknown priority class {name!r}; known: {known}")
                 if not 0 <= share <= 1:
                     raise ValueError(f"{where} is {share}; allowed: a fraction in [0, 1]")
+        problems = self.node_defaults.starvation.problems(
+            "node_defaults.starvation", self.priorities
+        )
+        for i, node in enumerate(self.nodes):
+            if node.starvation is not None:
+                problems += node.starvation.problems(f"nodes.{i}.starvation", self.priorities)
+        if problems:
+            raise ValueError("; ".join(problems))
         seen: set[str] = set()
         for i, node in enumerate(self.nodes):
             if node.name in seen:
@@ -329,6 +439,7 @@ class FleetConfig(_Strict):
                 token_budget=d.token_budget,
                 lifecycle=d.lifecycle,
                 order=n.order or d.order,
+                starvation=n.starvation or d.starvation,
                 num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
                 resources=dict(n.resources),
                 labels=dict(n.labels),

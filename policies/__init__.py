@@ -5,16 +5,20 @@ so the node, the router and an offline simulator share the same code.
 """
 
 from policies.admission import Admit, Candidate, QueueLimits, QueueLoad, Refuse, decide_admission
-from policies.batching import BatchParams, BatchPlan, batch_limit, plan_batch
+from policies.batching import BatchParams, BatchPlan, batch_limit, call_cost, plan_batch
 from policies.ordering import QUEUE_ORDERS, FifoOrder, PriorityOrder, QueueOrder
 from policies.preemption import PreemptionParams, should_preempt
+from policies.starvation import ClassBound, StarvationParams, promote
+from policies.views import ArrivalView
 
 __all__ = [
     "QUEUE_ORDERS",
     "Admit",
+    "ArrivalView",
     "BatchParams",
     "BatchPlan",
     "Candidate",
+    "ClassBound",
     "FifoOrder",
     "PreemptionParams",
     "PriorityOrder",
@@ -22,8 +26,11 @@ __all__ = [
     "QueueLoad",
     "QueueOrder",
     "Refuse",
+    "StarvationParams",
     "batch_limit",
+    "call_cost",
     "decide_admission",
     "plan_batch",
+    "promote",
     "should_preempt",
 ]

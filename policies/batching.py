@@ -5,13 +5,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from policies.views import QueuedView
+from policies.views import ArrivalView, QueuedView
+
+# An arrival stream whose next request is this many gaps late is taken to have stopped:
+# one gap of lateness is the jitter of a steady stream, two are a pause.
+STOPPED_AFTER_GAPS = 2.0
 
 
 @dataclass(frozen=True)
 class BatchParams:
     window_s: float = 0.0  # 0: never wait for more requests
     max_rows: int = 1  # rows per engine call
+    # Engine seconds per call by batch rows, as measured (rows, seconds) pairs; empty:
+    # nothing measured. Prices what lower-priority rows add to a call.
+    costs: tuple[tuple[int, float], ...] = ()
+    # Rows of lower priority than the call's leader may lengthen the call by at most
+    # this fraction of its cost (by ``costs``); None: no bound, they fill free slots.
+    lower_cost_bound: float | None = None
+    # A request alone does not wait when recent arrivals say no companion will come in
+    # time.
+    adaptive: bool = False
 
 
 @dataclass(frozen=True)
@@ -22,15 +35,63 @@ class BatchPlan:
     wait_until: float | None = None
 
 
-def plan_batch(candidates: Sequence[QueuedView], now: float, params: BatchParams) -> BatchPlan:
+def call_cost(costs: Sequence[tuple[int, float]], rows: int) -> float:
+    """Engine seconds of a call of ``rows`` rows, estimated from measured ``costs``.
+
+    Linear between measured sizes; outside them, at the cost per row of the nearest
+    measured size (beyond the largest, no further gain is assumed). With nothing
+    measured the cost is ``rows`` (proportional to rows, unit-less): the conservative
+    guess, under which an added row lengthens a call by its full share.
+    """
+    if not costs:
+        return float(rows)
+    below: tuple[int, float] | None = None
+    for size, cost in sorted(costs):
+        if size == rows:
+            return cost
+        if size > rows:
+            if below is None:
+                return cost * rows / size
+            size0, cost0 = below
+            return cost0 + (cost - cost0) * (rows - size0) / (size - size0)
+        below = (size, cost)
+    assert below is not None
+    size, cost = below
+    return cost * rows / size
+
+
+def _lower_fits(params: BatchParams, own_rows: int, rows: int) -> bool:
+    """Whether a call of ``rows`` rows, ``own_rows`` of them at the leader's priority or
+    higher, costs at most the bound more than those rows would alone."""
+    bound = params.lower_cost_bound
+    if bound is None:
+        return True
+    return call_cost(params.costs, rows) <= (1.0 + bound) * call_cost(params.costs, own_rows)
+
+
+def plan_batch(
+    candidates: Sequence[QueuedView],
+    now: float,
+    params: BatchParams,
+    arrivals: Mapping[int, ArrivalView] | None = None,
+) -> BatchPlan:
     """Form a batch led by ``candidates[0]``.
 
     ``candidates`` MUST be the queued requests that may share the leader's engine call
-    (same model, same non-batch shapes), in service order, leader first. The window
+    (same model, same non-batch shapes), leader first, then in service order. Rows of
+    the leader's priority or higher join while there is room; rows of lower priority
+    only while ``params.lower_cost_bound`` allows what they add to the call. The window
     opens at the earliest arrival among the chosen requests, so requests of lower
     priority can only bring the flush forward, never delay the leader. Rows are capped
     at ``max_rows``; a leader larger than that still runs, alone. Requests marked
     ``isolate`` (their last batch failed) only ever run alone.
+
+    ``arrivals`` are the recent arrivals of this model by priority. With
+    ``params.adaptive`` a leader without companions waits only while a request that
+    could join it is due (the latest arrival of its priority plus the gap between
+    arrivals) before the window closes, that is while at least one companion is
+    expected in time; a stream ``STOPPED_AFTER_GAPS`` gaps late no longer counts, and
+    ``wait_until`` is then when to look again.
     """
     if not candidates:
         return BatchPlan()
@@ -38,14 +99,18 @@ def plan_batch(candidates: Sequence[QueuedView], now: float, params: BatchParams
     if leader.isolate or params.max_rows <= 1:
         return BatchPlan((leader.id,))
     chosen: list[QueuedView] = []
-    rows = 0
+    rows = own_rows = 0
     for c in candidates:
         if chosen and c.isolate:
             continue
         if chosen and rows + c.rows > params.max_rows:
             break
+        lower = c.priority < leader.priority
+        if lower and not _lower_fits(params, own_rows, rows + c.rows):
+            break
         chosen.append(c)
         rows += c.rows
+        own_rows += 0 if lower else c.rows
         if rows >= params.max_rows:
             return BatchPlan(tuple(r.id for r in chosen))
     if params.window_s > 0:
@@ -53,7 +118,21 @@ def plan_batch(candidates: Sequence[QueuedView], now: float, params: BatchParams
         if leader.deadline is not None:
             flush_at = min(flush_at, leader.deadline)
         if now < flush_at:
-            return BatchPlan(wait_until=flush_at)
+            # Once a companion has joined, the window runs its course: what arrives then
+            # is what lets batches grow under load.
+            if not params.adaptive or len(chosen) > 1:
+                return BatchPlan(wait_until=flush_at)
+            lower_joins = _lower_fits(params, own_rows, rows + 1)
+            due = [
+                a
+                for p, a in (arrivals or {}).items()
+                if (p >= leader.priority or lower_joins)
+                and a.last + a.gap <= flush_at
+                and now < a.last + STOPPED_AFTER_GAPS * a.gap
+            ]
+            if due:
+                give_up = min(a.last + STOPPED_AFTER_GAPS * a.gap for a in due)
+                return BatchPlan(wait_until=min(flush_at, give_up))
     return BatchPlan(tuple(r.id for r in chosen))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -25,3 +26,12 @@ class QueuedView(Protocol):
     def group(self) -> Hashable: ...
     @property
     def isolate(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ArrivalView:
+    """Recent arrivals of one model at one priority: when the latest came, and the
+    running estimate of the time between arrivals."""
+
+    last: float
+    gap: float

@@ -32,7 +32,13 @@ def ort_run(models_dir, name, inputs):
 
 
 def test_batched_results_equal_direct_onnx_runtime(make_fleet, models_dir):
-    batching = {"window_ms": 30, "max_batch_size": 8, "only_if_faster": False}
+    # Requests of every priority share batches here: lower rows may lengthen a call freely.
+    batching = {
+        "window_ms": 30,
+        "max_batch_size": 8,
+        "only_if_faster": False,
+        "lower_priority_cost_bound": 100,
+    }
     fleet = make_fleet(
         {
             "models": {

@@ -9,8 +9,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from edgefleet.config import FleetConfig, load_config, parse_config
+from edgefleet.config import BatchingConfig, FleetConfig, load_config, parse_config
 from edgefleet.errors import ConfigError
+from policies import ClassBound, StarvationParams
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,7 +102,41 @@ nodes:
     assert config.priorities["foreground"] == 10
 
 
+def test_batching_defaults():
+    batching = BatchingConfig()
+    assert batching.min_gain == 0.25
+    assert batching.lower_priority_cost_bound == 0.10
+    assert batching.adaptive_window is True
+
+
+def test_starvation_resolves_class_names_per_node(tmp_path):
+    config = load_config(
+        write(
+            tmp_path,
+            """
+models: {a: {path: a.onnx}}
+node_defaults:
+  starvation: {classes: {offline: {min_share: 0.05, max_wait_ms: 2000}}}
+nodes:
+  - {name: n0}
+  - name: n1
+    starvation: {classes: {background: {max_wait_ms: 500}}, protected: [inline]}
+""",
+        )
+    )
+    n0, n1 = config.node_specs()
+    assert n0.starvation.params(n0.priorities) == StarvationParams(
+        {0: ClassBound(0.05, 2.0)}, frozenset({10}), (0, 3, 7, 10)
+    )
+    assert n1.starvation.params(n1.priorities) == StarvationParams(
+        {3: ClassBound(0.0, 0.5)}, frozenset({7}), (0, 3, 7, 10)
+    )
+    default = load_config(write(tmp_path, "models: {a: {path: a.onnx}}\n")).node_specs()[0]
+    assert not default.starvation.params(default.priorities).enabled
+
+
 BUDGET = "models: {a: {path: a.onnx}}\nnode_defaults: {token_budget: "
+STARVE = "models: {a: {path: a.onnx}}\nnode_defaults:\n  starvation: "
 
 
 @pytest.mark.parametrize(
@@ -149,6 +184,40 @@ BUDGET = "models: {a: {path: a.onnx}}\nnode_defaults: {token_budget: "
             "node_defaults.token_budget.asleep.[key] (line 2): Input should be 'foreground' or",
         ),
         ("models: {a: {path: a.onnx}}\nray: {auth: password}\n", "ray.auth (line 2)"),
+        (
+            STARVE + "{classes: {bulk: {min_share: 0.1}}}\n",
+            "node_defaults.starvation.classes.bulk: unknown priority class 'bulk'; known: "
+            "foreground, inline, background, offline",
+        ),
+        (
+            STARVE + "{classes: {offline: {min_share: 0.1}}, protected: [vip]}\n",
+            "node_defaults.starvation.protected: unknown priority class 'vip'; known: foreground",
+        ),
+        (
+            STARVE + "{classes: {offline: {min_share: 0.6}, background: {min_share: 0.5}}}\n",
+            "node_defaults.starvation.classes: min_share values add up to 1.1; at most 1",
+        ),
+        (
+            STARVE + "{classes: {offline: {}}}\n",
+            "node_defaults.starvation.classes.offline (line 3): set min_share and/or max_wait_ms",
+        ),
+        (
+            STARVE + "{classes: {offline: {max_wait_ms: 0}}}\n",
+            "node_defaults.starvation.classes.offline.max_wait_ms (line 3)",
+        ),
+        (
+            STARVE + "{classes: {offline: {min_share: 1.5}}}\n",
+            "node_defaults.starvation.classes.offline.min_share (line 3)",
+        ),
+        (
+            "models: {a: {path: a.onnx}}\n"
+            "nodes: [{name: n, starvation: {classes: {bulk: {max_wait_ms: 9}}}}]\n",
+            "nodes.0.starvation.classes.bulk: unknown priority class 'bulk'",
+        ),
+        (
+            "models:\n  a:\n    path: a.onnx\n    batching: {lower_priority_cost_bound: -1}\n",
+            "models.a.batching.lower_priority_cost_bound (line 4)",
+        ),
         (
             "models:\n  lm: {path: a.onnx, kind: decoder, generation: {max_context: 1}}\n",
             "models.lm.generation.max_context (line 2)",

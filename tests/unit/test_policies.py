@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from policies import (
     QUEUE_ORDERS,
     Admit,
+    ArrivalView,
     BatchParams,
     Candidate,
+    ClassBound,
     PreemptionParams,
     QueueLimits,
     QueueLoad,
     Refuse,
+    StarvationParams,
     batch_limit,
+    call_cost,
     decide_admission,
     plan_batch,
+    promote,
     should_preempt,
 )
 from policies.budget import TokenBudgets, token_limit
@@ -140,6 +145,124 @@ def test_plan_batch_table(candidates, now, params, ids, wait_until):
     assert plan.wait_until == pytest.approx(wait_until) if wait_until else plan.wait_until is None
 
 
+LINEAR = ((1, 1.0), (2, 1.95), (4, 3.8))  # batch 4 costs 3.8x batch 1
+CHEAP = ((1, 1.0), (2, 1.05), (4, 1.2))  # rows nearly free
+B = BatchParams(0.0, 4, lower_cost_bound=0.1)
+
+
+@pytest.mark.parametrize(
+    ("costs", "rows", "expected"),
+    [
+        (CHEAP, 1, 1.0),
+        (CHEAP, 2, 1.05),
+        (CHEAP, 3, 1.125),  # linear between measured sizes
+        (CHEAP, 8, 2.4),  # beyond the largest: its cost per row, no further gain
+        (((2, 2.0), (4, 3.0)), 1, 1.0),  # below the smallest: its cost per row
+        ((), 3, 3.0),  # nothing measured: proportional to rows
+    ],
+)
+def test_call_cost_table(costs, rows, expected):
+    assert call_cost(costs, rows) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "params", "ids"),
+    [
+        # near-linear rows: one background row would lengthen the call by 95 %
+        (
+            [Q("fg", priority=10)] + [Q(f"bg{i}") for i in range(3)],
+            replace(B, costs=LINEAR),
+            ("fg",),
+        ),
+        # cheap rows: the first lower row adds 5 %, a second would add 12.5 %
+        (
+            [Q("fg", priority=10)] + [Q(f"bg{i}") for i in range(3)],
+            replace(B, costs=CHEAP),
+            ("fg", "bg0"),
+        ),
+        # the bound is on the cost of the leader's own rows: two of them allow more
+        (
+            [Q("fg", priority=10), Q("fg2", priority=10), Q("bg0"), Q("bg1")],
+            replace(B, costs=CHEAP),
+            ("fg", "fg2", "bg0"),
+        ),
+        # a lower row of several rows is priced as a whole
+        ([Q("fg", priority=10), Q("bg", rows=2)], replace(B, costs=CHEAP), ("fg",)),
+        # nothing measured: cost taken as proportional to rows, lower rows stay out...
+        ([Q("fg", priority=10), Q("bg")], B, ("fg",)),
+        # ...unless the call is already large enough that one row is within the bound
+        ([Q("fg", priority=10, rows=10), Q("bg")], replace(B, max_rows=16), ("fg", "bg")),
+        # rows of the leader's priority or higher ignore the bound
+        ([Q("a"), Q("b"), Q("c")], replace(B, costs=LINEAR), ("a", "b", "c")),
+        ([Q("off", priority=0), Q("fg", priority=10)], replace(B, costs=LINEAR), ("off", "fg")),
+        # no bound: lower rows fill free slots (the rule without a cost table)
+        ([Q("fg", priority=10), Q("bg0"), Q("bg1")], BatchParams(0.0, 4), ("fg", "bg0", "bg1")),
+    ],
+)
+def test_lower_priority_rows_join_within_the_cost_bound(candidates, params, ids):
+    assert plan_batch(candidates, 0.0, params).ids == ids
+
+
+A = BatchParams(window_s=0.010, max_rows=4, lower_cost_bound=0.1, adaptive=True)
+V = ArrivalView
+
+
+@pytest.mark.parametrize(
+    ("candidates", "now", "params", "arrivals", "ids", "wait_until"),
+    [
+        # nothing known of arrivals: a lone request does not wait
+        ([Q("a", arrival=1.0)], 1.0, A, {}, ("a",), None),
+        # one arrival per 20 ms: the next is due after the 10 ms window, flush now
+        ([Q("a", arrival=1.0)], 1.0, A, {3: V(1.0, 0.020)}, ("a",), None),
+        # one per 2.5 ms: due in time; look again once it is a whole gap late
+        ([Q("a", arrival=1.0)], 1.0, A, {3: V(1.0, 0.0025)}, (), 1.005),
+        # due exactly as the window closes still counts
+        ([Q("a", arrival=1.0)], 1.0, A, {3: V(1.0, 0.010)}, (), 1.010),
+        # late, but by less than a gap: still expected
+        ([Q("a", arrival=1.0)], 1.005, A, {3: V(1.0, 0.003)}, (), 1.006),
+        # a gap late: the stream has stopped
+        ([Q("a", arrival=1.0)], 1.006, A, {3: V(1.0, 0.003)}, ("a",), None),
+        # once a companion has joined, the window runs its course
+        ([Q("a", arrival=1.0), Q("b", arrival=1.004)], 1.008, A, {}, (), 1.010),
+        # a flood of lower-priority arrivals that could not join does not hold the leader
+        (
+            [Q("fg", priority=10, arrival=1.0)],
+            1.0,
+            replace(A, costs=LINEAR),
+            {3: V(1.0, 1e-4)},
+            ("fg",),
+            None,
+        ),
+        # ... but it does when their rows are cheap enough to join
+        (
+            [Q("fg", priority=10, arrival=1.0)],
+            1.0,
+            replace(A, costs=CHEAP),
+            {3: V(1.0, 1e-4)},
+            (),
+            1.0002,
+        ),
+        # arrivals of higher priority always count
+        ([Q("bg", arrival=1.0)], 1.0, A, {10: V(1.0, 0.0025)}, (), 1.005),
+        # of several streams, any one due in time holds the window
+        ([Q("a", arrival=1.0)], 1.0, A, {3: V(0.995, 0.012), 7: V(0.999, 0.02)}, (), 1.010),
+        # the leader's deadline still caps the wait
+        ([Q("a", arrival=1.0, deadline=1.004)], 1.0, A, {3: V(1.0, 0.001)}, (), 1.002),
+        # a fixed window waits whatever the arrivals
+        ([Q("a", arrival=1.0)], 1.0, replace(A, adaptive=False), {}, (), 1.010),
+        # a full batch goes at once
+        ([Q(c, arrival=1.0) for c in "abcd"], 1.0, A, {3: V(1.0, 1e-4)}, tuple("abcd"), None),
+    ],
+)
+def test_adaptive_window_table(candidates, now, params, arrivals, ids, wait_until):
+    plan = plan_batch(candidates, now, params, arrivals)
+    assert plan.ids == ids
+    if wait_until is None:
+        assert plan.wait_until is None
+    else:
+        assert plan.wait_until == pytest.approx(wait_until)
+
+
 @pytest.mark.parametrize(
     ("costs", "max_rows", "min_gain", "expected"),
     [
@@ -150,10 +273,100 @@ def test_plan_batch_table(candidates, now, params, ids, wait_until):
         ({1: 1.0, 2: 1.5, 4: 3.9}, 8, 0.05, 2),  # best per-row size
         ({}, 8, 0.05, 8),  # nothing measured: trust the config
         ({1: 1.0, 8: 2.0}, 1, 0.05, 1),
+        # the default threshold: batch 4 at 3.5x batch 1 (12.5 % per row) does not pay
+        ({1: 1.0, 2: 1.9, 4: 3.5}, 4, 0.25, 1),
+        ({1: 1.0, 2: 1.6, 4: 3.0}, 4, 0.25, 4),  # 25 % per row at batch 4: it does
     ],
 )
 def test_batch_limit_table(costs, max_rows, min_gain, expected):
     assert batch_limit(costs, max_rows, min_gain) == expected
+
+
+# ------------------------------------------------------------------ starvation
+
+OFF_SHARE = StarvationParams({0: ClassBound(min_share=0.05)}, frozenset({10}))
+OFF_WAIT = StarvationParams({0: ClassBound(max_wait_s=2.0)}, frozenset({10}))
+BOTH = StarvationParams(
+    {0: ClassBound(min_share=0.05), 3: ClassBound(max_wait_s=1.0)}, frozenset({10})
+)
+
+
+@pytest.mark.parametrize(
+    ("heads", "served", "now", "params", "promoted"),
+    [
+        # nothing configured, or nothing to go ahead of
+        ([Q("bg"), Q("off", priority=0)], {}, 0.0, StarvationParams(), None),
+        ([Q("off", priority=0)], {}, 0.0, OFF_SHARE, None),
+        # below its share (nothing served yet counts as 0): offline goes first
+        ([Q("bg"), Q("off", priority=0)], {}, 0.0, OFF_SHARE, "off"),
+        ([Q("bg"), Q("off", priority=0)], {3: 0.96, 0: 0.04}, 0.0, OFF_SHARE, "off"),
+        # at its share: the service order holds
+        ([Q("bg"), Q("off", priority=0)], {3: 0.95, 0: 0.05}, 0.0, OFF_SHARE, None),
+        # a priority between classes belongs to the class below it
+        ([Q("bg"), Q("two", priority=2)], {3: 1.0, 2: 0.01}, 0.0, OFF_SHARE, "two"),
+        # a protected class queued above: nothing below it is promoted
+        ([Q("fg", priority=10), Q("off", priority=0)], {10: 1.0}, 0.0, OFF_SHARE, None),
+        (
+            [Q("fg", priority=10), Q("bg"), Q("off", priority=0)],
+            {10: 1.0},
+            0.0,
+            StarvationParams({0: ClassBound(min_share=0.05)}, frozenset({7})),
+            "off",
+        ),
+        (
+            [Q("fg", priority=10), Q("in", priority=7), Q("off", priority=0)],
+            {10: 1.0},
+            0.0,
+            StarvationParams({0: ClassBound(min_share=0.05)}, frozenset({7})),
+            None,
+        ),
+        # aging: waited its class's maximum
+        ([Q("bg"), Q("off", priority=0, arrival=1.0)], {3: 1.0}, 2.999, OFF_WAIT, None),
+        ([Q("bg"), Q("off", priority=0, arrival=1.0)], {3: 1.0}, 3.0, OFF_WAIT, "off"),
+        # overdue goes before starved, whatever the priorities
+        (
+            [Q("in", priority=7), Q("bg", arrival=0.0), Q("off", priority=0)],
+            {7: 1.0},
+            1.5,
+            BOTH,
+            "bg",
+        ),
+        (
+            [Q("in", priority=7), Q("bg", arrival=1.0), Q("off", priority=0)],
+            {7: 1.0},
+            1.5,
+            BOTH,
+            "off",
+        ),
+        # the head itself is the one owed: it runs anyway
+        ([Q("bg", arrival=0.0), Q("off", priority=0)], {0: 1.0}, 1.5, BOTH, None),
+    ],
+)
+def test_promote_table(heads, served, now, params, promoted):
+    # one request per lane: each lane is its head
+    assert promote([[head] for head in heads], served, now, params) == promoted
+
+
+@pytest.mark.parametrize(
+    ("lane", "now", "promoted"),
+    [
+        # one 10 ms call from now, plus three to spare, would take it past its 2 s
+        ([Q("off", priority=0, arrival=1.0)], 2.965, None),
+        ([Q("off", priority=0, arrival=1.0)], 2.975, "off"),
+        # the third of three that came together starts two calls after the head
+        ([Q(f"off{i}", priority=0, arrival=1.0) for i in range(3)], 2.945, None),
+        ([Q(f"off{i}", priority=0, arrival=1.0) for i in range(3)], 2.955, "off0"),
+    ],
+)
+def test_max_wait_looks_calls_ahead(lane, now, promoted):
+    assert promote([[Q("bg")], lane], {3: 1.0}, now, OFF_WAIT, call_s=0.010) == promoted
+
+
+def test_starvation_classes_of_priorities():
+    params = StarvationParams({0: ClassBound(0.1)}, frozenset({10}), classes=(0, 3, 7, 10))
+    assert [params.class_of(p) for p in (0, 2, 3, 6, 7, 9, 10)] == [0, 0, 3, 3, 7, 7, 10]
+    assert params.is_protected(10) and not params.is_protected(9)
+    assert StarvationParams(classes=(3, 10)).class_of(1) == 3  # below every class: the lowest
 
 
 # ------------------------------------------------------------------ token budgets

@@ -6,17 +6,38 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.scheduler import LocalScheduler, ModelRules
+from actors.engine import Signature
+from actors.models import ModelInfo
+from actors.scheduler import LocalScheduler, ModelRules, model_rules
 from edgefleet.clock import FakeClock
+from edgefleet.config import BatchingConfig, ModelConfig
 from edgefleet.errors import EngineError, Evicted, Rejected, Superseded
 from edgefleet.request import Request, RequestState
-from policies import BatchParams, FifoOrder, PreemptionParams, PriorityOrder, QueueLimits
+from policies import (
+    BatchParams,
+    ClassBound,
+    FifoOrder,
+    PreemptionParams,
+    PriorityOrder,
+    QueueLimits,
+    StarvationParams,
+)
 
 S = RequestState
 
 
 class Harness:
-    def __init__(self, *, capacity=8, max_bytes=10_000, order=None, gap=5, preempt=True, **rules):
+    def __init__(
+        self,
+        *,
+        capacity=8,
+        max_bytes=10_000,
+        order=None,
+        gap=5,
+        preempt=True,
+        starvation=None,
+        **rules,
+    ):
         self.clock = FakeClock(100.0)
         self.sched = LocalScheduler(
             clock=self.clock,
@@ -24,6 +45,7 @@ class Harness:
             order=order or PriorityOrder(),
             preemption=PreemptionParams(preempt, gap),
             rules={"m": ModelRules(**rules)} if rules else None,
+            starvation=starvation,
         )
         self.settled: dict[str, list] = {}
 
@@ -362,9 +384,22 @@ OPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=OPS, window=st.sampled_from([0.0, 0.01]), follow=st.booleans())
-def test_every_request_ends_in_exactly_one_terminal_state(ops, window, follow):
-    h = Harness(capacity=4, batching=BatchParams(window, 3), follow_dedup=follow)
+@given(
+    ops=OPS,
+    window=st.sampled_from([0.0, 0.01]),
+    follow=st.booleans(),
+    adaptive=st.booleans(),
+    starve=st.booleans(),
+)
+def test_every_request_ends_in_exactly_one_terminal_state(ops, window, follow, adaptive, starve):
+    h = Harness(
+        capacity=4,
+        batching=BatchParams(
+            window, 3, lower_cost_bound=0.1 if adaptive else None, adaptive=adaptive
+        ),
+        follow_dedup=follow,
+        starvation=starving(min_share=0.2, max_wait_s=0.02) if starve else None,
+    )
     ids: list[str] = []
     running = None
     for op, a, b in ops:
@@ -405,3 +440,195 @@ def test_every_request_ends_in_exactly_one_terminal_state(ops, window, follow):
         assert len(outcomes) == 1, (rid, outcomes)
         assert outcomes[0].state.terminal
         assert outcomes[0].request.state is outcomes[0].state
+
+
+# ------------------------------------------------------- batch composition by priority
+
+LINEAR_COSTS = ((1, 0.010), (2, 0.0195), (4, 0.038))  # batch 4 costs 3.8x batch 1
+
+
+def test_model_rules_carry_the_cost_table_the_bound_and_the_adaptive_window(tmp_path):
+    config = ModelConfig(
+        path=tmp_path / "m.onnx",
+        batching=BatchingConfig(window_ms=5, max_batch_size=8),
+        dedup="follow",
+    )
+    info = ModelInfo("m", config, Signature((), ()), 1.0, {4: 0.03, 1: 0.01}, batch_limit=4)
+    assert model_rules(info) == ModelRules(
+        BatchParams(0.005, 4, ((1, 0.01), (4, 0.03)), lower_cost_bound=0.1, adaptive=True),
+        follow_dedup=True,
+    )
+
+
+def test_foreground_call_takes_no_background_rows_that_would_lengthen_it():
+    params = BatchParams(0.0, 4, LINEAR_COSTS, lower_cost_bound=0.1)
+    h = Harness(batching=params)
+    for rid in ("bg1", "bg2", "bg3"):
+        h.admit(rid, 3)
+    h.admit("fg", 10)
+    assert h.run_next() == ["fg"]
+    assert h.run_next() == ["bg1", "bg2", "bg3"]
+
+
+def test_background_rows_join_a_foreground_call_where_rows_are_cheap():
+    params = BatchParams(0.0, 4, ((1, 0.010), (2, 0.0105), (4, 0.012)), lower_cost_bound=0.1)
+    h = Harness(batching=params)
+    for rid in ("bg1", "bg2", "bg3"):
+        h.admit(rid, 3)
+    h.admit("fg", 10)
+    assert h.run_next() == ["fg", "bg1"]  # a second row would add 12.5 %
+
+
+def test_fifo_order_has_no_lower_rows_to_bound():
+    params = BatchParams(0.0, 4, LINEAR_COSTS, lower_cost_bound=0.1)
+    h = Harness(order=FifoOrder(), batching=params)
+    h.admit("fg", 10)
+    h.admit("bg", 3)
+    assert h.run_next() == ["fg", "bg"]
+
+
+# --------------------------------------------------------------------- adaptive window
+
+ADAPTIVE = BatchParams(window_s=0.010, max_rows=4, adaptive=True)
+
+
+def test_lone_request_does_not_wait_for_companions_that_will_not_come():
+    h = Harness(batching=ADAPTIVE)
+    h.admit("a", 3)  # nothing known of arrivals yet
+    assert h.run_next() == ["a"]
+    h.clock.advance(0.100)
+    h.admit("b", 3)  # 100 ms since the last: the next is not due within the window
+    step = h.step()
+    assert [r.id for r in step.plan.requests] == ["b"] and step.plan.started == 100.101
+
+
+def test_window_waits_while_arrivals_are_frequent_and_fills_the_batch():
+    h = Harness(batching=ADAPTIVE)
+    h.admit("a", 3)
+    assert h.run_next(cost=0.001) == ["a"]
+    h.clock.set(100.002)
+    h.admit("b", 3)  # one arrival per 2 ms: the next is due well within the window
+    assert h.step().wake_at == pytest.approx(100.006)  # when it would be a gap late
+    for t, rid in ((100.004, "c"), (100.006, "d")):
+        h.clock.set(t)
+        h.admit(rid, 3)
+        assert h.step().wake_at == pytest.approx(100.012)  # with companions: the window
+    h.clock.set(100.008)
+    h.admit("e", 3)
+    assert h.run_next() == ["b", "c", "d", "e"]
+
+
+def test_window_closes_early_when_arrivals_stop():
+    h = Harness(batching=ADAPTIVE)
+    h.admit("a", 3)
+    assert h.run_next(cost=0.001) == ["a"]
+    h.clock.set(100.002)
+    h.admit("b", 3)
+    step = h.step()
+    assert step.plan is None and step.wake_at == pytest.approx(100.006)
+    h.clock.set(100.005)  # the next is late, by less than a gap: keep waiting
+    assert h.step().plan is None
+    h.clock.set(100.006)  # a whole gap late: the stream has stopped
+    step = h.step()
+    assert [r.id for r in step.plan.requests] == ["b"]  # the window would close at 100.012
+
+
+def test_foreground_does_not_wait_for_a_background_flood_it_cannot_batch_with():
+    params = BatchParams(0.010, 4, LINEAR_COSTS, lower_cost_bound=0.1, adaptive=True)
+    h = Harness(capacity=16, batching=params)
+    for i in range(8):  # background arriving every ms, queued behind a running call
+        h.admit(f"bg{i}", 3)
+        h.clock.advance(0.001)
+    assert h.run_next(cost=0.004) == ["bg0", "bg1", "bg2", "bg3"]
+    h.admit("fg", 10)
+    assert h.run_next() == ["fg"]  # at once, alone
+    assert h.run_next() == ["bg4", "bg5", "bg6", "bg7"]
+
+
+# ---------------------------------------------------------------- starvation bounds
+
+
+def starving(**bounds):
+    return StarvationParams(
+        {0: ClassBound(**bounds)}, protected=frozenset({10}), classes=(0, 3, 7, 10)
+    )
+
+
+def test_offline_below_its_share_gets_the_next_call():
+    h = Harness(capacity=16, starvation=starving(min_share=0.25))
+    for i in range(6):
+        h.admit(f"bg{i}", 3)
+    h.admit("off0", 0)
+    h.admit("off1", 0)
+    order = [h.run_next(cost=0.010)[0] for _ in range(8)]
+    # shares of offline before each call: 0, 1, 1/2, 1/3, 1/4 (not below), 1/5, ...
+    assert order == ["off0", "bg0", "bg1", "bg2", "bg3", "off1", "bg4", "bg5"]
+
+
+def test_shares_are_of_the_last_two_seconds():
+    h = Harness(capacity=16, starvation=starving(min_share=0.25))
+    h.admit("off0", 0)
+    assert h.run_next(cost=1.0) == ["off0"]
+    h.admit("bg0", 3)
+    h.admit("bg1", 3)
+    h.admit("off1", 0)
+    assert h.run_next(cost=1.0) == ["bg0"]  # offline had all of the engine
+    h.clock.advance(1.01)  # the offline call ended over 2 s ago: out of the window
+    assert h.run_next() == ["off1"]
+    assert h.run_next() == ["bg1"]
+
+
+def test_overdue_request_is_promoted_but_never_ahead_of_protected_work():
+    h = Harness(capacity=16, starvation=starving(max_wait_s=0.100))
+    h.admit("off", 0)
+    for i in range(7):
+        h.admit(f"bg{i}", 3)
+    assert [h.run_next(cost=0.010)[0] for _ in range(5)] == [f"bg{i}" for i in range(5)]
+    h.clock.advance(0.040)
+    h.admit("fg", 10)  # off's 100 ms are two calls away, but fg is protected
+    assert [h.run_next(cost=0.010)[0] for _ in range(3)] == ["fg", "off", "bg5"]
+    assert h.settled["off"][0].request.started == pytest.approx(100.100)
+
+
+def test_max_wait_bounds_the_wait_with_calls_of_the_observed_cost():
+    h = Harness(capacity=16, starvation=starving(max_wait_s=0.090))
+    h.admit("off", 0)
+    for i in range(7):
+        h.admit(f"bg{i}", 3)
+    order = [h.run_next(cost=0.020)[0] for _ in range(4)]
+    # after two 20 ms calls, three more (the promotion may come a call late, then a
+    # protected call may preempt it) would pass 90 ms: offline goes now
+    assert order == ["bg0", "bg1", "off", "bg2"]
+    assert h.settled["off"][0].request.started - 100.0 == pytest.approx(0.040)
+
+
+def test_promoted_leader_does_not_wait_for_a_window_and_takes_higher_rows():
+    params = BatchParams(1.0, 4, LINEAR_COSTS, lower_cost_bound=0.1)
+    h = Harness(capacity=16, starvation=starving(max_wait_s=0.050), batching=params)
+    h.admit("off", 0)
+    h.clock.advance(0.060)
+    h.admit("bg0", 3)
+    h.admit("bg1", 3)
+    assert h.run_next() == ["off", "bg0", "bg1"]
+
+
+def test_promoted_work_is_preempted_by_foreground_as_before():
+    h = Harness(capacity=16, starvation=starving(min_share=0.5))
+    h.admit("bg", 3)
+    h.admit("off", 0)
+    step = h.step()
+    assert [r.id for r in step.plan.requests] == ["off"]
+    assert not h.admit("bg2", 3).preempt
+    assert h.admit("fg", 10).preempt
+
+
+def test_promoted_work_goes_ahead_of_a_paused_unprotected_generation():
+    h = Harness(capacity=16, starvation=starving(max_wait_s=0.050))
+    h.admit("gen", 3, gen=True)
+    step = h.step()
+    h.admit("off", 0)
+    assert h.admit("fg", 10).preempt
+    h.clock.advance(0.060)
+    h.record(h.sched.finish(step.plan, paused=True))
+    h.admit("bg", 3)
+    assert [h.run_next()[0] for _ in range(4)] == ["fg", "off", "gen", "bg"]
