@@ -10,6 +10,11 @@ Ray's own metrics agent exports for Prometheus with the prefix ``ray_``; outside
 Recording never breaks a node: a record that fails is dropped and counted
 (``NodeMetrics.errors``, reported in ``NodeStatus.metrics``).
 
+A record through Ray's metric API costs a few microseconds, and a node makes several
+per request: in Ray a node sums its counters and records the sums at most once a
+second and at every status report (``NodeMetrics.flush``). Histograms record every
+observation.
+
 Priorities are labelled by their class name (``foreground``, ``inline``,
 ``background``, ``offline`` by default): a priority between two classes is labelled
 with the class below it, so a label never has more values than there are classes.
@@ -24,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.messages import LATENCY_BUCKETS, MetricsSummary, NodeStatus
 from edgefleet.request import DEFAULT_PRIORITIES, TERMINAL_STATES, RequestState
 from policies.budget import LIFECYCLE_STATES
@@ -38,6 +44,7 @@ EXPORT_PREFIX = "ray_"  # Ray's metrics agent puts this in front of every metric
 
 LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+COUNTER_FLUSH_S = 1.0  # in Ray, a node records its counter sums at most this often
 
 NODE_STATES = ("starting", "serving", "draining", "drained", "stopped", "failed")
 
@@ -260,6 +267,7 @@ ROUTER_METRICS = (
     NODES_LOST,
 )
 CATALOGUE: tuple[MetricDef, ...] = NODE_METRICS + ROUTER_METRICS
+_BY_NAME = {d.name: d for d in CATALOGUE}
 
 
 # ------------------------------------------------------------------------- sinks
@@ -409,8 +417,11 @@ class Recorder:
             self.emit(metric, 0, **dict(zip(names, values, strict=True)))
 
     def emit(self, metric: MetricDef, value: float, **labels: str) -> None:
+        self._record(metric, float(value), {**self._base, **labels})
+
+    def _record(self, metric: MetricDef, value: float, tags: Mapping[str, str]) -> None:
         try:
-            self._sink.record(metric, float(value), {**self._base, **labels})
+            self._sink.record(metric, value, tags)
         except Exception:
             self.errors += 1
             if self.errors == 1:  # once: a broken metric must not flood the log either
@@ -427,9 +438,49 @@ class NodeMetrics(Recorder):
         priorities: Mapping[str, int] = DEFAULT_PRIORITIES,
         *,
         sink: Sink | None = None,
+        flush_s: float | None = None,
+        clock: Clock | None = None,
     ) -> None:
+        """``flush_s``: counters are summed and recorded at most this often (and at
+        every ``flush``); 0 records each at once. By default the sums go to Ray's metric
+        API every ``COUNTER_FLUSH_S``, and any other sink sees every record at once."""
         super().__init__({"fleet": fleet, "node": node}, priorities, sink)
         self._latency = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in self.classes}
+        if flush_s is None:
+            flush_s = COUNTER_FLUSH_S if isinstance(self._sink, RaySink) else 0.0
+        self._flush_s = flush_s
+        self._clock = clock or MonotonicClock()
+        self._flushed_at = self._clock.now()
+        self._sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._tags: dict[tuple[str, str], dict[str, str]] = {}  # (priority label, model)
+
+    def _count(self, metric: MetricDef, value: float, **labels: str) -> None:
+        """Add ``value`` to a counter: at once, or to its sum until the next flush."""
+        if not self._flush_s:
+            self.emit(metric, value, **labels)
+            return
+        key = (metric.name, tuple(labels.items()))
+        self._sums[key] = self._sums.get(key, 0.0) + value
+        if self._clock.now() - self._flushed_at >= self._flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Record the counter sums kept since the last flush."""
+        self._flushed_at = self._clock.now()
+        sums, self._sums = self._sums, {}
+        for (name, labels), value in sums.items():
+            self.emit(_BY_NAME[name], value, **dict(labels))
+
+    def _observe(self, metric: MetricDef, value: float, priority: str, model: str) -> None:
+        """One histogram observation labelled by priority class and model."""
+        tags = self._tags.get((priority, model))
+        if tags is None:
+            tags = self._tags[(priority, model)] = {
+                **self._base,
+                "priority": priority,
+                "model": model,
+            }
+        self._record(metric, value, tags)
 
     def start(self, models: Iterable[str], decoders: Iterable[str]) -> None:
         """The node serves ``models`` (``decoders`` among them): its counters start at
@@ -448,40 +499,40 @@ class NodeMetrics(Recorder):
     # ------------------------------------------------------------------- requests
 
     def admitted(self, priority: int, model: str) -> None:
-        self.emit(ADMITTED, 1, priority=self.label(priority), model=model)
+        self._count(ADMITTED, 1, priority=self.label(priority), model=model)
 
     def settled(self, outcome: Outcome, now: float, service_s: float) -> None:
         """A request reached a terminal state at ``now`` (the node's clock);
         ``service_s`` is the engine time of the call that ended it, if one did."""
         r = outcome.request
-        labels = {"priority": self.label(r.priority), "model": r.model}
-        self.emit(REQUESTS, 1, state=outcome.state.value, **labels)
+        label = self.label(r.priority)
+        self._count(REQUESTS, 1, priority=label, model=r.model, state=outcome.state.value)
         if r.started is not None:
-            self.emit(QUEUE_WAIT, max(0.0, r.started - r.arrival), **labels)
+            self._observe(QUEUE_WAIT, max(0.0, r.started - r.arrival), label, r.model)
         if outcome.state is RequestState.COMPLETED:
             latency = max(0.0, now - r.arrival)
-            self.emit(LATENCY, latency, **labels)
-            self.emit(SERVICE, service_s, **labels)
-            counts = self._latency.setdefault(labels["priority"], [0] * (len(LATENCY_BUCKETS) + 1))
+            self._observe(LATENCY, latency, label, r.model)
+            self._observe(SERVICE, service_s, label, r.model)
+            counts = self._latency.setdefault(label, [0] * (len(LATENCY_BUCKETS) + 1))
             counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
 
     def preempted(self, plan: Plan) -> None:
         """The call ``plan`` was aborted for more urgent work; its requests requeue."""
         for r in plan.requests:
             if not r.cancel_requested:
-                self.emit(PREEMPTED, 1, priority=self.label(r.priority), model=r.model)
+                self._count(PREEMPTED, 1, priority=self.label(r.priority), model=r.model)
 
     # --------------------------------------------------------------------- engine
 
     def engine_call(self, plan: Plan, service_s: float) -> None:
         model = plan.model
-        self.emit(ENGINE_CALLS, 1, model=model)
-        self.emit(BATCHED, len(plan.requests), model=model)
+        self._count(ENGINE_CALLS, 1, model=model)
+        self._count(BATCHED, len(plan.requests), model=model)
         self.emit(BATCH_SIZE, len(plan.requests), model=model)
-        self.emit(ENGINE_BUSY, service_s, model=model)
+        self._count(ENGINE_BUSY, service_s, model=model)
 
     def model_loaded(self, model: str, seconds: float) -> None:
-        self.emit(MODEL_LOADS, 1, model=model)
+        self._count(MODEL_LOADS, 1, model=model)
         self.emit(MODEL_LOAD_SECONDS, seconds, model=model)
 
     # ----------------------------------------------------------------- generation
@@ -489,26 +540,28 @@ class NodeMetrics(Recorder):
     def tokens(self, model: str, priority: int, n: int) -> None:
         """``n`` tokens were generated for a request of ``priority``."""
         if n > 0:
-            self.emit(TOKENS, n, priority=self.label(priority), model=model)
+            self._count(TOKENS, n, priority=self.label(priority), model=model)
 
     def paused(self, priority: int) -> None:
         """A generation was paused (its KV cache kept)."""
-        self.emit(PAUSES, 1, priority=self.label(priority))
+        self._count(PAUSES, 1, priority=self.label(priority))
 
     def resumed(self, priority: int) -> None:
         """A paused generation runs again."""
-        self.emit(RESUMES, 1, priority=self.label(priority))
+        self._count(RESUMES, 1, priority=self.label(priority))
 
     def budget_cut(self, priority: int) -> None:
         """A generation ended because it reached its token budget."""
-        self.emit(BUDGET_CUTS, 1, priority=self.label(priority))
+        self._count(BUDGET_CUTS, 1, priority=self.label(priority))
 
     # --------------------------------------------------------------------- status
 
     def observe(self, status: NodeStatus) -> None:
         """Set the gauges from a status snapshot (the router asks for one every
         ``router.report_interval_s``): Ray's metrics agent drops a gauge that is not
-        set again for two report intervals (20 s by default)."""
+        set again for two report intervals (20 s by default). Counter sums kept
+        since the last flush are recorded too."""
+        self.flush()
         queued = dict.fromkeys(self.classes, 0)
         for p, n in status.queued.items():
             label = self.label(p)

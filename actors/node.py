@@ -1,9 +1,12 @@
 """The node: one engine, one scheduler, one asyncio loop. Ray wraps it as an actor.
 
 The event loop only moves data and decisions; engine calls and model loads run on
-the node's single engine thread. Every request that reaches ``infer`` gets exactly
-one :class:`Reply`: its outputs or a typed error. Every generation that reaches
-``generate`` streams its tokens and ends with exactly one :class:`GenerationResult`.
+the node's single engine thread. Between inference calls the engine thread takes the
+next call from the scheduler itself (under the lock that serialises every scheduler
+call) and hands what ended to the loop, which answers the callers. Every request that
+reaches ``infer`` gets exactly one :class:`Reply`: its outputs or a typed error. Every
+generation that reaches ``generate`` streams its tokens and ends with exactly one
+:class:`GenerationResult`.
 
 This file is intake, admission, the serve loop and settlement; the parts it composes
 each have their own file: the scheduling core (``actors.scheduler``), the engine
@@ -19,25 +22,26 @@ import contextlib
 import logging
 import os
 import resource
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from actors.decoder import Generation
 from actors.engine import RunAborted, check_inputs
-from actors.executor import EngineThread
+from actors.executor import Call, EngineThread, Outputs, Waker
 from actors.generations import NodeGenerations
 from actors.metrics import NodeMetrics
 from actors.models import Loader, ModelManager, load_onnx
 from actors.replies import RecentReplies
-from actors.scheduler import LocalScheduler, ModelRules, Outcome, Plan
+from actors.scheduler import LocalScheduler, Outcome, Plan, model_rules
 from actors.trace import NodeTrace
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import NodeSpec
-from edgefleet.errors import EdgeFleetError, EngineError, InvalidInput, Rejected
+from edgefleet.errors import Cancelled, EdgeFleetError, EngineError, InvalidInput, Rejected
 from edgefleet.messages import (
     NODE_COUNTERS,
     GenerationResult,
@@ -48,12 +52,13 @@ from edgefleet.messages import (
     TokenChunk,
 )
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
-from policies import QUEUE_ORDERS, BatchParams, PreemptionParams, QueueLimits
+from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
 
 S = RequestState
 log = logging.getLogger(__name__)
 
 STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together
+LINGER_S = 0.002  # an engine thread with nothing to run waits this long for an arrival
 MAX_REPORTED_SESSIONS = 256  # sessions named in a status report (most recent first)
 
 
@@ -78,10 +83,21 @@ class NodeRuntime:
             limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
             order=QUEUE_ORDERS[spec.order](),
             preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
+            starvation=spec.starvation.params(spec.priorities),
         )
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
+        # The loop and the engine thread (starting the next call itself) both drive the
+        # scheduler: every scheduler call holds this lock, and nothing else does.
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # an idle engine thread waits on it
+        self._lingering = False  # ... now (under the lock: notify only then, it is not free)
+        self._call: Call | None = None  # the running inference call (under the lock)
+        self._waker: Waker | None = None  # the engine thread's way to wake the loop
+        self._ended: deque[_Ended] = deque()  # calls the engine ended, for the loop to settle
+        self._settling = False  # the loop has been asked to settle them
         self._gens = NodeGenerations(spec, self._clock, self._counters)
+        self._preempted: set[str] = set()  # generations paused for more urgent work
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
         self._callers: Counter[str] = Counter()  # callers awaiting each request id
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -121,13 +137,7 @@ class NodeRuntime:
         self._gens.exact_models = {i.name for i in infos if i.exact_grouping}
         self._metrics.start([i.name for i in infos], decoders)
         for info in infos:
-            if info.config.kind == "decoder":
-                continue
-            window = info.config.batching.window_ms / 1000.0
-            self._sched.set_rules(
-                info.name,
-                ModelRules(BatchParams(window, info.batch_limit), info.config.dedup == "follow"),
-            )
+            self._sched.set_rules(info.name, model_rules(info))
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
@@ -155,17 +165,25 @@ class NodeRuntime:
     def _end_all(self, reason: str) -> None:
         """Cancel, naming ``reason``, everything queued or paused, and the call in
         progress when no serve loop is left to finish it."""
-        plan = self._sched.running
-        if plan is not None and (self._task is None or self._task.done()):
-            self._settle(self._sched.finish(plan, aborted=True))  # requeued, then cancelled
-        self._settle(self._sched.cancel_all(reason))
+        with self._lock:
+            plan = self._sched.running
+            ended: tuple[Outcome, ...] = ()
+            if plan is not None and (self._task is None or self._task.done()):
+                ended = self._sched.finish(plan, aborted=True)  # requeued, then cancelled
+                self._call = None
+            ended += self._sched.cancel_all(reason)
+        self._settle(ended)
 
     async def stop(self) -> NodeStatus:
         """Cancel queued work, abort the running call, unload models."""
-        self._sched.draining = True
-        self._settle(self._sched.cancel_all(f"node {self.spec.name} stopped"))
+        with self._lock:
+            self._sched.draining = True
+            cancelled = self._sched.cancel_all(f"node {self.spec.name} stopped")
+            self._abort_running()
+            if self._lingering:
+                self._arrived.notify()
+        self._settle(cancelled)
         self._gens.kv.clear()
-        self._engine.abort()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -253,15 +271,20 @@ class NodeRuntime:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Reply] = loop.create_future()
         self._waiters[req.id] = fut
-        admission = self._sched.admit(req)
+        with self._lock:
+            admission = self._sched.admit(req)
+            if admission.preempt:
+                self._abort_running()
+            elif admission.join:  # a generation that decodes with the running ones
+                self._engine.stop_at_boundary()
+            if admission.accepted and self._lingering:
+                self._arrived.notify()
         self._settle(admission.settled)
         if admission.accepted:
             self._counters["admitted"] += 1
             self._metrics.admitted(req.priority, req.model)
             assert self._wake is not None and self._idle is not None
             self._idle.clear()
-            if admission.preempt:
-                self._engine.abort()
             if req.deadline is not None:
                 delay = max(0.0, req.deadline - self._clock.now())
                 self._timers[req.id] = loop.call_later(delay, self._expire, req.id)
@@ -392,18 +415,27 @@ class NodeRuntime:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request. False when it is not (or no longer) here."""
-        outcome, abort = self._sched.cancel(request_id)
+        with self._lock:
+            outcome, abort = self._sched.cancel(request_id)
+            running = self._sched.running
+            if abort:
+                self._abort_running()
+            elif (
+                outcome is None
+                and running is not None
+                and running.requests[0].pausable
+                and any(r.id == request_id for r in running.requests)
+            ):
+                self._engine.stop_at_boundary()  # the others decode on without it
         if outcome is not None:
             self._settle([outcome])
             return True
-        if abort:
-            self._engine.abort()
-        running = self._sched.running
         return running is not None and any(r.id == request_id for r in running.requests)
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)
-        outcome = self._sched.expire(request_id)
+        with self._lock:
+            outcome = self._sched.expire(request_id)
         if outcome is not None:
             self._settle([outcome])
 
@@ -411,23 +443,30 @@ class NodeRuntime:
 
     async def _serve(self) -> None:
         assert self._wake is not None and self._idle is not None
-        while True:
-            self._wake.clear()
-            while self._switches:
-                await self._switch(*self._switches.popleft())
-            step = self._sched.next_work()
-            self._settle(step.settled)
-            if step.plan is not None:
-                self._idle.clear()
-                await self._execute(step.plan)
-                continue
-            if self._sched.idle:
-                self._idle.set()
-            timeout = None
-            if step.wake_at is not None:
-                timeout = max(0.0, step.wake_at - self._clock.now())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+        self._waker = Waker(asyncio.get_running_loop(), self._settle_ended)
+        try:
+            while True:
+                self._wake.clear()
+                while self._switches:
+                    await self._switch(*self._switches.popleft())
+                with self._lock:
+                    step = self._sched.next_work()
+                    if step.plan is not None and not step.plan.requests[0].pausable:
+                        self._call = Call(step.plan)
+                self._settle(step.settled)
+                if step.plan is not None:
+                    self._idle.clear()
+                    await self._execute(step.plan)
+                    continue
+                if self._sched.idle:
+                    self._idle.set()
+                timeout = None
+                if step.wake_at is not None:
+                    timeout = max(0.0, step.wake_at - self._clock.now())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+        finally:
+            self._waker.close()
 
     async def _switch(self, model: str, done: asyncio.Future[None]) -> None:
         try:
@@ -447,75 +486,187 @@ class NodeRuntime:
         if plan.requests[0].pausable:
             await self._execute_generation(plan)
             return
-        results: list[dict[str, np.ndarray]] | None = None
-        t0 = self._clock.now()
-        try:
-            results = await self._engine.run(plan.model, [r.inputs for r in plan.requests])
-        except RunAborted:
-            requeued = sum(not r.cancel_requested for r in plan.requests)
-            if requeued:  # aborted for a more urgent arrival, not (only) for a cancel
-                self._counters["preemptions"] += 1
-                self._counters["preempted"] += requeued
-                self._metrics.preempted(plan)
-            outcomes = self._sched.finish(plan, aborted=True)
-        except EdgeFleetError as exc:
-            outcomes = self._sched.finish(plan, error=exc)
-        except Exception as exc:  # an engine bug must fail requests, never the node
-            err = EngineError(f"model {plan.model!r}: {type(exc).__name__}: {exc}")
-            outcomes = self._sched.finish(plan, error=err)
-        else:
-            outcomes = self._sched.finish(plan)
-        service = self._clock.now() - t0
+        call = self._call
+        assert call is not None and call.plan is plan, "an inference plan runs as a Call"
+        while call is not None:
+            try:
+                await self._engine.load(call.plan.model)
+            except Exception as exc:  # the model cannot be made resident: the call fails
+                call = self._finished(call, exc, 0.0, linger=False)
+                continue
+            call = await self._engine.chain(call, self._finished)
+
+    def _abort_running(self) -> None:
+        """Abort the running call, or the call taken but not started yet (under the lock:
+        the engine thread cannot move on to another call meanwhile)."""
+        if self._call is not None:
+            self._call.stop.set()  # first: a call about to start sees it and never runs
+        self._engine.abort()
+
+    def _may_pipeline(self) -> bool:
+        """Whether the engine thread may take the next call itself. Generations, model
+        switches, draining and stopping go through the serve loop."""
+        return not (self._sched.draining or self._switches or self._gens.live)
+
+    def _finished(
+        self, call: Call, result: Outputs | Exception, service_s: float, *, linger: bool = True
+    ) -> Call | None:
+        """A call ended (on the engine thread, or on the loop when its model could not
+        load, then without ``linger``): finish it in the scheduler, hand its settlement to
+        the loop and, when the engine may go straight on, take the next call."""
+        plan = call.plan
+        with self._lock:
+            if self._sched.running is not plan:  # the node ended it meanwhile (stopping)
+                return None
+            self._call = None
+            outputs: Outputs | None = None
+            requeued = 0
+            if isinstance(result, RunAborted):
+                # aborted for a more urgent arrival, not (only) for a cancel
+                requeued = sum(not r.cancel_requested for r in plan.requests)
+                outcomes = self._sched.finish(plan, aborted=True)
+            elif isinstance(result, EdgeFleetError):
+                outcomes = self._sched.finish(plan, error=result)
+            elif isinstance(result, Exception):  # an engine bug fails requests, never the node
+                err = EngineError(f"model {plan.model!r}: {type(result).__name__}: {result}")
+                outcomes = self._sched.finish(plan, error=err)
+            else:
+                outputs = result
+                outcomes = self._sched.finish(plan)
+            self._post(_Ended(plan, outcomes, outputs, requeued, service_s))
+            return self._next_call(LINGER_S if linger else 0.0)
+
+    def _next_call(self, linger_s: float) -> Call | None:
+        """Under the lock: the next call the engine may start at once, if any. When
+        nothing is queued, wait up to ``linger_s`` for an arrival (``_admit`` notifies)
+        rather than hand the engine back to the loop: restarting it costs the loop a
+        turn and the engine thread a wake-up, for a third of a small model's calls under
+        load. What needs the loop (a generation, a switch, draining) ends the chain at
+        the next call, or once the wait is over."""
+        for waited in (False, True):
+            if not self._may_pipeline():
+                return None
+            step = self._sched.next_work()  # a scheduler bug raises: the serve loop fails
+            if step.settled:
+                self._post(_Ended(None, step.settled))
+            if step.plan is not None:
+                self._call = Call(step.plan)
+                return self._call
+            if waited or step.wake_at is not None or linger_s <= 0:
+                return None  # a batching window or a deadline: the loop keeps the time
+            self._lingering = True
+            try:
+                self._arrived.wait(linger_s)
+            finally:
+                self._lingering = False
+        return None
+
+    def _post(self, ended: _Ended) -> None:
+        """Hand what a call ended to the loop; one wake-up settles all that ended by then."""
+        self._ended.append(ended)
+        if not self._settling:
+            self._settling = True
+            assert self._waker is not None
+            self._waker.wake()
+
+    def _settle_ended(self) -> None:
+        """On the loop: count and answer what the calls ended since the last time. A
+        settlement that fails (a bug) fails the node, as a serve loop that dies does,
+        and the callers of that call hear so instead of waiting forever."""
+        self._settling = False  # first: a call ended from now on asks again
+        while self._ended:
+            ended = self._ended.popleft()
+            try:
+                self._settle_call(ended)
+            except Exception as exc:
+                log.error("node %s: answering a call failed", self.spec.name, exc_info=exc)
+                reason = f"answering a call failed: {type(exc).__name__}: {exc}"
+                self._fail(reason)
+                for o in ended.outcomes:
+                    fut = self._waiters.pop(o.request.id, None)
+                    if fut is not None and not fut.done():
+                        err = Cancelled(
+                            f"node {self.spec.name} failed ({reason}); send it again",
+                            request_id=o.request.id,
+                        )
+                        fut.set_result(Reply(o.request.id, self.spec.name, error=err))
+
+    def _settle_call(self, ended: _Ended) -> None:
+        plan = ended.plan
+        if plan is None:  # requests whose deadline passed while the engine took the next
+            self._settle(ended.outcomes)
+            return
+        if ended.requeued:
+            self._counters["preemptions"] += 1
+            self._counters["preempted"] += ended.requeued
+            self._metrics.preempted(plan)
         self._counters["engine_calls"] += 1
         self._counters["batched_requests"] += len(plan.requests)
-        self._metrics.engine_call(plan, service)
+        self._metrics.engine_call(plan, ended.service_s)
         by_id = {}
-        if results is not None:
-            by_id = {r.id: out for r, out in zip(plan.requests, results, strict=True)}
-        self._settle(outcomes, by_id, plan=plan, service_s=service)
+        if ended.outputs is not None:
+            by_id = {r.id: out for r, out in zip(plan.requests, ended.outputs, strict=True)}
+        self._settle(ended.outcomes, by_id, plan=plan, service_s=ended.service_s)
 
     async def _execute_generation(self, plan: Plan) -> None:
-        """Run one generation until it ends or is paused at a token boundary."""
-        req = plan.requests[0]
-        gen = self._gens.live[req.id]
+        """Decode the plan's generations together until each ends or the call stops at
+        a token boundary: paused for more urgent work, or regrouped (a generation joins,
+        a cancelled one leaves) and resumed at once."""
+        gens = {r.id: self._gens.live[r.id] for r in plan.requests}
+        before = {rid: len(g.tokens) for rid, g in gens.items()}
         t0 = self._clock.now()
-        reason: str | None = None
+        reasons: dict[str, str | None] = {}
         error: EdgeFleetError | None = None
-        before = len(gen.tokens)
 
-        def resident() -> None:  # the model is loaded: the generation starts or resumes
-            if req.preemptions:
-                self._counters["resumed"] += 1
-                self._metrics.resumed(req.priority)
-            self._gens.attach_cache(gen)
-            self._gens.release(self._sched.paused, running=[gen])
+        def resident() -> None:  # the model is loaded: the generations start or resume
+            for r in plan.requests:
+                if r.id in self._preempted:  # paused for more urgent work, now resumed
+                    self._preempted.discard(r.id)
+                    self._counters["resumed"] += 1
+                    self._metrics.resumed(r.priority)
+                self._gens.attach_cache(gens[r.id])
+            with self._lock:
+                paused = self._sched.paused
+            self._gens.release(paused, running=gens.values())
 
         try:
-            reason = await self._engine.advance(plan.model, gen, resident)
+            reasons = await self._engine.advance(plan.model, list(gens.values()), resident)
         except EdgeFleetError as exc:
             error = exc
-        except Exception as exc:  # an engine bug must fail the request, never the node
+        except Exception as exc:  # an engine bug must fail the requests, never the node
             error = EngineError(f"model {plan.model!r}: {type(exc).__name__}: {exc}")
         self._counters["engine_calls"] += 1
-        self._counters["tokens"] += len(gen.tokens) - before
-        self._metrics.tokens(plan.model, req.priority, len(gen.tokens) - before)
+        for r in plan.requests:
+            made = len(gens[r.id].tokens) - before[r.id]
+            self._counters["tokens"] += made
+            self._metrics.tokens(plan.model, r.priority, made)
         self._metrics.engine_call(plan, self._clock.now() - t0)
-        if error is not None:
-            outcomes = self._sched.finish(plan, error=error)
-        elif reason is None:  # paused for more urgent work, or stopped by a cancel
-            outcomes = self._sched.finish(plan, paused=True)
-            if not req.cancel_requested:
-                self._counters["preemptions"] += 1
-                self._counters["paused"] += 1
-                self._metrics.paused(req.priority)
-                self._gens.release(self._sched.paused)
-        else:
-            gen.finish_reason = reason
-            self._counters[f"finish_{reason}"] += 1
-            if reason == "budget":
-                self._metrics.budget_cut(req.priority)
-            outcomes = self._sched.finish(plan)
-            self._gens.keep(gen, self._sched.paused)
+        for rid, reason in reasons.items():
+            if reason is not None:
+                gens[rid].finish_reason = reason
+                self._counters[f"finish_{reason}"] += 1
+        with self._lock:
+            preempted = self._sched.preempting
+            if error is not None:
+                outcomes = self._sched.finish(plan, error=error)
+            else:
+                pause = [rid for rid, reason in reasons.items() if reason is None]
+                outcomes = self._sched.finish(plan, paused=pause, preempted=preempted)
+            paused = self._sched.paused
+        held = [r for r in plan.requests if r.state is S.PAUSED]
+        if held and preempted:
+            self._counters["preemptions"] += 1
+            self._counters["paused"] += len(held)
+            for r in held:
+                self._preempted.add(r.id)
+                self._metrics.paused(r.priority)
+        for r in plan.requests:
+            if r.state is S.COMPLETED:
+                if gens[r.id].finish_reason == "budget":
+                    self._metrics.budget_cut(r.priority)
+                self._gens.keep(gens[r.id], paused)
+        if held:
+            self._gens.release(paused)
         self._settle(outcomes, plan=plan, service_s=self._clock.now() - t0)
 
     # ----------------------------------------------------------------- settlement
@@ -578,6 +729,12 @@ class NodeRuntime:
         return [g for r in plan.requests if (g := self._gens.live.get(r.id)) is not None]
 
     def status(self) -> NodeStatus:
+        with self._lock:  # the engine thread may be taking the next call meanwhile
+            status = self._status()
+        self._metrics.observe(status)
+        return status
+
+    def _status(self) -> NodeStatus:
         running = self._sched.running
         now = self._clock.now()
         models = tuple(
@@ -595,7 +752,7 @@ class NodeRuntime:
             )
             for i in self._models.models()
         )
-        status = NodeStatus(
+        return NodeStatus(
             name=self.spec.name,
             state=self._state,
             failure=self._failure,
@@ -625,8 +782,18 @@ class NodeRuntime:
             busy=self._sched.busy_share(),
             at=now,
         )
-        self._metrics.observe(status)
-        return status
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """What one inference call ended, for the loop to settle (no plan: requests that
+    expired while the engine thread took the next call)."""
+
+    plan: Plan | None
+    outcomes: tuple[Outcome, ...]
+    outputs: Outputs | None = None  # one dict per request, when the call succeeded
+    requeued: int = 0  # requests sent back to the queue by a preemption
+    service_s: float = 0.0
 
 
 def _forward(

@@ -11,6 +11,12 @@ For the unbatched rows a third measurement sits in each round: a *Ray floor*, th
 smallest async Ray actor that does the same job (one session on one engine thread,
 the same request and reply types, no scheduler). It splits the node's loss into what
 any Ray actor costs on this machine and what edgefleet's node adds on top.
+
+A last row prices the node per request: on the tiny classifier (a call of well under
+a millisecond, so the per-request work of Ray and the node dominates) the Ray floor
+and the node alternate, driven the same way, and each window's machine CPU (every
+process on the machine: the driver, Ray's processes, the actor) is divided by the
+replies completed in it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from bench.common import (
     Section,
     Target,
     calm,
+    cpu_sample,
+    cpu_since,
     deployed,
     fleet_config,
     fmt,
@@ -49,12 +57,16 @@ from bench.common import (
 )
 from cluster.client import FleetClient
 from edgefleet.messages import Reply
+from edgefleet.modelgen import make_classifier, random_inputs
 from edgefleet.request import InferRequest
 
 TITLE = "Node overhead at saturation (b)"
 IN_FLIGHT = 32
 FLOOR_MAX_CONCURRENCY = 1024  # like a node actor: many calls held open at once
 TARGET_RATIO_5MS = 0.85
+TARGET_FLOOR_RATIO_1MS = 0.9  # node / Ray floor throughput, 1 ms model, batching off
+TARGET_EXTRA_CPU_MS = 0.3  # node - Ray floor machine CPU per request on the classifier
+CPU_MODEL = "classifier"  # the per-request CPU row's model (fleet entry and builtin)
 
 Submit = Callable[[], ray.ObjectRef]
 
@@ -74,10 +86,23 @@ class Throughput:
     errors: int = 0
     engine_calls: float = 0.0  # actor only: distinct engine calls (sum of 1/batch_size)
     engine_s: float = 0.0  # actor only: engine time of those calls (each call once)
+    busy_s: float = float("nan")  # actor only: machine CPU seconds within the window
+    own_s: float = float("nan")  # ... of which this benchmark's processes (driver, Ray)
 
     @property
     def rate(self) -> float:
         return self.calls / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def cpu_ms(self) -> float:
+        """Actor: machine CPU (every process) per completed reply, in ms."""
+        return 1000 * self.busy_s / self.calls if self.calls else float("nan")
+
+    @property
+    def own_cpu_ms(self) -> float:
+        """Actor: CPU of this benchmark's processes (the driver and the Ray it started)
+        per completed reply, in ms: the machine's figure without other processes."""
+        return 1000 * self.own_s / self.calls if self.calls else float("nan")
 
     @property
     def mean_batch(self) -> float:
@@ -124,6 +149,7 @@ class Row:
     bench_model: BenchModel
     with_floor: bool
     target: float | None  # ratio target, if this row has one
+    floor_target: float | None = None  # node / Ray floor throughput target, if any
 
 
 @dataclass(frozen=True)
@@ -137,6 +163,34 @@ class RowResult:
         return median([r.ratio for r in self.rounds])
 
     def med(self, pick: Callable[[Round], float]) -> float:
+        return median([pick(r) for r in self.rounds])
+
+
+@dataclass(frozen=True)
+class CpuRound:
+    """One round of the per-request CPU row: the Ray floor, then the node."""
+
+    floor: Throughput
+    node: Throughput
+    foreign_cores: float
+    attempts: int
+
+    @property
+    def extra_ms(self) -> float:
+        """Machine CPU per request the node takes over the Ray floor, in ms."""
+        return self.node.cpu_ms - self.floor.cpu_ms
+
+    @property
+    def own_extra_ms(self) -> float:
+        """The same counting only this benchmark's processes (robust to other load)."""
+        return self.node.own_cpu_ms - self.floor.own_cpu_ms
+
+
+@dataclass(frozen=True)
+class CpuResult:
+    rounds: tuple[CpuRound, ...]
+
+    def med(self, pick: Callable[[CpuRound], float]) -> float:
         return median([pick(r) for r in self.rounds])
 
 
@@ -192,6 +246,7 @@ def actor_throughput(submit: Submit, seconds: float, in_flight: int) -> Throughp
 
     Replies that arrive after the window are drained (bounded) but not counted.
     """
+    cpu = cpu_sample()
     pending = [submit() for _ in range(in_flight)]
     completed = errors = 0
     engine_calls = engine_s = 0.0
@@ -222,10 +277,11 @@ def actor_throughput(submit: Submit, seconds: float, in_flight: int) -> Throughp
             else:
                 errors += 1
         pending += [submit() for _ in ready]
+    used = cpu_since(cpu)
     elapsed = min(time.perf_counter(), end) - start
     if pending:
         ray.wait(pending, num_returns=len(pending), timeout=GET_TIMEOUT_S)
-    return Throughput(completed, elapsed, errors, engine_calls, engine_s)
+    return Throughput(completed, elapsed, errors, engine_calls, engine_s, used.busy_s, used.own_s)
 
 
 def _measure_row(
@@ -275,6 +331,39 @@ def _measure_row(
     return RowResult(row, tuple(rounds), costs.get(1, float("nan")))
 
 
+def _measure_cpu(client: FleetClient, floor: ActorHandle, params: Params) -> CpuResult:
+    """Machine CPU per request, node vs Ray floor, on the classifier (interleaved)."""
+    feed = random_inputs(CPU_MODEL)
+    node = only_node(client).node
+
+    def to_node() -> ray.ObjectRef:
+        return node_submit(client, node, CPU_MODEL, feed, priority="foreground")
+
+    def floor_submit() -> ray.ObjectRef:
+        return floor.infer.remote(InferRequest(model=CPU_MODEL, inputs=feed))
+
+    def one_round() -> tuple[Throughput, Throughput]:
+        base = actor_throughput(floor_submit, params.duration_s, params.in_flight)
+        return base, actor_throughput(to_node, params.duration_s, params.in_flight)
+
+    actor_throughput(floor_submit, params.warmup_s, params.in_flight)
+    actor_throughput(to_node, params.warmup_s, params.in_flight)
+    rounds: list[CpuRound] = []
+    for i in range(params.rounds):
+        c = calm(one_round, f"CPU per request round {i + 1}")
+        base, node_tp = c.value
+        r = CpuRound(base, node_tp, c.foreign_cores, c.attempts)
+        rounds.append(r)
+        log(
+            f"  CPU per request round {i + 1}/{params.rounds}: Ray floor {base.rate:.0f}/s "
+            f"{base.cpu_ms:.3f} ms, node {node_tp.rate:.0f}/s {node_tp.cpu_ms:.3f} ms "
+            f"({r.extra_ms:+.3f} ms; own processes {r.own_extra_ms:+.3f} ms; "
+            f"errors {node_tp.errors}, "
+            f"other processes {c.foreign_cores:.2f} cores)"
+        )
+    return CpuResult(tuple(rounds))
+
+
 def run(ctx: RunContext) -> Section:
     params = Params(
         duration_s=ctx.pick(2.0, 0.5),
@@ -285,13 +374,14 @@ def run(ctx: RunContext) -> Section:
     m1 = ctx.models.calibrated(1.0)
     rows = [
         Row("5 ms, batching off", "slow5", m5, True, TARGET_RATIO_5MS),
-        Row("1 ms, batching off", "slow1", m1, True, None),
+        Row("1 ms, batching off", "slow1", m1, True, None, TARGET_FLOOR_RATIO_1MS),
         Row("1 ms, batching on", "slow1_batched", m1, False, None),
     ]
     entries = [
         ModelEntry("slow5", m5.path),
         ModelEntry("slow1", m1.path),
         ModelEntry("slow1_batched", m1.path, window_ms=2.0, max_batch_size=8),
+        ModelEntry(CPU_MODEL, make_classifier(m5.path.parent / f"{CPU_MODEL}.onnx")),
     ]
     config = fleet_config("bench-overhead", entries, m5.path.parent)
     sessions = {p: raw_session(p) for p in {m5.path, m1.path}}
@@ -299,7 +389,7 @@ def run(ctx: RunContext) -> Section:
     floors: dict[Path, ActorHandle] = {}
     results: list[RowResult] = []
     try:
-        for path in sessions:
+        for path in [*sessions, entries[-1].path]:
             floors[path] = floor_cls.remote(str(path))
             ray.get(floors[path].ready.remote(), timeout=GET_TIMEOUT_S)
         with deployed(config) as client:
@@ -311,14 +401,17 @@ def run(ctx: RunContext) -> Section:
                 floor = floors[row.bench_model.path] if row.with_floor else None
                 session = sessions[row.bench_model.path]
                 results.append(_measure_row(client, row, session, floor, params))
+            log("node overhead: machine CPU per request, classifier")
+            cpu = _measure_cpu(client, floors[entries[-1].path], params)
     finally:
         for handle in floors.values():
             ray.kill(handle)
-    return _section(results, params, limits, m5, m1)
+    return _section(results, cpu, params, limits, m5, m1)
 
 
 def _section(
     results: list[RowResult],
+    cpu: CpuResult,
     params: Params,
     limits: dict[str, int],
     m5: BenchModel,
@@ -360,6 +453,63 @@ def _section(
         for r in results
         if (target := r.row.target) is not None
     ]
+    targets += [
+        Target(
+            f"node / Ray floor throughput, {r.row.label}",
+            r.med(lambda x: x.ratio / x.floor_ratio),
+            ">=",
+            target,
+        )
+        for r in results
+        if (target := r.row.floor_target) is not None
+    ]
+    extra = cpu.med(lambda x: x.extra_ms)
+    targets.append(
+        Target(
+            "node - Ray floor machine CPU per request, classifier, ms",
+            extra,
+            "<=",
+            TARGET_EXTRA_CPU_MS,
+            digits=3,
+        )
+    )
+    cpu_table = md_table(
+        [
+            "round",
+            "Ray floor calls/s",
+            "node calls/s",
+            "Ray floor CPU ms / request",
+            "node CPU ms / request",
+            "node - Ray floor ms",
+            "same, own processes only",
+            "other processes, cores",
+        ],
+        [
+            [
+                str(i + 1),
+                fmt(r.floor.rate, 0),
+                fmt(r.node.rate, 0),
+                fmt(r.floor.cpu_ms, 3),
+                fmt(r.node.cpu_ms, 3),
+                fmt(r.extra_ms, 3, signed=True),
+                fmt(r.own_extra_ms, 3, signed=True),
+                fmt(r.foreign_cores, 2),
+            ]
+            for i, r in enumerate(cpu.rounds)
+        ]
+        + [
+            [
+                "median",
+                fmt(cpu.med(lambda x: x.floor.rate), 0),
+                fmt(cpu.med(lambda x: x.node.rate), 0),
+                fmt(cpu.med(lambda x: x.floor.cpu_ms), 3),
+                fmt(cpu.med(lambda x: x.node.cpu_ms), 3),
+                fmt(extra, 3, signed=True),
+                fmt(cpu.med(lambda x: x.own_extra_ms), 3, signed=True),
+                "",
+            ]
+        ],
+    )
     errors = sum(x.node.errors for r in results for x in r.rounds)
     foreign = max(x.foreign_cores for r in results for x in r.rounds)
     repeats = sum(x.attempts - 1 for r in results for x in r.rounds)
@@ -378,7 +528,12 @@ def _section(
         "smallest async Ray actor doing the same job "
         "(one session on one engine thread, the same request and reply types, no "
         "scheduler), driven the same way. Models: "
-        f"5 ms = {m5.describe()}; 1 ms = {m1.describe()}."
+        f"5 ms = {m5.describe()}; 1 ms = {m1.describe()}. The second table prices the "
+        "node per request: on the tiny classifier (`modelgen.make_classifier`, batching "
+        "off) the Ray floor and the node alternate (floor, node, floor, node ...; same "
+        "rounds, durations and requests in flight), and the CPU every process on the "
+        "machine used within each window (busy jiffies of /proc/stat: the driver, Ray's "
+        "processes, the actor) is divided by the replies completed in it."
     )
     notes = [
         "Node / Ray floor is what edgefleet's node (admission, queue, scheduler, settle) "
@@ -399,7 +554,19 @@ def _section(
         f"other processes used more than 0.2 cores meanwhile: {repeats}; most CPU other "
         f"processes used during a kept round: {foreign:.2f} cores.",
     ]
-    return Section(TITLE, measured, [table], targets, notes)
+    cpu_errors = sum(x.node.errors + x.floor.errors for x in cpu.rounds)
+    notes.append(
+        "Machine CPU per request counts every process on the machine, so the driver's "
+        "own work (submitting, `ray.wait`, receiving replies) is in both columns; their "
+        "difference is what the node costs per request over any Ray actor serving the "
+        "same session. 'Own processes only' counts the CPU of this benchmark's process "
+        "tree (the driver and the Ray it started) instead of the whole machine: the same "
+        "difference without whatever else ran meanwhile. "
+        f"Failed replies in that row: {cpu_errors}; rounds measured again: "
+        f"{sum(x.attempts - 1 for x in cpu.rounds)}."
+    )
+    cpu_part = "**Machine CPU per request, classifier: Ray floor vs node**\n\n" + cpu_table
+    return Section(TITLE, measured, [table, cpu_part], targets, notes)
 
 
 __all__ = ["RayFloor", "Throughput", "actor_throughput", "raw_throughput", "run"]

@@ -246,3 +246,56 @@ class LocalFleet:
         self.dispatcher.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
+
+
+class CallGate:
+    """Holds each call of a fake engine on the engine thread as it starts, before the
+    engine looks at the call's stop event, until the test lets it go.
+
+    ``await gate.entered()`` gives the first input value of each request in the call
+    now held; ``gate.release()`` lets that call go on; ``gate.open()`` lets every call
+    from now on through. ``ran`` lists the calls that did run (not aborted), in order.
+    """
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self._run = engine.run
+        self._held: cf.Future[list[float]] | None = None
+        self._go = threading.Event()
+        self._opened = False
+        self._lock = threading.Lock()
+        self._waiting: list[cf.Future[list[float]]] = []
+        self._queue: list[list[float]] = []
+        self.ran: list[list[float]] = []
+        engine.run = self._gated  # type: ignore[method-assign]
+
+    def _gated(
+        self, batch: Sequence[Mapping[str, np.ndarray]], stop: threading.Event | None = None
+    ) -> list[dict[str, np.ndarray]]:
+        values = [float(b["x"].reshape(-1)[0]) for b in batch]
+        if not self._opened:
+            self._go.clear()
+            with self._lock:
+                if self._waiting:
+                    self._waiting.pop(0).set_result(values)
+                else:
+                    self._queue.append(values)
+            self._go.wait(30)
+        out = self._run(batch, stop)
+        self.ran.append(values)
+        return out
+
+    async def entered(self) -> list[float]:
+        """The call held now (waits for the next one to arrive)."""
+        with self._lock:
+            if self._queue:
+                return self._queue.pop(0)
+            fut: cf.Future[list[float]] = cf.Future()
+            self._waiting.append(fut)
+        return await asyncio.wrap_future(fut)
+
+    def release(self) -> None:
+        self._go.set()
+
+    def open(self) -> None:
+        self._opened = True
+        self._go.set()

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import threading
 import time
 
 import numpy as np
 import pytest
 
+import actors.metrics as metrics
+import actors.node as node_module
+from actors.metrics import COUNTER_FLUSH_S, MemorySink, NodeMetrics, RaySink
 from actors.node import NodeRuntime
+from actors.scheduler import Outcome
+from edgefleet.clock import FakeClock
 from edgefleet.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -20,8 +27,8 @@ from edgefleet.errors import (
     Superseded,
 )
 from edgefleet.messages import NODE_COUNTERS
-from edgefleet.request import InferRequest
-from tests.fakes import FakeLoader, fake_spec, x
+from edgefleet.request import InferRequest, Request, RequestState
+from tests.fakes import CallGate, FakeLoader, fake_spec, x
 
 
 def run(coro):
@@ -352,6 +359,222 @@ def test_preemption_requested_before_the_engine_starts_is_kept():
         assert done == {fg}
         await bg
         assert node.status().counters["preemptions"] == 1
+        await node.stop()
+
+    run(main())
+
+
+# ------------------------------------------- calls the engine thread starts itself
+
+
+async def until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.002)
+
+
+def test_a_call_the_engine_thread_took_itself_never_delays_an_urgent_arrival():
+    """bg2 is taken by the engine thread when bg1 ends; an urgent arrival before bg2
+    starts aborts it at no engine cost: the urgent request runs first."""
+
+    async def main():
+        node, loader = await started()
+        gate = CallGate(loader.engines["m"])
+        bg1 = asyncio.create_task(node.infer(req(value=1.0, priority=3, id="bg1")))
+        assert await gate.entered() == [1.0]
+        bg2 = asyncio.create_task(node.infer(req(value=2.0, priority=3, id="bg2")))
+        await until(lambda: node.status().queued == {3: 1})
+        gate.release()  # bg1 runs; the engine thread goes straight on to bg2
+        assert await gate.entered() == [2.0]
+        assert node.status().running.request_ids == ("bg2",)
+        fg = asyncio.create_task(node.infer(req(value=3.0, priority=10, id="fg")))
+        await until(lambda: node.status().counters["admitted"] == 3)
+        gate.open()
+        assert all(r.error is None for r in await asyncio.gather(bg1, bg2, fg))
+        assert gate.ran == [[1.0], [3.0], [2.0]]  # bg2 did not run before fg
+        counters = node.status().counters
+        assert counters["preemptions"] == 1 and counters["preempted"] == 1
+        await node.stop()
+
+    run(main())
+
+
+def test_an_urgent_arrival_aborts_a_call_the_engine_thread_took_before_it_began_it():
+    """The window between the engine thread taking bg2 (under the lock) and beginning
+    it: the abort reaches bg2 through its own stop event."""
+
+    async def main():
+        node, loader = await started()
+        gate = CallGate(loader.engines["m"])
+        held, go = threading.Event(), threading.Event()
+        resident = node._models.resident
+
+        def slow_resident(model):  # the engine thread looks the model up before each call
+            call = node._call
+            on_engine = threading.current_thread().name.startswith("engine-")
+            if on_engine and call and call.plan.requests[0].id == "bg2" and not held.is_set():
+                held.set()
+                go.wait(10)
+            return resident(model)
+
+        node._models.resident = slow_resident
+        bg1 = asyncio.create_task(node.infer(req(value=1.0, priority=3, id="bg1")))
+        assert await gate.entered() == [1.0]
+        bg2 = asyncio.create_task(node.infer(req(value=2.0, priority=3, id="bg2")))
+        await until(lambda: node.status().queued == {3: 1})
+        gate.open()
+        await until(held.is_set)
+        fg = asyncio.create_task(node.infer(req(value=3.0, priority=10, id="fg")))
+        await until(lambda: node.status().counters["admitted"] == 3)
+        go.set()
+        assert all(r.error is None for r in await asyncio.gather(bg1, bg2, fg))
+        assert gate.ran == [[1.0], [3.0], [2.0]]
+        assert node.status().counters["preempted"] == 1
+        await node.stop()
+
+    run(main())
+
+
+def test_an_urgent_arrival_preempts_a_call_the_engine_thread_started_itself():
+    async def main():
+        node, loader = await started(m={"cost_s": 0.5})
+        bg1 = asyncio.create_task(node.infer(req(value=1.0, priority=3, id="bg1")))
+        bg2 = asyncio.create_task(node.infer(req(value=2.0, priority=3, id="bg2")))
+        await until(lambda: (r := node.status().running) is not None and r.request_ids == ("bg2",))
+        r_fg = await node.infer(req(value=3.0, priority=10, id="fg"))
+        assert r_fg.error is None and r_fg.queue_s < 0.25  # bg2's 0.5 s call was aborted
+        assert not bg2.done()
+        assert all(r.error is None for r in await asyncio.gather(bg1, bg2))
+        assert node.status().counters["preempted"] == 1
+        await node.stop()
+
+    run(main())
+
+
+def test_an_arrival_wakes_an_idle_engine_thread_and_stop_ends_its_wait(monkeypatch):
+    """With nothing queued, the engine thread waits a moment for the next arrival (here
+    a long moment) instead of handing the engine back to the loop: an arrival starts
+    at once on the same engine thread run, and stopping ends the wait at once."""
+    monkeypatch.setattr(node_module, "LINGER_S", 5.0)
+
+    async def main():
+        node, _ = await started()
+        chains = 0
+        chain = node._engine.chain
+
+        async def counted(*args):
+            nonlocal chains
+            chains += 1
+            return await chain(*args)
+
+        node._engine.chain = counted
+        assert (await node.infer(req(value=1.0))).error is None
+        for value in (2.0, 3.0):
+            reply = await asyncio.wait_for(node.infer(req(value=value)), 1.0)
+            np.testing.assert_array_equal(reply.unwrap()["y"], x(2 * value)["x"])
+        assert chains == 1
+        await asyncio.wait_for(node.stop(), 1.0)
+
+    run(main())
+
+
+def test_every_request_is_answered_once_under_mixed_priorities_cancels_and_deadlines():
+    async def main():
+        node, _ = await started(fake_spec(capacity=24), m={"cost_s": 0.002})
+        rng = random.Random(7)
+        n = 400
+
+        async def one(i):
+            deadline = rng.choice([None, None, None, 0.001, 0.01, 0.05])
+            r = req(
+                value=float(i + 1),
+                priority=rng.choice([0, 3, 3, 7, 10]),
+                id=f"r{i}",
+                deadline_unix=InferRequest.deadline_from_timeout(deadline),
+                key=f"k{i % 50}" if i % 7 == 0 else None,
+            )
+            task = asyncio.create_task(node.infer(r))
+            if rng.random() < 0.15:
+                await asyncio.sleep(rng.random() * 0.01)
+                node.cancel(r.id)
+            return await task
+
+        tasks = []
+        for i in range(n):  # about 1000 arrivals a second at a node that serves 500
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(rng.random() * 0.002)
+        replies = await asyncio.gather(*tasks)
+        assert sorted(r.request_id for r in replies) == sorted(f"r{i}" for i in range(n))
+        for r in replies:
+            assert (r.outputs is None) != (r.error is None)
+            assert r.error is None or isinstance(r.error, EdgeFleetError)
+            if r.outputs is not None:
+                expected = 2 * (int(r.request_id[1:]) + 1)
+                assert float(r.outputs["y"][0, 0]) == expected
+        c = node.status().counters
+        ended = ("completed", "failed", "rejected", "evicted", "superseded", "expired")
+        assert sum(c[k] for k in (*ended, "cancelled")) == c["received"] == n
+        assert c["completed"] > 0 and c["preempted"] > 0 and c["expired"] > 0
+        assert not node._waiters and not node._timers and not node._callers
+        await node.stop()
+
+    run(main())
+
+
+# ------------------------------------------------------------------- metrics in Ray
+
+
+class _RecordingRaySink(RaySink):
+    """Ray's sink as the node picks its defaults by, recording into memory instead."""
+
+    def __init__(self) -> None:
+        self.memory = MemorySink()
+
+    def record(self, metric, value, tags):
+        self.memory.record(metric, value, tags)
+
+
+def test_in_ray_the_node_records_counter_sums_at_most_once_a_second_and_at_each_report():
+    """A Ray metric record costs microseconds and a node makes several per request: in
+    Ray the counters go out summed; histograms still record every observation."""
+    clock = FakeClock()
+    sink = _RecordingRaySink()
+    rec = NodeMetrics("f", "fake-0", sink=sink, clock=clock)
+    memory = sink.memory
+    for _ in range(3):
+        rec.admitted(10, "m")
+    r = Request(id="a", model="m", inputs={}, priority=10, arrival=0.0, started=0.01)
+    r.state = RequestState.COMPLETED
+    rec.settled(Outcome(r, RequestState.COMPLETED), 0.02, 0.01)
+    assert memory.value(metrics.ADMITTED) == 0 and memory.value(metrics.REQUESTS) == 0
+    assert len(memory.observed(metrics.LATENCY)) == 1  # histograms: at once
+    clock.advance(COUNTER_FLUSH_S)
+    rec.admitted(3, "m")  # a second later: the sums go out
+    assert memory.value(metrics.ADMITTED, priority="foreground") == 3
+    assert memory.value(metrics.ADMITTED, priority="background") == 1
+    assert memory.value(metrics.REQUESTS, state="completed") == 1
+    rec.admitted(10, "m")
+    rec.flush()  # what each status report does
+    assert memory.value(metrics.ADMITTED) == 5
+    assert rec.errors == 0
+
+
+def test_a_call_whose_answer_fails_to_settle_fails_the_node_and_its_callers_hear_so():
+    async def main():
+        node, _ = await started()
+        settle_call = node._settle_call
+
+        def broken(ended):
+            if any(o.request.id == "lost" for o in ended.outcomes):
+                raise RuntimeError("settlement bug")
+            settle_call(ended)
+
+        node._settle_call = broken
+        reply = await asyncio.wait_for(node.infer(req(id="lost")), 5)
+        assert isinstance(reply.error, Cancelled) and "settlement bug" in str(reply.error)
+        status = node.status()
+        assert status.state == "failed" and "settlement bug" in status.failure
         await node.stop()
 
     run(main())
