@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from actors.decoder import DecoderEngine, Generation
-from actors.node import NodeRuntime
+from actors.node import BULK_STREAM_INTERVAL_S, NodeRuntime
 from actors.scheduler import LocalScheduler, ModelRules
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
@@ -147,3 +147,40 @@ def test_concurrent_generations_decode_together_token_identical_to_each_alone(lm
         assert counters["preemptions"] == 0 and counters["tokens"] == sum(lengths)
     finally:
         fleet.close()
+
+
+def test_bulk_generations_stream_in_fewer_larger_chunks(lm_path):
+    # Background work (one the foreground may preempt) is not waiting on each token:
+    # its tokens travel in chunks at least BULK_STREAM_INTERVAL_S apart.
+    config = parse_config(
+        {
+            "fleet": {"name": "d"},
+            "models": {"lm": {"path": str(lm_path), "kind": "decoder"}},
+            "nodes": [{"name": "a"}],
+        },
+        lm_path.parent,
+    )
+    fleet = LocalFleet(config, NodeRuntime)
+    node = fleet.node("a")
+
+    async def chunks(priority: int) -> tuple[int, float, GenerationResult]:
+        n, t0, result = 0, loop_time(), None
+        request = GenerateRequest("lm", tuple(range(5, 25)), max_new_tokens=400, priority=priority)
+        async for item in node.generate(request):
+            if isinstance(item, GenerationResult):
+                result = item
+            else:
+                n += 1
+        assert result is not None and result.error is None
+        return n, loop_time() - t0, result
+
+    try:
+        n, seconds, result = fleet.run(chunks(3))
+        assert len(result.tokens) == 400
+        assert n <= 2 + seconds / BULK_STREAM_INTERVAL_S, (n, seconds)
+    finally:
+        fleet.close()
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
