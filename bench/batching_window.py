@@ -42,6 +42,7 @@ from bench.common import (
     log,
     md_table,
     median,
+    median_call_ms,
     node_costs_ms,
     only_node,
     raw_session,
@@ -293,18 +294,10 @@ def hot_costs_ms(path: Path, width: int, max_rows: int, repeats: int = 25) -> di
     power of two (GEMM kernels), so the per-size table is measured here directly.
     """
     session = raw_session(path)
-    out: dict[int, float] = {}
-    for rows in range(1, max_rows + 1):
-        feed = slow_feed(width, rows=rows)
-        for _ in range(3):
-            session.run(None, feed)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            session.run(None, feed)
-            times.append(time.perf_counter() - t0)
-        out[rows] = 1000 * median(times)
-    return out
+    return {
+        rows: median_call_ms(session, slow_feed(width, rows=rows), repeats)
+        for rows in range(1, max_rows + 1)
+    }
 
 
 def table_ms_per_request(result: WindowResult, costs: Mapping[int, float]) -> float:

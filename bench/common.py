@@ -823,10 +823,8 @@ def make_linear(path: Path, layers: int, width: int) -> Path:
     return path
 
 
-def linear_call_ms(path: Path, width: int, rows: int = 1, repeats: int = 9) -> float:
-    """Median ms of back-to-back calls of a :func:`make_linear` model, in-process."""
-    session = raw_session(path)
-    feed = slow_feed(width, rows=rows)
+def median_call_ms(session: Any, feed: dict[str, np.ndarray], repeats: int = 9) -> float:
+    """Median ms of ``repeats`` back-to-back calls of ``session``, after 3 warm-ups."""
     for _ in range(3):
         session.run(None, feed)
     times = []
@@ -835,6 +833,11 @@ def linear_call_ms(path: Path, width: int, rows: int = 1, repeats: int = 9) -> f
         session.run(None, feed)
         times.append(time.perf_counter() - t0)
     return 1000 * median(times)
+
+
+def linear_call_ms(path: Path, width: int, rows: int = 1, repeats: int = 9) -> float:
+    """Median ms of back-to-back calls of a :func:`make_linear` model, in-process."""
+    return median_call_ms(raw_session(path), slow_feed(width, rows=rows), repeats)
 
 
 def calibrate_linear(path: Path, target_ms: float, width: int) -> tuple[Path, int]:

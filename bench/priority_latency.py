@@ -564,6 +564,15 @@ def _entry(model: BenchModel, v: Variant) -> ModelEntry:
     )
 
 
+def _with_offline(
+    client: FleetClient, feed: dict[str, np.ndarray], variant: Variant, count: int, alone: int
+) -> VariantRun:
+    """One variant's run with offline work kept outstanding beside the flood."""
+    return _variant_runs(
+        client, feed, [variant], count, alone=alone, offline=OFFLINE_OUTSTANDING, label=" + offline"
+    )[0]
+
+
 def _variant_runs(
     client: FleetClient,
     feed: dict[str, np.ndarray],
@@ -642,25 +651,9 @@ def run_batching(ctx: RunContext) -> Section:
         costs = node_costs_ms(status, VARIANTS[2].name)  # an entry measured at every size
         tables = {v.name: node_costs_ms(status, v.name) for v in VARIANTS}
         runs = _variant_runs(client, feed, VARIANTS, n_fg, alone=n_fg)
-        strict = _variant_runs(
-            client,
-            feed,
-            [lin_on],
-            n_starve,
-            alone=n_fg,
-            offline=OFFLINE_OUTSTANDING,
-            label=" + offline",
-        )[0]
+        strict = _with_offline(client, feed, lin_on, n_starve, n_fg)
     with deployed(bounded) as client:
-        starved = _variant_runs(
-            client,
-            feed,
-            [lin_on],
-            n_starve,
-            alone=n_fg,
-            offline=OFFLINE_OUTSTANDING,
-            label=" + offline",
-        )[0]
+        starved = _with_offline(client, feed, lin_on, n_starve, n_fg)
     return _batching_section(model, hot, costs, tables, runs, strict, starved)
 
 

@@ -115,7 +115,9 @@ async def generate(node: NodeRuntime, request: GenerateRequest) -> GenerationRes
     raise AssertionError("no result")
 
 
-def test_concurrent_generations_decode_together_token_identical_to_each_alone(lm_path):
+@pytest.fixture
+def lm_node(lm_path):
+    """One node serving the tiny LM (no Ray), and the fleet around it."""
     config = parse_config(
         {
             "fleet": {"name": "d"},
@@ -125,43 +127,36 @@ def test_concurrent_generations_decode_together_token_identical_to_each_alone(lm
         lm_path.parent,
     )
     fleet = LocalFleet(config, NodeRuntime)
-    node = fleet.node("a")
+    yield fleet, fleet.node("a")
+    fleet.close()
+
+
+def test_concurrent_generations_decode_together_token_identical_to_each_alone(lm_path, lm_node):
+    fleet, node = lm_node
     prompts = [tuple(range(5 + i, 25 + 3 * i)) for i in range(4)]
     lengths = [120, 90, 150, 60]  # rows leave at different tokens
-    try:
 
-        async def together() -> list[GenerationResult]:
-            requests = [
-                GenerateRequest("lm", p, max_new_tokens=n, priority=3)
-                for p, n in zip(prompts, lengths, strict=True)
-            ]
-            return await asyncio.gather(*(generate(node, r) for r in requests))
+    async def together() -> list[GenerationResult]:
+        requests = [
+            GenerateRequest("lm", p, max_new_tokens=n, priority=3)
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        return await asyncio.gather(*(generate(node, r) for r in requests))
 
-        results = fleet.run(together())
-        for result, prompt, n in zip(results, prompts, lengths, strict=True):
-            assert result.error is None and list(result.tokens) == alone(lm_path, prompt, n)
-        # Decoded together: every generation made tokens while each other one did.
-        spans = [(r.arrival + r.token_times[0], r.arrival + r.token_times[-1]) for r in results]
-        assert max(first for first, _ in spans) < min(last for _, last in spans)
-        counters = node.status().counters
-        assert counters["preemptions"] == 0 and counters["tokens"] == sum(lengths)
-    finally:
-        fleet.close()
+    results = fleet.run(together())
+    for result, prompt, n in zip(results, prompts, lengths, strict=True):
+        assert result.error is None and list(result.tokens) == alone(lm_path, prompt, n)
+    # Decoded together: every generation made tokens while each other one did.
+    spans = [(r.arrival + r.token_times[0], r.arrival + r.token_times[-1]) for r in results]
+    assert max(first for first, _ in spans) < min(last for _, last in spans)
+    counters = node.status().counters
+    assert counters["preemptions"] == 0 and counters["tokens"] == sum(lengths)
 
 
-def test_bulk_generations_stream_in_fewer_larger_chunks(lm_path):
+def test_bulk_generations_stream_in_fewer_larger_chunks(lm_node):
     # Background work (one the foreground may preempt) is not waiting on each token:
     # its tokens travel in chunks at least BULK_STREAM_INTERVAL_S apart.
-    config = parse_config(
-        {
-            "fleet": {"name": "d"},
-            "models": {"lm": {"path": str(lm_path), "kind": "decoder"}},
-            "nodes": [{"name": "a"}],
-        },
-        lm_path.parent,
-    )
-    fleet = LocalFleet(config, NodeRuntime)
-    node = fleet.node("a")
+    fleet, node = lm_node
 
     async def chunks(priority: int) -> tuple[int, float, GenerationResult]:
         n, t0, result = 0, loop_time(), None
@@ -174,12 +169,9 @@ def test_bulk_generations_stream_in_fewer_larger_chunks(lm_path):
         assert result is not None and result.error is None
         return n, loop_time() - t0, result
 
-    try:
-        n, seconds, result = fleet.run(chunks(3))
-        assert len(result.tokens) == 400
-        assert n <= 2 + seconds / BULK_STREAM_INTERVAL_S, (n, seconds)
-    finally:
-        fleet.close()
+    n, seconds, result = fleet.run(chunks(3))
+    assert len(result.tokens) == 400
+    assert n <= 2 + seconds / BULK_STREAM_INTERVAL_S, (n, seconds)
 
 
 def loop_time() -> float:
