@@ -315,10 +315,15 @@ class NodeRuntime:
         ready = asyncio.Event()
         arrival = self._clock.now()
         times: list[float] = []
+        # Set while the stream waits for a token: only then is the loop woken, once, not
+        # for every token (each wake costs the engine thread the GIL).
+        listening = threading.Event()
 
         def emitted(token: int) -> None:  # on the engine thread, as each token is made
             times.append(self._clock.now() - arrival)
-            loop.call_soon_threadsafe(ready.set)
+            if listening.is_set():
+                listening.clear()
+                loop.call_soon_threadsafe(ready.set)
 
         try:
             req, gen = self._make_generation(request, emitted)
@@ -334,7 +339,10 @@ class NodeRuntime:
         sent = 0
         try:
             while True:
-                await ready.wait()
+                listening.set()  # before looking, so a token made meanwhile wakes us
+                if len(gen.tokens) - gen.prompt_len <= sent and not fut.done():
+                    await ready.wait()
+                listening.clear()
                 ready.clear()
                 done = fut.done()
                 new = gen.tokens[gen.prompt_len + sent :]
