@@ -124,8 +124,9 @@ class NodeGenerations:
             )
             gen.cache, gen.reused = cache, n
 
-    def keep(self, gen: Generation, paused: Iterable[Request]) -> None:
-        """Keep a finished generation's KV for its session, and its shared prefix."""
+    def keep(self, gen: Generation) -> None:
+        """Keep a finished generation's KV for its session, and its shared prefix (the
+        caller then brings the KV under budget with :meth:`release`)."""
         r, cache, now = gen.request, gen.cache, self._clock.now()
         if cache is None or r.model in self.exact_models:
             gen.cache = None
@@ -139,7 +140,6 @@ class NodeGenerations:
         if r.session is not None:
             self.kv.put(session_key(r.model, r.session), r.model, gen.tokens, cache, now)
         gen.cache = None
-        self.release(paused)
 
     def release(self, paused: Iterable[Request], running: Iterable[Generation] = ()) -> None:
         """Bring paused and cached KV under the node's KV budget (see policies.kv). The

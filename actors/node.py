@@ -678,12 +678,12 @@ class NodeRuntime:
             for r in held:
                 self._preempted.add(r.id)
                 self._metrics.paused(r.priority)
-        for r in plan.requests:
-            if r.state is S.COMPLETED:
-                if gens[r.id].finish_reason == "budget":
-                    self._metrics.budget_cut(r.priority)
-                self._gens.keep(gens[r.id], paused)
-        if held:
+        completed = [r for r in plan.requests if r.state is S.COMPLETED]
+        for r in completed:
+            if gens[r.id].finish_reason == "budget":
+                self._metrics.budget_cut(r.priority)
+            self._gens.keep(gens[r.id])
+        if completed or held:  # once for the whole call, after every cache it keeps
             self._gens.release(paused)
         self._settle(outcomes, plan=plan, service_s=self._clock.now() - t0)
 

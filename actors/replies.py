@@ -40,6 +40,3 @@ class RecentReplies:
         while len(self._replies) > self._max_replies or self._bytes > self._max_bytes:
             _, old = self._replies.popitem(last=False)
             self._bytes -= _size(old)
-
-    def __len__(self) -> int:
-        return len(self._replies)
