@@ -39,13 +39,7 @@ class NodeGenerations:
         # generations never reuse one, and none is kept for them.
         self.exact_models: set[str] = set()
         self.lifecycle: str = spec.lifecycle
-        self._budgets = TokenBudgets(
-            {
-                state: {spec.priorities[c]: share for c, share in shares.items()}
-                for state, shares in spec.token_budget.items()
-            },
-            classes=tuple(spec.priorities.values()),
-        )
+        self._budgets = TokenBudgets.of_classes(spec.token_budget, spec.priorities)
 
     # ------------------------------------------------------------------ intake
 

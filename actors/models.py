@@ -12,9 +12,9 @@ import numpy as np
 
 from actors.decoder import DecoderEngine
 from actors.engine import Engine, OnnxEngine, Signature
+from actors.scheduler import configured_batch_limit
 from edgefleet.config import MiB, ModelConfig
 from edgefleet.errors import EdgeFleetError, EngineError, ModelNotFound
-from policies import batch_limit
 
 Loader = Callable[[str, ModelConfig], Engine]
 Progress = Callable[[str], None]
@@ -159,12 +159,7 @@ class ModelManager:
 
 
 def _batch_limit(info: ModelInfo) -> int:
-    params = info.config.batching
-    if not info.signature.batchable:
-        return 1
-    if params.only_if_faster:
-        return batch_limit(info.costs_s, params.max_batch_size, params.min_gain)
-    return params.max_batch_size
+    return configured_batch_limit(info.config, info.signature.batchable, info.costs_s)
 
 
 def _estimate_mb(config: ModelConfig) -> float:

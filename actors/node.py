@@ -37,7 +37,7 @@ from actors.generations import NodeGenerations
 from actors.metrics import NodeMetrics
 from actors.models import Loader, ModelManager, load_onnx
 from actors.replies import RecentReplies
-from actors.scheduler import LocalScheduler, Outcome, Plan, model_rules
+from actors.scheduler import LocalScheduler, Outcome, Plan, rules_for
 from actors.trace import NodeTrace
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import NodeSpec
@@ -146,7 +146,7 @@ class NodeRuntime:
         self._gens.exact_models = {i.name for i in infos if i.exact_grouping}
         self._metrics.start([i.name for i in infos], decoders)
         for info in infos:
-            self._sched.set_rules(info.name, model_rules(info))
+            self._sched.set_rules(info.name, rules_for(info.config, info.batch_limit, info.costs_s))
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")

@@ -38,6 +38,7 @@ from policies import (
     QueueLimits,
     QueueLoad,
     QueueOrder,
+    batch_limit,
     decide_admission,
     plan_batch,
     should_preempt,
@@ -47,7 +48,7 @@ from policies.starvation import StarvationParams, promote
 from policies.views import ArrivalView
 
 if TYPE_CHECKING:
-    from actors.models import ModelInfo
+    from edgefleet.config import ModelConfig
 
 S = RequestState
 DEFAULT_ROW_COST_S = 0.01  # until the first call of a model has been timed
@@ -74,23 +75,35 @@ class ModelRules:
     decode_rows: int = 1  # decoders: generations of one priority decoded together
 
 
-def model_rules(info: ModelInfo) -> ModelRules:
-    """The scheduling rules of a model from what the node measured and configured: the
-    batch size worth waiting for, the measured cost per call by batch size (which bounds
-    lower-priority rows in a call) and the window; for a decoder, how many generations
-    decode together."""
-    batching = info.config.batching
-    if info.config.kind == "decoder":
-        return ModelRules(decode_rows=info.config.generation.decode_batch)
+def configured_batch_limit(
+    config: ModelConfig, batchable: bool, costs_s: Mapping[int, float]
+) -> int:
+    """The batch size a model is run at: 1 when it cannot batch; with ``only_if_faster``
+    the size its measured costs say pays; else the configured maximum."""
+    params = config.batching
+    if not batchable:
+        return 1
+    if params.only_if_faster:
+        return batch_limit(costs_s, params.max_batch_size, params.min_gain)
+    return params.max_batch_size
+
+
+def rules_for(config: ModelConfig, batch_limit: int, costs_s: Mapping[int, float]) -> ModelRules:
+    """The scheduling rules of a model: the batch size worth waiting for, the cost per
+    call by batch size (which bounds lower-priority rows in a call) and the window; for
+    a decoder, how many generations decode together."""
+    batching = config.batching
+    if config.kind == "decoder":
+        return ModelRules(decode_rows=config.generation.decode_batch)
     return ModelRules(
         BatchParams(
             window_s=batching.window_ms / 1000.0,
-            max_rows=info.batch_limit,
-            costs=tuple(sorted(info.costs_s.items())),
+            max_rows=batch_limit,
+            costs=tuple(sorted(costs_s.items())),
             lower_cost_bound=batching.lower_priority_cost_bound,
             adaptive=batching.adaptive_window,
         ),
-        follow_dedup=info.config.dedup == "follow",
+        follow_dedup=config.dedup == "follow",
     )
 
 

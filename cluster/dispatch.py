@@ -23,8 +23,8 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
@@ -276,22 +276,36 @@ class Dispatcher:
         clock: Clock | None = None,
         rng: random.Random | None = None,
         metrics: RouterMetrics | None = None,
+        executor: Executor | None = None,
+        specs: Sequence[NodeSpec] | None = None,
     ) -> None:
+        """``executor`` runs further attempts after a node's answer (default: a thread
+        of this dispatcher's own; the simulator runs them in simulated time); ``specs``
+        replaces the config's nodes (the simulator grows a fleet to any size)."""
         self.config = config
         pc = config.router.placement
         params = pc.params(config.priorities)
         self._placement = make_placement(params)
+        self._candidates = params.candidates
         self._shed = ShedBelowPriority(params.shed)
         self._rng = rng or random.Random(pc.seed)
         self._clock = clock or MonotonicClock()
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
         self._metrics.start()
-        self._nodes = {s.name: _Entry(s, handles[s.name]) for s in config.node_specs()}
-        self._served = {m for e in self._nodes.values() for m in e.models}
+        specs = config.node_specs() if specs is None else specs
+        self._nodes = {s.name: _Entry(s, handles[s.name]) for s in specs}
+        self._serving: dict[str, list[_Entry]] = {}  # model -> the nodes that serve it
+        for e in self._nodes.values():
+            for m in e.models:
+                self._serving.setdefault(m, []).append(e)
+        self._served = set(self._serving)
+        self._sessions: dict[str, set[str]] = {}  # session -> nodes reporting its KV
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
-        self._retries = ThreadPoolExecutor(1, thread_name_prefix="edgefleet-dispatch")
+        self._retries: Executor = executor or ThreadPoolExecutor(
+            1, thread_name_prefix="edgefleet-dispatch"
+        )
         self.closed = False
         self._jitter = random.Random()
 
@@ -304,18 +318,36 @@ class Dispatcher:
         now = self._clock.now()
         with self._lock:
             for name, r in view.nodes.items():
-                entry = self._nodes.get(name)
-                if entry is None:
-                    continue
-                taken = now - r.age_s
-                if r.status is not None and r.status.at < entry.made_at:
-                    continue  # older than the report this caller holds (a view in transit)
-                if entry.lost_at is not None:
-                    if not (r.healthy and taken > entry.lost_at):
-                        continue
-                    entry.lost_at = None
-                entry.healthy = r.healthy
-                entry.report(r.status, taken)
+                self._report(name, r.status, r.healthy, now - r.age_s)
+
+    def report(self, name: str, status: NodeStatus | None, healthy: bool, taken_at: float) -> None:
+        """One node's report, taken at ``taken_at`` on this dispatcher's clock."""
+        with self._lock:
+            self._report(name, status, healthy, taken_at)
+
+    def _report(self, name: str, status: NodeStatus | None, healthy: bool, taken: float) -> None:
+        entry = self._nodes.get(name)
+        if entry is None:
+            return
+        if status is not None and status.at < entry.made_at:
+            return  # older than the report this caller holds (a view in transit)
+        if entry.lost_at is not None:
+            if not (healthy and taken > entry.lost_at):
+                return
+            entry.lost_at = None
+        entry.healthy = healthy
+        before = entry.base.sessions
+        entry.report(status, taken)
+        after = entry.base.sessions
+        if before is not after:
+            for s in before - after:
+                holders = self._sessions.get(s)
+                if holders is not None:
+                    holders.discard(name)
+                    if not holders:
+                        del self._sessions[s]
+            for s in after - before:
+                self._sessions.setdefault(s, set()).add(name)
 
     def close(self) -> None:
         """No further attempts: requests not yet answered end Cancelled."""
@@ -502,7 +534,7 @@ class Dispatcher:
         """The best node not tried yet; counts the request in flight there."""
         now = self._clock.now()
         with self._lock:
-            views = [e.view(now) for n, e in self._nodes.items() if n not in tried]
+            views = [e.view(now) for e in self._considered(request, tried)]
             ranked = self._placement.rank(views, request, self._rng)
             if not ranked:
                 return None
@@ -512,6 +544,23 @@ class Dispatcher:
             cost = request.rows * row_cost(best, request.model)
             entry.sent(request_id, _Sent(request.priority, cost, now))
             return entry
+
+    def _considered(self, request: PlacementRequest, tried: set[str]) -> list[_Entry]:
+        """The nodes placement weighs for ``request``: every node serving its model that
+        it has not tried, or, when there are more than ``candidates``, that many drawn at
+        random, plus the nodes holding its session (a large fleet is never scanned)."""
+        serving = self._serving.get(request.model, ())
+        k = self._candidates
+        if len(serving) <= k + len(tried):
+            return [e for e in serving if e.spec.name not in tried]
+        picked = [e for e in self._rng.sample(serving, k + len(tried)) if e.spec.name not in tried]
+        del picked[k:]
+        if request.session is not None:
+            names = {e.spec.name for e in picked}
+            for name in self._sessions.get(request.session, ()):
+                if name not in names and name not in tried:
+                    picked.append(self._nodes[name])
+        return picked
 
     def _release(self, entry: _Entry, request_id: str) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 LIFECYCLE_STATES = ("foreground", "background")
 
@@ -24,6 +25,19 @@ class TokenBudgets:
 
     fractions: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     classes: tuple[int, ...] = (0, 3, 7, 10)
+
+    @classmethod
+    def of_classes(
+        cls, shares: Mapping[Any, Mapping[str, float]], priorities: Mapping[str, int]
+    ) -> TokenBudgets:
+        """Budgets from ``shares[state][class name]`` (as the YAML gives them)."""
+        return cls(
+            {
+                state: {priorities[c]: share for c, share in by_class.items()}
+                for state, by_class in shares.items()
+            },
+            classes=tuple(priorities.values()),
+        )
 
     def fraction(self, state: str, priority: int) -> float:
         owners = [c for c in self.classes if c <= priority]

@@ -57,6 +57,13 @@ class PipelineParams(BaseModel):
     load_default_s: float = Field(
         1.0, ge=0, description="model_load: load time assumed before a node has measured it"
     )
+    candidates: int = Field(
+        16,
+        ge=1,
+        description="nodes weighed per request: every node serving the model when they are "
+        "at most this many, else this many drawn at random (plus the nodes holding the "
+        "request's session), so placing costs the same in a fleet of any size",
+    )
 
     @model_validator(mode="after")
     def _known(self) -> PipelineParams:

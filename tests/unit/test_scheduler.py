@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from actors.engine import Signature
 from actors.models import ModelInfo
-from actors.scheduler import LocalScheduler, ModelRules, model_rules
+from actors.scheduler import LocalScheduler, ModelRules, rules_for
 from edgefleet.clock import FakeClock
 from edgefleet.config import BatchingConfig, ModelConfig
 from edgefleet.errors import EngineError, Evicted, Rejected, Superseded
@@ -454,7 +454,7 @@ def test_model_rules_carry_the_cost_table_the_bound_and_the_adaptive_window(tmp_
         dedup="follow",
     )
     info = ModelInfo("m", config, Signature((), ()), 1.0, {4: 0.03, 1: 0.01}, batch_limit=4)
-    assert model_rules(info) == ModelRules(
+    assert rules_for(info.config, info.batch_limit, info.costs_s) == ModelRules(
         BatchParams(0.005, 4, ((1, 0.01), (4, 0.03)), lower_cost_bound=0.1, adaptive=True),
         follow_dedup=True,
     )
