@@ -327,8 +327,10 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
     arrays = read_input_file(args.input)  # before Ray is even imported: a bad file fails fast
     with _fleet_client(args) as client:
-        inputs = arrays if isinstance(arrays, dict) else name_single_input(
-            client.config, args.model, arrays
+        inputs = (
+            arrays
+            if isinstance(arrays, dict)
+            else name_single_input(client.config, args.model, arrays)
         )
         deadline = None if args.deadline_ms is None else args.deadline_ms / 1000
         reply = client.infer_reply(args.model, inputs, priority=args.priority, deadline_s=deadline)
@@ -498,6 +500,62 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
     run_demo(Path(args.config), args.duration, out=_say)
     return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from edgefleet.config import load_config
+    from policies.placement.registry import POLICIES
+    from sim.report import write_report
+    from sim.run import Progress, compare, simulate
+    from sim.workload import load_workload
+
+    config = load_config(args.config)
+    workload = load_workload(args.workload)
+    policies = [p for p in (args.compare or "").split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        _err(f"unknown placement policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+        return 2
+
+    def progress(total: int | None) -> Progress:
+        bar = tqdm(total=total, unit="req", desc="simulating", file=sys.stderr, leave=False)
+        return Progress(lambda n: bar.update(n - bar.n), bar.close)
+
+    options: dict[str, Any] = {
+        "nodes": args.nodes,
+        "requests": args.requests,
+        "progress": progress,
+        "seed": args.seed,
+    }
+    if policies:
+        results = compare(config, workload, policies, **options)
+    else:
+        results = [simulate(config, workload, **options)]
+    nodes = len(results[0].recorder.nodes)
+    description = [
+        f"Fleet: {args.config} grown to {nodes} nodes; workload: {args.workload}",
+        f"Seed: {workload.seed if args.seed is None else args.seed}",
+    ]
+    report = write_report(args.out, results, title="Fleet simulation", description=description)
+    for r in results:
+        top, every = r.latency_table()[0], r.latency_table()[-1]
+        counts = r.counts()
+        _say(
+            f"{r.label}: {every['answered']:,} answered in {r.wall_s:.1f} s "
+            f"({r.events / max(r.wall_s, 1e-9):,.0f} events/s); {top['name']} p99 "
+            f"{_ms(top['p99_ms'])}, all p99 {_ms(every['p99_ms'])}; completed "
+            f"{counts['completed']:,}, rejected {counts['rejected']:,}, evicted "
+            f"{counts['evicted']:,}, expired {counts['expired']:,}"
+            + (" (interrupted: results so far)" if r.interrupted else "")
+        )
+    _say(f"report: {report}")
+    return 130 if any(r.interrupted for r in results) else 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -708,7 +766,7 @@ def build_parser() -> argparse.ArgumentParser:
         "named as the model's inputs (`edgefleet models show CONFIG MODEL` lists them\n"
         "and prints a numpy line that writes one), or an .npy for a single-input model.",
         epilog="examples:\n"
-        "  python -c \"import numpy as np; "
+        '  python -c "import numpy as np; '
         "np.savez('frame.npz', images=np.zeros((1, 3, 32, 32), 'float32'))\"\n"
         "  edgefleet infer classifier --input frame.npz --priority inline "
         "--deadline-ms 200 --out result.npz",
@@ -845,6 +903,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chk.add_argument("--window", default="1m", help="rate window (default: %(default)s)")
     chk.set_defaults(func=cmd_dashboard_check)
+
+    simulate = sub.add_parser(
+        "simulate",
+        help="run a workload on a simulated fleet (the real schedulers and placement, "
+        "in simulated time) and write a report",
+        epilog="examples:\n"
+        "  edgefleet simulate configs/local.yaml --workload configs/sim/steady.yaml "
+        "--nodes 1000\n"
+        "  edgefleet simulate configs/local.yaml --workload configs/sim/bursts.yaml "
+        "--compare expected_completion,power_of_two,round_robin",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    simulate.add_argument("config", help="fleet YAML: the nodes, models and placement")
+    simulate.add_argument("--workload", required=True, help="workload YAML (see configs/sim/)")
+    simulate.add_argument(
+        "--nodes", type=int, help="grow the fleet to this many nodes (default: the config's)"
+    )
+    simulate.add_argument("--requests", type=int, help="stop after this many arrivals")
+    simulate.add_argument("--seed", type=int, help="default: the workload's")
+    simulate.add_argument(
+        "--out", default="sim-report", help="folder for the report (default: %(default)s)"
+    )
+    simulate.add_argument(
+        "--compare", metavar="POLICY,...", help="run once per placement policy, side by side"
+    )
+    simulate.set_defaults(func=cmd_simulate)
 
     bench = sub.add_parser(  # its options and --help are bench.run's own
         "bench",

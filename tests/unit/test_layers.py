@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("edgefleet", "cluster", "actors", "policies")
+PACKAGES = ("edgefleet", "cluster", "actors", "policies", "sim")
 
 
 def modules() -> dict[str, Path]:
@@ -82,6 +82,18 @@ def test_callers_load_neither_the_node_runtime_nor_onnx_runtime():
         "import sys; import cluster.client, cluster.router, cluster.dispatch; "
         "bad = [m for m in ('onnxruntime', 'actors.node', 'actors.engine') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_simulator_loads_neither_ray_nor_onnx_runtime():
+    code = (
+        "import sys; import sim.fleet, sim.run, sim.workload, sim.report; "
+        "bad = [m for m in ('ray', 'onnxruntime', 'actors.node', 'actors.engine') "
+        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120

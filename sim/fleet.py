@@ -1,0 +1,710 @@
+"""A fleet in simulated time: the real node scheduler and the real placement.
+
+Each simulated node runs :class:`actors.scheduler.LocalScheduler` (priorities,
+admission and eviction, dedup, the batching window, deadlines, preemption, pause and
+resume of generations, starvation bounds) on a simulated clock, with engine time taken
+from a cost model instead of an engine. Above the nodes, one
+:class:`cluster.dispatch.Dispatcher` places every request: the same pipeline, view
+ageing, spill, shedding and re-placement a live caller runs, on node reports that
+arrive every ``router.report_interval_s`` and are as old as the simulated network makes
+them. Only the driving differs: events on a heap instead of Ray calls and threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import heapq
+import itertools
+import math
+import random
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+from actors.metrics import NullSink
+from actors.scheduler import (
+    BUSY_WINDOW_S,
+    LocalScheduler,
+    Outcome,
+    Plan,
+    configured_batch_limit,
+    rules_for,
+)
+from cluster.dispatch import Dispatcher, NodeGone
+from cluster.metrics import RouterMetrics
+from edgefleet.config import FleetConfig, NodeSpec
+from edgefleet.messages import GenerationResult, ModelStatus, NodeStatus, Reply, RunningStatus
+from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
+from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
+from policies.budget import TokenBudgets, token_limit
+
+S = RequestState
+SAMPLE_EVERY_S = 0.05  # queue length over time: one sample per this much simulated time
+
+
+# ---------------------------------------------------------------------------- events
+
+
+class EventLoop:
+    """Simulated time: callbacks on a heap, run in time order (ties in the order they
+    were scheduled)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self.events = 0
+
+    def now(self) -> float:
+        return self.t
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (max(t, self.t), next(self._seq), fn, args))
+
+    def soon(self, fn: Callable[..., None], *args: Any) -> None:
+        self.at(self.t, fn, *args)
+
+    def run(self, until: Callable[[], bool] = lambda: False) -> None:
+        heap = self._heap
+        while heap and not until():
+            t, _, fn, args = heapq.heappop(heap)
+            self.t = t
+            self.events += 1
+            fn(*args)
+
+    @property
+    def pending(self) -> int:
+        return len(self._heap)
+
+
+class LoopExecutor(cf.Executor):
+    """Runs the dispatcher's further attempts as events (where a live caller hands them
+    to a thread)."""
+
+    def __init__(self, loop: EventLoop) -> None:
+        self._loop = loop
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> cf.Future[Any]:
+        self._loop.soon(lambda: fn(*args, **kwargs))
+        return cf.Future()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        return None
+
+
+# ------------------------------------------------------------------------- engine time
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Engine time of one model on a node of speed 1: ``call_ms`` by batch rows
+    (linear between the sizes given, the last size's cost per row beyond it); for a
+    decoder, prefill per prompt token and one decode step by generations decoding
+    together."""
+
+    call_ms: Mapping[int, float] = field(default_factory=dict)
+    prefill_ms_per_token: float = 0.0
+    step_ms: Mapping[int, float] = field(default_factory=dict)
+
+    def call_s(self, rows: int) -> float:
+        return _interpolate(self.call_ms, rows) / 1000.0
+
+    def step_s(self, rows: int) -> float:
+        return _interpolate(self.step_ms, rows) / 1000.0
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens * self.prefill_ms_per_token / 1000.0
+
+    def table_s(self, max_rows: int) -> dict[int, float]:
+        """Cost per call by batch size, as a node measures it at warm-up (powers of two)."""
+        sizes = sorted({1, *(2**i for i in range(1, 8) if 2**i <= max_rows), max_rows})
+        return {n: self.call_s(n) for n in sizes}
+
+
+def _interpolate(table: Mapping[int, float], rows: int) -> float:
+    sizes = sorted(table)
+    if not sizes:
+        return 0.0
+    if rows in table:
+        return table[rows]
+    i = bisect_left(sizes, rows)
+    if i == 0:
+        return table[sizes[0]] * rows / sizes[0]
+    if i == len(sizes):
+        last = sizes[-1]
+        return table[last] * rows / last
+    a, b = sizes[i - 1], sizes[i]
+    return table[a] + (table[b] - table[a]) * (rows - a) / (b - a)
+
+
+# ------------------------------------------------------------------------------ nodes
+
+
+class _NodeClock:
+    """A node's clock: simulated time, or the time a report is made at."""
+
+    def __init__(self, loop: EventLoop) -> None:
+        self._loop = loop
+        self.fixed: float | None = None
+
+    def now(self) -> float:
+        return self._loop.t if self.fixed is None else self.fixed
+
+
+@dataclass
+class _Gen:
+    request: GenerateRequest
+    limit: int
+    made: int = 0
+    prefilled: bool = False
+
+
+@dataclass
+class _Call:
+    plan: Plan
+    token: int  # the call's end event carries it; a stale event finds another token
+    started: float
+    gens: list[_Gen] = field(default_factory=list)
+    step_s: float = 0.0  # decode: one step of the generations still running
+    steps_from: float = 0.0  # decode: when the current run of steps began
+    stop: bool = False  # decode: stop at the next token boundary
+
+
+class SimNode:
+    """One edge node: the real scheduler, a simulated engine.
+
+    ``receive`` takes a request as the node actor's ``infer``/``generate`` would;
+    ``answer(request_id, reply)`` is called with each request's one answer, at the
+    simulated time the node gives it.
+    """
+
+    def __init__(
+        self,
+        loop: EventLoop,
+        spec: NodeSpec,
+        costs: Mapping[str, ModelCost],
+        answer: Callable[[str, Reply | GenerationResult], None],
+        *,
+        speed: float = 1.0,
+        on_busy: Callable[[float], None] | None = None,
+    ) -> None:
+        self.loop = loop
+        self.spec = spec
+        self.speed = speed
+        self.alive = True
+        self.lifecycle: str = spec.lifecycle
+        self._answer = answer
+        self._on_busy = on_busy
+        self._costs = {m: costs[m] for m in spec.models if m in costs}  # the models it runs
+        self.clock = _NodeClock(loop)
+        self._budgets = TokenBudgets.of_classes(spec.token_budget, spec.priorities)
+        self._model_status: dict[str, ModelStatus] = {}
+        self._rules = {}
+        for name, cfg in spec.models.items():
+            cost = self._costs.get(name, ModelCost())
+            table = cost.table_s(cfg.batching.max_batch_size) if cfg.kind == "tensor" else {}
+            limit = configured_batch_limit(cfg, cfg.kind == "tensor", table)
+            self._rules[name] = rules_for(cfg, limit, table)
+            self._model_status[name] = ModelStatus(
+                name,
+                True,
+                limit > 1,
+                limit,
+                {k: v * 1000 for k, v in table.items()},
+                None,
+                1,
+                kind=cfg.kind,
+            )
+        self._token = itertools.count()
+        self._reset()
+
+    def _reset(self) -> None:
+        spec = self.spec
+        self.sched = LocalScheduler(
+            clock=self.clock,
+            limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
+            order=QUEUE_ORDERS[spec.order](),
+            preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
+            rules=self._rules,
+            starvation=spec.starvation.params(spec.priorities),
+        )
+        self._call: _Call | None = None
+        self._gens: dict[str, _Gen] = {}
+        self._held: set[str] = set()  # requests here that have not been answered
+        self._wake_at: float | None = None
+        self.last_change = self.loop.t
+
+    # ------------------------------------------------------------------- intake
+
+    def receive(self, request: InferRequest | GenerateRequest) -> None:
+        """A request arrives (the simulated network's delay is the caller's to add)."""
+        if not self.alive:
+            return
+        self.last_change = self.loop.t
+        now = self.loop.t
+        deadline = request.deadline_unix  # simulated time throughout
+        if isinstance(request, GenerateRequest):
+            limit = token_limit(
+                request.max_new_tokens, request.priority, self.lifecycle, self._budgets
+            )
+            self._gens[request.id] = _Gen(request, max(0, limit - request.continued))
+            req = Request(
+                id=request.id,
+                model=request.model,
+                inputs={},
+                priority=request.priority,
+                arrival=now,
+                deadline=deadline,
+                nbytes=8 * len(request.prompt_ids),
+                group=request.id,
+                pausable=True,
+            )
+        else:
+            rows = _rows(request)
+            req = Request(
+                id=request.id,
+                model=request.model,
+                inputs=request.inputs,
+                priority=request.priority,
+                arrival=now,
+                deadline=deadline,
+                key=request.key,
+                nbytes=4 * rows,
+                rows=rows,
+                group=request.model,
+            )
+        self._held.add(req.id)
+        admission = self.sched.admit(req)
+        if admission.preempt:
+            self._abort()
+        elif admission.join:
+            self._stop_at_boundary()
+        self._settle(admission.settled)
+        if admission.accepted and deadline is not None:
+            self.loop.at(deadline, self._expire, req.id)
+        self._serve()
+
+    def cancel(self, request_id: str) -> None:
+        if not self.alive:
+            return
+        outcome, abort = self.sched.cancel(request_id)
+        if abort:
+            self._abort()
+        elif (
+            outcome is None
+            and self._call is not None
+            and any(g.request.id == request_id for g in self._call.gens)
+        ):
+            self._stop_at_boundary()
+        if outcome is not None:
+            self._settle([outcome])
+        self._serve()
+
+    def _expire(self, request_id: str) -> None:
+        if not self.alive:
+            return
+        outcome = self.sched.expire(request_id)
+        if outcome is not None:
+            self._settle([outcome])
+            self._serve()
+
+    # ------------------------------------------------------------------- engine
+
+    def _serve(self) -> None:
+        """As the node's serve loop: run the next call, or look again when told to."""
+        if self._call is not None or not self.alive:
+            return
+        step = self.sched.next_work()
+        self._settle(step.settled)
+        if step.plan is None:
+            if step.wake_at is not None and step.wake_at != self._wake_at:
+                self._wake_at = step.wake_at
+                self.loop.at(step.wake_at, self._wake, step.wake_at)
+            return
+        plan = step.plan
+        token = next(self._token)
+        call = _Call(plan, token, self.loop.t)
+        self._call = call
+        if plan.requests[0].pausable:
+            call.gens = [self._gens[r.id] for r in plan.requests]
+            prefill = sum(
+                self._costs[plan.model].prefill_s(len(g.request.prompt_ids))
+                for g in call.gens
+                if not g.prefilled
+            )
+            for g in call.gens:
+                g.prefilled = True
+            call.steps_from = self.loop.t + prefill / self.speed
+            self._next_finish(call)
+        else:
+            seconds = self._costs[plan.model].call_s(plan.rows) / self.speed
+            self.loop.at(self.loop.t + seconds, self._ended, token)
+
+    def _wake(self, at: float) -> None:
+        if self._wake_at == at:
+            self._wake_at = None
+            self._serve()
+
+    def _ended(self, token: int) -> None:
+        call = self._call
+        if call is None or call.token != token or not self.alive:
+            return  # aborted, or the node died meanwhile
+        self._call = None
+        self.last_change = self.loop.t
+        self._busy(call)
+        self._settle(self.sched.finish(call.plan), call.plan)
+        self._serve()
+
+    def _abort(self) -> None:
+        """Abort the running inference call for a more urgent arrival (a generation is
+        paused at its next token instead)."""
+        call = self._call
+        if call is None:
+            return
+        if call.gens:
+            self._stop_at_boundary()
+            return
+        self._call = None
+        self._busy(call)
+        self._settle(self.sched.finish(call.plan, aborted=True))
+
+    # ------------------------------------------------------------------ decoding
+
+    def _next_finish(self, call: _Call) -> None:
+        """Schedule the decode call's next event: the first generation to reach its
+        limit, or the next token boundary once a stop is asked for."""
+        running = [g for g in call.gens if g.made < g.limit]
+        if not running:
+            self.loop.at(max(self.loop.t, call.steps_from), self._decoded, call.token)
+            return
+        call.step_s = self._costs[call.plan.model].step_s(len(running)) / self.speed
+        steps = min(g.limit - g.made for g in running)
+        if call.stop:
+            done = max(0.0, self.loop.t - call.steps_from)
+            steps = min(steps, max(1, math.ceil(done / call.step_s - 1e-9)))
+        self.loop.at(call.steps_from + steps * call.step_s, self._decoded, call.token)
+
+    def _stop_at_boundary(self) -> None:
+        call = self._call
+        if call is None or not call.gens or call.stop:
+            return
+        call.stop = True
+        self._advance(call)
+        self._next_finish(call)
+
+    def _advance(self, call: _Call) -> None:
+        """Count the tokens made up to now into each running generation."""
+        if self.loop.t <= call.steps_from or call.step_s <= 0:
+            return
+        steps = int((self.loop.t - call.steps_from) / call.step_s + 1e-9)
+        running = [g for g in call.gens if g.made < g.limit]
+        steps = min([steps, *(g.limit - g.made for g in running)])
+        for g in running:
+            g.made += steps
+        call.steps_from += steps * call.step_s
+
+    def _decoded(self, token: int) -> None:
+        call = self._call
+        if call is None or call.token != token or not self.alive:
+            return
+        self._advance(call)
+        running = [g for g in call.gens if g.made < g.limit]
+        if running and not call.stop:
+            self._next_finish(call)  # one ended; the others decode on without it
+            return
+        self._call = None
+        self.last_change = self.loop.t
+        self._busy(call)
+        preempted = self.sched.preempting
+        pause = [g.request.id for g in running]
+        outcomes = self.sched.finish(call.plan, paused=pause, preempted=preempted)
+        self._settle(outcomes, call.plan)
+        self._serve()
+
+    # --------------------------------------------------------------- settlement
+
+    def _busy(self, call: _Call) -> None:
+        if self._on_busy is not None:
+            self._on_busy(self.loop.t - call.started)
+
+    def _settle(self, outcomes: Sequence[Outcome], plan: Plan | None = None) -> None:
+        for o in outcomes:
+            r = o.request
+            if r.id not in self._held:
+                continue
+            if o.follow is not None and o.follow in self._held:
+                continue  # dedup 'follow': answered with the newer request's result
+            self._held.discard(r.id)
+            gen = self._gens.pop(r.id, None)
+            if gen is not None:
+                self._answer(r.id, _generation_result(r, self.spec.name, o, gen))
+            else:
+                queue_s = (r.started - r.arrival) if r.started is not None else 0.0
+                self._answer(
+                    r.id,
+                    Reply(
+                        r.id,
+                        self.spec.name,
+                        error=o.error,
+                        queue_s=queue_s,
+                        batch_size=len(plan.requests) if plan is not None else 0,
+                    ),
+                )
+
+    # -------------------------------------------------------------- the outside
+
+    def fail(self) -> list[str]:
+        """The node dies: everything it held is lost (ids returned)."""
+        lost = sorted(self._held)
+        self.alive = False
+        self._reset()
+        return lost
+
+    def rejoin(self) -> None:
+        self.alive = True
+        self._reset()
+
+    def set_lifecycle(self, state: str) -> None:
+        self.lifecycle = state
+        for gen in self._gens.values():
+            r = gen.request
+            limit = token_limit(r.max_new_tokens, r.priority, state, self._budgets)
+            gen.limit = max(gen.made, limit - r.continued)
+
+    def status(self, at: float) -> NodeStatus:
+        """The node's report as the router would receive it, made at ``at``."""
+        self.clock.fixed = at
+        try:
+            sched = self.sched
+            running = sched.running
+            models = tuple(
+                replace(m, row_ms=None if (c := sched.row_cost(m.name)) is None else c * 1000)
+                for m in self._model_status.values()
+            )
+            return NodeStatus(
+                name=self.spec.name,
+                state="serving" if self.alive else "stopped",
+                queued=sched.queued_by_priority(),
+                queued_bytes=sched.queued_bytes,
+                running=None
+                if running is None
+                else RunningStatus(
+                    running.model,
+                    tuple(r.id for r in running.requests),
+                    max(r.priority for r in running.requests),
+                    at - running.started,
+                    running.rows,
+                ),
+                models=models,
+                paused=sched.paused_by_priority(),
+                lifecycle=self.lifecycle,
+                queued_rows=sched.queued_rows(),
+                busy=sched.busy_share(),
+                at=at,
+            )
+        finally:
+            self.clock.fixed = None
+
+    @property
+    def queued(self) -> int:
+        return self.sched.queued
+
+
+def _generation_result(r: Request, node: str, o: Outcome, gen: _Gen) -> GenerationResult:
+    reason = None
+    if o.state is S.COMPLETED:
+        reason = "length" if gen.limit >= gen.request.max_new_tokens else "budget"
+    return GenerationResult(r.id, node, error=o.error, finish_reason=reason)
+
+
+def _rows(request: InferRequest) -> int:
+    for v in request.inputs.values():
+        shape: tuple[int, ...] = tuple(getattr(v, "shape", ()))
+        return int(shape[0]) if len(shape) > 1 else 1
+    return 1
+
+
+# ------------------------------------------------------------------------------ fleet
+
+
+class _Handle:
+    """How the dispatcher reaches a simulated node: the request arrives after one hop,
+    the answer after another; a dead node's calls fail NodeGone."""
+
+    def __init__(self, fleet: SimFleet, index: int) -> None:
+        self._fleet = fleet
+        self._index = index
+
+    def infer(self, request: Any, inputs: Any = None) -> cf.Future[Any]:
+        fut: cf.Future[Any] = cf.Future()
+        self._fleet.send(self._index, request, fut)
+        return fut
+
+    def call(self, request: Any, inputs: Any = None) -> Any:
+        raise NotImplementedError("the simulator places with submit()")
+
+    def generate(self, request: Any) -> Iterator[Any]:
+        raise NotImplementedError("the simulator places generations with submit()")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Simulated delays: each hop between a caller and a node, and how much older
+    a report is when it reaches the callers than when the node made it."""
+
+    hop_s: float = 0.0005
+    report_delay_s: float = 0.0
+
+
+class SimFleet:
+    """Nodes, the dispatcher above them, reports and failures, in simulated time."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        costs: Mapping[str, ModelCost],
+        *,
+        loop: EventLoop | None = None,
+        specs: Sequence[NodeSpec] | None = None,
+        speeds: Sequence[float] | None = None,
+        network: Network = Network(),
+        seed: int = 0,
+        on_busy: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self.loop = loop or EventLoop()
+        self.config = config
+        self.network = network
+        specs = list(specs if specs is not None else config.node_specs())
+        speeds = list(speeds) if speeds is not None else [1.0] * len(specs)
+        self.nodes = [
+            SimNode(
+                self.loop,
+                spec,
+                costs,
+                self._answered_by(i),
+                speed=speeds[i],
+                on_busy=None if on_busy is None else partial(on_busy, i),
+            )
+            for i, spec in enumerate(specs)
+        ]
+        self.index = {s.name: i for i, s in enumerate(specs)}
+        self.dispatcher = Dispatcher(
+            config,
+            {s.name: _Handle(self, i) for i, s in enumerate(specs)},
+            clock=self.loop,
+            rng=random.Random(seed),
+            metrics=RouterMetrics(config.fleet.name, config.priorities, sink=NullSink()),
+            executor=LoopExecutor(self.loop),
+            specs=specs,
+        )
+        self._waiting: dict[str, cf.Future[Any]] = {}  # request id -> the caller's call
+        self._where: dict[str, int] = {}  # request id -> node holding it
+        self._reported = [-math.inf] * len(specs)  # when each node's last report was made
+        self.interval = config.router.report_interval_s
+        self.lost_after = config.router.lost_after_s
+        for i, node in enumerate(self.nodes):
+            self.dispatcher.report(node.spec.name, node.status(0.0), True, 0.0)
+            self._reported[i] = 0.0
+        self.loop.at(self.interval, self._poll)
+
+    # ----------------------------------------------------------------- requests
+
+    def submit(self, request: InferRequest | GenerateRequest) -> cf.Future[Any]:
+        """Place ``request`` now; the future resolves with its one answer."""
+        return self.dispatcher.submit(request)  # type: ignore[arg-type]
+
+    def send(self, index: int, request: Any, fut: cf.Future[Any]) -> None:
+        self.loop.at(self.loop.t + self.network.hop_s, self._arrive, index, request, fut)
+
+    def _arrive(self, index: int, request: Any, fut: cf.Future[Any]) -> None:
+        node = self.nodes[index]
+        if not node.alive:
+            self._back(fut, NodeGone(f"node {node.spec.name} is down"))
+            return
+        self._waiting[request.id] = fut
+        self._where[request.id] = index
+        node.receive(request)
+
+    def _answered_by(self, index: int) -> Callable[[str, Reply | GenerationResult], None]:
+        def answered(request_id: str, answer: Reply | GenerationResult) -> None:
+            fut = self._waiting.pop(request_id, None)
+            self._where.pop(request_id, None)
+            if fut is not None:
+                self._back(fut, answer)
+
+        return answered
+
+    def _back(self, fut: cf.Future[Any], answer: Any) -> None:
+        self.loop.at(self.loop.t + self.network.hop_s, _resolve, fut, answer)
+
+    # ------------------------------------------------------------------- reports
+
+    def _poll(self) -> None:
+        """Every report interval: nodes that changed report (what the router polls),
+        and the reports reach the callers ``report_delay_s`` later."""
+        now = self.loop.t
+        reports = []
+        for i, node in enumerate(self.nodes):
+            if node.last_change >= self._reported[i] - BUSY_WINDOW_S:
+                reports.append((node.spec.name, node.status(now), node.alive))
+                self._reported[i] = now
+        delay = self.network.report_delay_s
+        if reports:
+            self.loop.at(now + delay, self._deliver, reports, now)
+        self.loop.at(now + self.interval, self._poll)
+
+    def _deliver(self, reports: list[tuple[str, NodeStatus, bool]], taken: float) -> None:
+        for name, status, alive in reports:
+            self.dispatcher.report(name, status, alive, taken)
+
+    # -------------------------------------------------------------- fleet events
+
+    def fail(self, index: int) -> None:
+        """Node ``index`` dies: callers waiting on it learn so (NodeGone) one hop later,
+        and re-place what it held."""
+        node = self.nodes[index]
+        if not node.alive:
+            return
+        for rid in node.fail():
+            fut = self._waiting.pop(rid, None)
+            self._where.pop(rid, None)
+            if fut is not None:
+                self._back(fut, NodeGone(f"node {node.spec.name} died"))
+
+    def rejoin(self, index: int) -> None:
+        node = self.nodes[index]
+        if not node.alive:
+            node.rejoin()
+
+    def set_lifecycle(self, index: int, state: str) -> None:
+        self.nodes[index].set_lifecycle(state)
+
+    @property
+    def queued(self) -> int:
+        return sum(n.queued for n in self.nodes)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting)
+
+
+def _resolve(fut: cf.Future[Any], answer: Any) -> None:
+    if fut.done():
+        return
+    if isinstance(answer, BaseException):
+        fut.set_exception(answer)
+    else:
+        fut.set_result(answer)
+
+
+def grow(specs: Sequence[NodeSpec], n: int) -> list[NodeSpec]:
+    """``n`` nodes made from ``specs`` in turn (named ``<name>-<i>`` when repeated)."""
+    if n <= len(specs):
+        return list(specs[:n])
+    out = []
+    for i in range(n):
+        base = specs[i % len(specs)]
+        out.append(base.model_copy(update={"name": f"{base.name}-{i // len(specs)}"}))
+    return out

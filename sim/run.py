@@ -1,0 +1,247 @@
+"""Run a workload on a simulated fleet and collect what happened to every request.
+
+``simulate`` runs once; ``compare`` runs the same workload (same arrivals, same node
+failures) under several placement policies. Ctrl-C ends a run early and keeps what it
+has: the report says it was interrupted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from edgefleet.config import FleetConfig
+from edgefleet.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    EdgeFleetError,
+    Evicted,
+    NodeLost,
+    Rejected,
+    Superseded,
+)
+from edgefleet.request import GenerateRequest, InferRequest
+from sim.fleet import ModelCost, Network, SimFleet, grow
+from sim.report import Recorder, RunResult
+from sim.workload import Arrival, CostConfig, Workload
+
+SAMPLE_EVERY_S = 0.05  # queue length over time: one sample per this much simulated time
+PROGRESS_EVERY = 2000  # answers between progress updates
+_OUTCOME = {
+    Rejected: "rejected",
+    Evicted: "evicted",
+    DeadlineExceeded: "expired",
+    Superseded: "superseded",
+    Cancelled: "cancelled",
+    NodeLost: "lost",
+}
+
+
+def outcome(error: EdgeFleetError | None) -> str:
+    if error is None:
+        return "completed"
+    return _OUTCOME.get(type(error), "failed")
+
+
+def model_costs(costs: Mapping[str, CostConfig]) -> dict[str, ModelCost]:
+    return {
+        name: ModelCost(
+            call_ms=dict(c.call_ms or {}),
+            prefill_ms_per_token=c.prefill_ms_per_token or 0.0,
+            step_ms=dict(c.step_ms or {}),
+        )
+        for name, c in costs.items()
+    }
+
+
+def with_policy(config: FleetConfig, policy: str) -> FleetConfig:
+    """``config`` placing with the named policy (its preset scorers and picker)."""
+    placement = config.router.placement.model_copy(
+        update={"policy": policy, "scorers": None, "picker": None}
+    )
+    router = config.router.model_copy(update={"placement": placement})
+    return config.model_copy(update={"router": router})
+
+
+@dataclass
+class Progress:
+    """Told how many requests were answered so far (and of how many, when known)."""
+
+    update: Callable[[int], None]
+    close: Callable[[], None]
+
+
+def simulate(
+    config: FleetConfig,
+    workload: Workload,
+    *,
+    nodes: int | None = None,
+    requests: int | None = None,
+    seed: int | None = None,
+    label: str | None = None,
+    costs: Mapping[str, ModelCost] | None = None,
+    progress: Callable[[int | None], Progress] | None = None,
+) -> RunResult:
+    """Run ``workload`` on ``config``'s fleet grown to ``nodes`` nodes (default: as the
+    config has them), until every arrival is answered or Ctrl-C."""
+    specs = config.node_specs()
+    specs = grow(specs, nodes or len(specs))
+    n = len(specs)
+    workload.check(config.priorities, {m for s in specs for m in s.models})
+    seed = workload.seed if seed is None else seed
+    rng = random.Random(seed)
+    arrivals = workload.arrivals(rng, nodes=n, requests=requests, priorities=config.priorities)
+    total = requests or workload.requests
+    rate = workload.mean_rate(n)
+    if rate and workload.duration_s is not None:
+        expected = int(rate * workload.duration_s)  # what the progress bar counts to
+        total = expected if total is None else min(total, expected)
+    horizon = workload.duration_s or (total / rate if total and rate else 60.0)
+    events = workload.events(rng, nodes=n, horizon_s=horizon * 1.5 + 1.0)
+    recorder = Recorder([s.name for s in specs], config.priorities)
+    fleet = SimFleet(
+        config,
+        costs if costs is not None else model_costs(workload.costs),
+        specs=specs,
+        speeds=workload.speeds(n),
+        network=Network(
+            workload.network.hop_ms / 1000.0, workload.network.report_delay_ms / 1000.0
+        ),
+        seed=seed,
+        on_busy=recorder.busy,
+    )
+    driver = _Driver(fleet, recorder, arrivals, progress(total) if progress else None)
+    for e in events:
+        fleet.loop.at(e.at, driver.fleet_event, e.kind, e.node, e.state)
+    wall = time.perf_counter()
+    interrupted = False
+    try:
+        driver.run()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        driver.close()
+    wall = time.perf_counter() - wall
+    for name, count in sorted(fleet.dispatcher.take_counters().items()):
+        if name in ("spilled", "shed", "replaced"):
+            recorder.counter(name, count)
+    return RunResult(
+        label or config.router.placement.policy,
+        recorder,
+        simulated_s=fleet.loop.t,
+        wall_s=wall,
+        events=fleet.loop.events,
+        interrupted=interrupted,
+    )
+
+
+def compare(
+    config: FleetConfig, workload: Workload, policies: Sequence[str], **kwargs: Any
+) -> list[RunResult]:
+    """The same workload under each placement policy; stops at the first interrupted."""
+    out = []
+    for policy in policies:
+        result = simulate(with_policy(config, policy), workload, label=policy, **kwargs)
+        out.append(result)
+        if result.interrupted:
+            break
+    return out
+
+
+class _Driver:
+    """Feeds arrivals in time order (one pending at a time), records answers."""
+
+    def __init__(
+        self,
+        fleet: SimFleet,
+        recorder: Recorder,
+        arrivals: Iterator[Arrival],
+        progress: Progress | None,
+    ) -> None:
+        self.fleet = fleet
+        self.recorder = recorder
+        self.arrivals = arrivals
+        self.progress = progress
+        self.sent = 0
+        self.answered = 0
+        self.more = True
+        self._inputs: dict[int, dict[str, np.ndarray]] = {}
+        self._prompts: dict[int, tuple[int, ...]] = {}
+        self._next()
+        fleet.loop.at(0.0, self._sample)
+
+    def run(self) -> None:
+        self.fleet.loop.run(until=lambda: not self.more and self.answered >= self.sent)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.update(self.answered)
+            self.progress.close()
+
+    def _next(self) -> None:
+        a = next(self.arrivals, None)
+        if a is None:
+            self.more = False
+            return
+        self.fleet.loop.at(a.at, self._arrive, a)
+
+    def _arrive(self, a: Arrival) -> None:
+        loop = self.fleet.loop
+        rid = a.id or f"r{self.sent}"
+        deadline = None if a.deadline_s is None else loop.t + a.deadline_s
+        request: InferRequest | GenerateRequest
+        if a.prompt_tokens > 0:
+            prompt = self._prompts.get(a.prompt_tokens)
+            if prompt is None:
+                prompt = self._prompts[a.prompt_tokens] = tuple(range(a.prompt_tokens))
+            request = GenerateRequest(
+                a.model,
+                prompt,
+                a.max_new_tokens,
+                a.priority,
+                rid,
+                session=a.session,
+                deadline_unix=deadline,
+            )
+        else:
+            inputs = self._inputs.get(a.rows)
+            if inputs is None:
+                shape = (a.rows, 1)
+                inputs = self._inputs[a.rows] = {"x": np.zeros(shape, np.float32)}
+            request = InferRequest(a.model, inputs, a.priority, rid, deadline, a.key)
+        self.sent += 1
+        fut = self.fleet.submit(request)
+        fut.add_done_callback(partial(self._answered, loop.t, a.priority))
+        self._next()
+
+    def _answered(self, at: float, priority: int, fut: cf.Future[Any]) -> None:
+        answer = fut.result()
+        node = self.fleet.index.get(answer.node, -1)
+        self.recorder.answer(priority, outcome(answer.error), self.fleet.loop.t - at, node)
+        self.answered += 1
+        if self.progress is not None and self.answered % PROGRESS_EVERY == 0:
+            self.progress.update(self.answered)
+
+    def _sample(self) -> None:
+        fleet = self.fleet
+        self.recorder.sample(fleet.loop.t, fleet.queued, fleet.in_flight)
+        if self.more or self.answered < self.sent:
+            fleet.loop.at(fleet.loop.t + SAMPLE_EVERY_S, self._sample)
+
+    def fleet_event(self, kind: str, node: int, state: str | None) -> None:
+        if not (self.more or self.answered < self.sent):
+            return  # the run is over
+        if kind == "fail":
+            self.recorder.counter("node_failures")
+            self.fleet.fail(node)
+        elif kind == "rejoin":
+            self.fleet.rejoin(node)
+        elif state is not None:
+            self.fleet.set_lifecycle(node, state)

@@ -1,0 +1,822 @@
+"""The workload of a fleet simulation: what arrives, when, and what happens to the nodes.
+
+A workload is a YAML file, validated like the fleet config (unknown keys are errors, and
+:func:`load_workload` names each problem by its dotted YAML path and line)::
+
+    seed: 1                      # the run's random seed
+    duration_s: 60               # stop generating at this simulated time ...
+    requests: 100000             # ... or after this many arrivals (at least one of the two)
+    arrivals:
+      process: poisson           # poisson | bursts | diurnal
+      rate_per_node: 40          # or rate: requests/s for the whole fleet
+    mix:                         # classes of traffic, drawn by weight
+      - {model: classifier, priority: foreground, weight: 0.2, deadline_ms: 200}
+      - {model: tiny_lm, priority: inline, sessions: 50,
+         generate: {prompt_tokens: 32, max_new_tokens: 16}}
+    events:
+      node_failures: {per_minute: 0.01, down_s: 30}
+      lifecycle: [{at_s: 10, state: background, share: 0.5}]
+
+or, instead of ``arrivals`` and ``mix``, ``trace: recorded.jsonl``: a recorded trace to
+replay (see :func:`read_trace`).
+
+:meth:`Workload.arrivals` yields the arrivals lazily and in time order; every random draw
+comes from a NumPy generator seeded from the ``random.Random`` it is given, so the same
+seed gives the same arrivals, and a run bounded sooner (fewer requests, a shorter
+duration) gets a prefix of a longer run's arrivals. Arrivals of the bursts and diurnal
+processes are drawn exactly, by thinning a Poisson process at the peak rate
+(Lewis and Shedler). :meth:`Workload.events` lists node failures, rejoins and lifecycle
+changes up to a horizon.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import (
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from edgefleet.config import Lifecycle, _format_errors, _line_index, _Strict, _where
+from edgefleet.errors import ConfigError
+from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
+
+_CHUNK = 16_384  # candidate arrivals drawn per NumPy call
+_DEFER = "defer_cross_checks"  # validation context: parse_workload reports them with lines
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request arriving at the fleet."""
+
+    at: float  # seconds from the start of the run
+    model: str
+    priority: int  # 0..10, higher runs first
+    rows: int = 1
+    deadline_s: float | None = None  # relative to `at`
+    key: str | None = None  # dedup key
+    session: str | None = None  # chat session
+    prompt_tokens: int = 0  # > 0: a generation
+    max_new_tokens: int = 0
+    id: str | None = None  # from a recorded trace; None: the simulator names it
+
+
+@dataclass(frozen=True, slots=True)
+class FleetEvent:
+    """Something that happens to one simulated node."""
+
+    at: float
+    kind: Literal["fail", "rejoin", "lifecycle"]
+    node: int  # index into the simulated fleet's node list (0..nodes-1)
+    state: str | None = None  # lifecycle: "foreground" | "background"
+
+
+# -- the schema ------------------------------------------------------------------------
+
+
+class BurstsConfig(_Strict):
+    """Bursts of traffic: a burst of ``length_s`` every ``every_s`` seconds, the first at
+    ``every_s`` (the run starts with ``every_s - length_s`` seconds at the base rate)."""
+
+    every_s: float = Field(gt=0, description="seconds from the start of one burst to the next")
+    length_s: float = Field(gt=0, description="seconds each burst lasts; less than every_s")
+    factor: float = Field(gt=0, description="the rate during a burst is rate x factor")
+
+
+class DiurnalConfig(_Strict):
+    """A daily cycle, compressed: the rate follows a sinusoid from ``low x rate`` at the
+    start of each period up to ``rate`` half-way through and back down."""
+
+    period_s: float = Field(gt=0, description="seconds of one cycle")
+    low: float = Field(ge=0, le=1, description="the rate at the trough, as a fraction of rate")
+
+
+class ArrivalsConfig(_Strict):
+    """When requests arrive: the process and its rate."""
+
+    process: Literal["poisson", "bursts", "diurnal"] = Field(
+        "poisson",
+        description="'poisson': a constant rate; 'bursts': rate x factor during periodic "
+        "bursts (see bursts:); 'diurnal': a sinusoidal cycle (see diurnal:)",
+    )
+    rate: float | None = Field(
+        None, gt=0, description="requests/s for the whole fleet (or rate_per_node)"
+    )
+    rate_per_node: float | None = Field(
+        None, gt=0, description="requests/s per simulated node (or rate)"
+    )
+    bursts: BurstsConfig | None = Field(None, description="process: bursts only")
+    diurnal: DiurnalConfig | None = Field(None, description="process: diurnal only")
+
+
+class GenerateConfig(_Strict):
+    """Makes a class of traffic generations (``generate()`` on a decoder model)."""
+
+    prompt_tokens: int = Field(ge=1, description="tokens in each prompt")
+    max_new_tokens: int = Field(ge=1, description="tokens each generation asks for")
+
+
+class MixClass(_Strict):
+    """One class of traffic."""
+
+    model: str = Field(min_length=1, description="a model the fleet serves")
+    priority: str | int = Field(
+        description="a priority class of the fleet (e.g. foreground) or an int 0-10"
+    )
+    weight: float = Field(1.0, ge=0, description="share of arrivals; weights are normalised")
+    rows: int = Field(1, ge=1, description="rows on the batch axis of each request")
+    deadline_ms: float | None = Field(
+        None, gt=0, description="deadline after arrival; default: none"
+    )
+    keys: int | None = Field(
+        None,
+        ge=1,
+        description="draw a dedup key from this many distinct keys (k0, k1, ...); default: no key",
+    )
+    sessions: int | None = Field(
+        None,
+        ge=1,
+        description="draw a chat session from this many (s0, s1, ...); generations only; "
+        "default: no session",
+    )
+    generate: GenerateConfig | None = Field(
+        None, description="makes the class generations; default: inferences"
+    )
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _class_or_int(cls, v: object) -> object:
+        if isinstance(v, bool) or not isinstance(v, str | int):
+            raise ValueError(f"a priority class name or an int 0-10, got {v!r}")
+        if isinstance(v, int) and not MIN_PRIORITY <= v <= MAX_PRIORITY:
+            raise ValueError(f"priority {v} is out of range; allowed 0-10")
+        if isinstance(v, str) and not v:
+            raise ValueError("a priority class name or an int 0-10, got ''")
+        return v
+
+
+class NodeFailures(_Strict):
+    """Nodes failing at random: each node that is up fails at ``per_minute`` per minute
+    (a Poisson process), and rejoins ``down_s`` later."""
+
+    per_minute: float = Field(ge=0, description="failures per node per minute (0.01: 1 %)")
+    down_s: float | None = Field(
+        None, gt=0, description="seconds until a failed node rejoins; default: never"
+    )
+
+
+class LifecycleChange(_Strict):
+    """At ``at_s``, ``share`` of the fleet's nodes (drawn at random) switch to ``state``."""
+
+    at_s: float = Field(ge=0, description="seconds from the start of the run")
+    state: Lifecycle
+    share: float = Field(
+        gt=0,
+        le=1,
+        description="fraction of all nodes that switch (rounded, at least one); nodes "
+        "already in the state stay in it",
+    )
+
+
+class EventsConfig(_Strict):
+    """What happens to the nodes during the run."""
+
+    node_failures: NodeFailures | None = Field(None, description="default: no failures")
+    lifecycle: list[LifecycleChange] = Field(
+        default_factory=list, description="lifecycle changes; default: none"
+    )
+
+
+class CostConfig(_Strict):
+    """Engine time of one model on a node of speed 1: a call by batch rows, or for a
+    decoder prefill per prompt token and one decode step by generations together."""
+
+    call_ms: dict[int, float] | None = Field(
+        None, description="batch rows -> ms per call (linear between the sizes given)"
+    )
+    prefill_ms_per_token: float | None = Field(None, ge=0, description="decoders")
+    step_ms: dict[int, float] | None = Field(
+        None, description="decoders: generations decoding together -> ms per token step"
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> CostConfig:
+        if self.call_ms is None and self.step_ms is None:
+            raise ValueError("give call_ms (a tensor model) or step_ms (a decoder)")
+        for table in (self.call_ms or {}, self.step_ms or {}):
+            if any(k < 1 or v <= 0 for k, v in table.items()):
+                raise ValueError("sizes must be >= 1 and costs > 0 ms")
+        return self
+
+
+class NodeClass(_Strict):
+    """A share of the simulated nodes and how fast their engines are."""
+
+    share: float = Field(gt=0, le=1, description="fraction of the nodes")
+    speed: float = Field(gt=0, description="engine speed; 0.5 takes twice the cost tables' time")
+
+
+class NetworkConfig(_Strict):
+    """Simulated delays."""
+
+    hop_ms: float = Field(0.5, ge=0, description="one way between a caller and a node")
+    report_delay_ms: float = Field(
+        0.0, ge=0, description="how much older node reports are when callers get them"
+    )
+
+
+class Workload(_Strict):
+    """A simulated workload: the arrivals (generated, or a recorded trace) and the events
+    that happen to the nodes."""
+
+    seed: int = Field(0, description="the run's random seed")
+    requests: int | None = Field(
+        None, ge=1, description="stop after this many arrivals; default: no limit"
+    )
+    duration_s: float | None = Field(
+        None, gt=0, description="stop at this simulated time (seconds); default: no limit"
+    )
+    # YAML `arrivals:` and `events:`, named apart from the arrivals() and events() methods
+    arrival_process: ArrivalsConfig | None = Field(
+        None,
+        alias="arrivals",
+        description="the arrival process; required unless trace: is set",
+    )
+    mix: list[MixClass] | None = Field(
+        None, description="the classes of traffic; required unless trace: is set"
+    )
+    fleet_events: EventsConfig = Field(
+        default_factory=EventsConfig,
+        alias="events",
+        description="node failures and lifecycle changes",
+    )
+    costs: dict[str, CostConfig] = Field(
+        default_factory=dict, description="model -> engine time, for every model the fleet serves"
+    )
+    node_classes: list[NodeClass] = Field(
+        default_factory=list, description="speeds of shares of the nodes; default: all speed 1"
+    )
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    trace: Path | None = Field(
+        None,
+        description="replay this recorded trace (JSONL, see read_trace) instead of "
+        "arrivals and mix; relative to the YAML file's folder",
+    )
+
+    _source: str = PrivateAttr("workload")
+    _lines: dict[str, int] = PrivateAttr(default_factory=dict)
+    _trace_cache: list[Arrival] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _consistent(self, info: ValidationInfo) -> Workload:
+        if info.context and info.context.get(_DEFER):
+            return self  # parse_workload reports the problems with their lines
+        problems = self._problems()
+        if problems:
+            raise ValueError("; ".join(f"{path}: {msg}" for path, msg in problems))
+        return self
+
+    def _problems(self) -> list[tuple[str, str]]:
+        """What the schema cannot say on its own, each as (dotted path, message)."""
+        out: list[tuple[str, str]] = []
+        if self.trace is not None:
+            for name, value in (("arrivals", self.arrival_process), ("mix", self.mix)):
+                if value is not None:
+                    out.append((name, "a trace replaces arrivals and mix; remove one or the other"))
+            return out
+        a = self.arrival_process
+        if a is None:
+            out.append(("arrivals", "required (or trace: to replay a recorded trace)"))
+        else:
+            if a.rate is None and a.rate_per_node is None:
+                out.append(("arrivals", "set rate (the fleet's) or rate_per_node"))
+            elif a.rate is not None and a.rate_per_node is not None:
+                out.append(("arrivals.rate_per_node", "set only one of rate and rate_per_node"))
+            for name in ("bursts", "diurnal"):
+                if a.process == name and getattr(a, name) is None:
+                    out.append((f"arrivals.{name}", f"required with process: {name}"))
+                elif a.process != name and getattr(a, name) is not None:
+                    out.append((f"arrivals.{name}", f"only used with process: {name}"))
+            if a.bursts is not None and a.bursts.length_s >= a.bursts.every_s:
+                out.append(("arrivals.bursts.length_s", "must be shorter than every_s"))
+            if self.requests is None and self.duration_s is None:
+                out.append(
+                    ("arrivals", "nothing ends the arrivals: set requests and/or duration_s")
+                )
+        if self.mix is not None:
+            if not self.mix:
+                out.append(("mix", "at least one class of traffic is required"))
+            elif sum(c.weight for c in self.mix) <= 0:
+                out.append(("mix", "the weights add up to 0"))
+            for i, c in enumerate(self.mix):
+                if c.sessions is not None and c.generate is None:
+                    out.append((f"mix.{i}.sessions", "sessions are for generations; add generate:"))
+        elif a is not None:
+            out.append(("mix", "required: at least one class of traffic"))
+        return out
+
+    # -- checks against the fleet ------------------------------------------------------
+
+    def _at(self, path: str) -> str:
+        return f"{path}{_where(self._lines, path)}"
+
+    def check(self, priorities: Mapping[str, int], models: Collection[str]) -> None:
+        """Raise ConfigError naming every class of traffic the fleet cannot take: a model
+        it does not serve (``mix.N.model``), an unknown priority class (``mix.N.priority``),
+        a model of the recorded trace it does not serve."""
+        served = ", ".join(sorted(models))
+        known = ", ".join(f"{k} ({v})" for k, v in priorities.items())
+        problems: list[str] = []
+        for i, c in enumerate(self.mix or []):
+            if c.model not in models:
+                problems.append(
+                    f"{self._at(f'mix.{i}.model')}: the fleet does not serve {c.model!r}; "
+                    f"it serves: {served}"
+                )
+            if isinstance(c.priority, str) and c.priority not in priorities:
+                problems.append(
+                    f"{self._at(f'mix.{i}.priority')}: unknown priority class "
+                    f"{c.priority!r}; known: {known}, or an int 0-10"
+                )
+        used = {c.model for c in self.mix or []}
+        if self.trace is not None:
+            used |= {a.model for a in self._recorded()}
+        for model in sorted(used & set(models) - set(self.costs)):
+            problems.append(
+                f"{self._at('costs')}: no engine time for {model!r}: add "
+                f"costs.{model}.call_ms (a decoder: prefill_ms_per_token and step_ms)"
+            )
+        if sum(c.share for c in self.node_classes) > 1 + 1e-9:
+            problems.append(f"{self._at('node_classes')}: the shares add up to more than 1")
+        if self.trace is not None:
+            counts = Counter(a.model for a in self._recorded() if a.model not in models)
+            for model, n in sorted(counts.items()):
+                problems.append(
+                    f"{self._at('trace')}: {n} arrivals of {self.trace} are for {model!r}, "
+                    f"which the fleet does not serve; it serves: {served}"
+                )
+        if problems:
+            raise ConfigError(
+                f"workload {self._source} does not fit the fleet:\n  " + "\n  ".join(problems)
+            )
+
+    def speeds(self, nodes: int) -> list[float]:
+        """Engine speed of each of ``nodes`` nodes: the classes in order, by share; the
+        rest speed 1."""
+        out: list[float] = []
+        for c in self.node_classes:
+            out += [c.speed] * round(c.share * nodes)
+        return (out + [1.0] * nodes)[:nodes]
+
+    def _resolve_priorities(self, priorities: Mapping[str, int]) -> list[int]:
+        out: list[int] = []
+        known = ", ".join(f"{k} ({v})" for k, v in priorities.items())
+        for i, c in enumerate(self.mix or []):
+            if isinstance(c.priority, int):
+                out.append(c.priority)
+            elif c.priority in priorities:
+                out.append(priorities[c.priority])
+            else:
+                raise ConfigError(
+                    f"workload {self._source}: {self._at(f'mix.{i}.priority')}: unknown "
+                    f"priority class {c.priority!r}; known: {known}, or an int 0-10"
+                )
+        return out
+
+    def _recorded(self) -> list[Arrival]:
+        if self._trace_cache is None:
+            assert self.trace is not None
+            self._trace_cache = read_trace(self.trace)
+        return self._trace_cache
+
+    # -- arrivals ----------------------------------------------------------------------
+
+    def fleet_rate(self, nodes: int) -> float | None:
+        """The base arrival rate (requests/s) of a fleet of ``nodes``; None for a trace."""
+        a = self.arrival_process
+        if a is None:
+            return None
+        return a.rate if a.rate is not None else (a.rate_per_node or 0.0) * nodes
+
+    def mean_rate(self, nodes: int) -> float | None:
+        """The long-run mean arrival rate (requests/s) of a fleet of ``nodes``: the base
+        rate, raised by the bursts or lowered by the diurnal trough; None for a trace."""
+        rate, a = self.fleet_rate(nodes), self.arrival_process
+        if rate is None or a is None:
+            return None
+        if a.process == "bursts" and a.bursts is not None:
+            b = a.bursts
+            return rate * (1 + (b.factor - 1) * b.length_s / b.every_s)
+        if a.process == "diurnal" and a.diurnal is not None:
+            return rate * (1 + a.diurnal.low) / 2
+        return rate
+
+    def arrivals(
+        self,
+        rng: random.Random,
+        *,
+        nodes: int,
+        requests: int | None = None,
+        priorities: Mapping[str, int] = DEFAULT_PRIORITIES,
+    ) -> Iterator[Arrival]:
+        """The arrivals, lazily and in time order, until ``requests`` of them (the argument,
+        else the file's ``requests``) or ``duration_s``, whichever comes first.
+
+        Draws from ``rng`` once, now (a seed for the generator's own stream), so later
+        uses of ``rng`` do not change the arrivals. Raises ConfigError for a priority class
+        not in ``priorities`` (:meth:`check` reports that and more before a run).
+        """
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        if requests is not None and requests < 0:
+            raise ValueError(f"requests must be >= 0, got {requests}")
+        limit = requests if requests is not None else self.requests
+        if self.trace is not None:
+            return _replay(self._recorded(), limit, self.duration_s)
+        if limit is None and self.duration_s is None:
+            raise ConfigError(
+                f"workload {self._source}: nothing ends the arrivals: set requests and/or "
+                "duration_s"
+            )
+        assert self.arrival_process is not None and self.mix is not None
+        resolved = self._resolve_priorities(priorities)
+        rate = self.fleet_rate(nodes)
+        assert rate is not None
+        gen = np.random.default_rng(rng.getrandbits(128))
+        classes = [
+            _Class(
+                model=c.model,
+                priority=p,
+                rows=c.rows,
+                deadline_s=None if c.deadline_ms is None else c.deadline_ms / 1000.0,
+                keys=c.keys or 0,
+                sessions=c.sessions or 0,
+                prompt_tokens=c.generate.prompt_tokens if c.generate else 0,
+                max_new_tokens=c.generate.max_new_tokens if c.generate else 0,
+            )
+            for c, p in zip(self.mix, resolved, strict=True)
+        ]
+        weights = np.array([c.weight for c in self.mix], dtype=float)
+        peak, accept = _intensity(self.arrival_process, rate)
+        return _generate(
+            gen,
+            peak=peak,
+            accept=accept,
+            cumulative=np.cumsum(weights / weights.sum()),
+            classes=classes,
+            limit=limit,
+            duration_s=self.duration_s,
+        )
+
+    # -- events ------------------------------------------------------------------------
+
+    def events(self, rng: random.Random, *, nodes: int, horizon_s: float) -> list[FleetEvent]:
+        """Node failures, rejoins and lifecycle changes up to ``horizon_s``, in time order.
+
+        A failure picks a node that is up; a failed node rejoins ``down_s`` later (if that
+        is within the horizon) and can fail again after. A lifecycle change picks its nodes
+        at random from the whole fleet, whether up or down.
+        """
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
+        out: list[FleetEvent] = []
+        failures = self.fleet_events.node_failures
+        if failures is not None and failures.per_minute > 0:
+            out += _failures(rng, nodes, horizon_s, failures.per_minute / 60.0, failures.down_s)
+        for change in self.fleet_events.lifecycle:
+            if change.at_s > horizon_s:
+                continue
+            count = min(nodes, max(1, round(change.share * nodes)))
+            for node in sorted(rng.sample(range(nodes), count)):
+                out.append(FleetEvent(change.at_s, "lifecycle", node, change.state))
+        out.sort(key=lambda e: e.at)  # stable: failures before lifecycle changes at a tie
+        return out
+
+
+# -- generation ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Class:
+    model: str
+    priority: int
+    rows: int
+    deadline_s: float | None
+    keys: int  # 0: no key
+    sessions: int  # 0: no session
+    prompt_tokens: int
+    max_new_tokens: int
+
+
+_Accept = Callable[[np.ndarray], np.ndarray] | None
+
+
+def _intensity(a: ArrivalsConfig, rate: float) -> tuple[float, _Accept]:
+    """The peak rate, and the probability of keeping a candidate arriving at each time
+    (None: keep all), for thinning a Poisson process at the peak rate."""
+    if a.process == "bursts":
+        assert a.bursts is not None
+        every, length, factor = a.bursts.every_s, a.bursts.length_s, a.bursts.factor
+        peak = rate * max(1.0, factor)
+        inside, outside = rate * factor / peak, rate / peak
+
+        def bursts(t: np.ndarray) -> np.ndarray:
+            in_burst = (t >= every) & (np.fmod(t, every) < length)
+            return np.where(in_burst, inside, outside)
+
+        return peak, bursts
+    if a.process == "diurnal":
+        assert a.diurnal is not None
+        period, low = a.diurnal.period_s, a.diurnal.low
+
+        def diurnal(t: np.ndarray) -> np.ndarray:
+            return low + (1 - low) * (1 - np.cos(2 * np.pi * t / period)) / 2
+
+        return rate, diurnal
+    return rate, None
+
+
+def _generate(
+    gen: np.random.Generator,
+    *,
+    peak: float,
+    accept: _Accept,
+    cumulative: np.ndarray,
+    classes: Sequence[_Class],
+    limit: int | None,
+    duration_s: float | None,
+) -> Iterator[Arrival]:
+    """Arrivals from candidates at the peak rate, drawn a chunk at a time. Every draw is
+    made for every candidate, so a run cut short gets a prefix of a longer one."""
+    left = math.inf if limit is None else limit
+    end = math.inf if duration_s is None else duration_s
+    t = 0.0
+    last = len(classes) - 1
+    keys = np.array([c.keys for c in classes])
+    sessions = np.array([c.sessions for c in classes])
+    while left > 0 and t < end:
+        times = t + np.cumsum(gen.exponential(1.0 / peak, _CHUNK))
+        keep = gen.random(_CHUNK)
+        which = np.minimum(np.searchsorted(cumulative, gen.random(_CHUNK), side="right"), last)
+        key = (gen.random(_CHUNK) * keys[which]).astype(np.int64)
+        session = (gen.random(_CHUNK) * sessions[which]).astype(np.int64)
+        t = float(times[-1])
+        mask = times < end
+        if accept is not None:
+            mask &= keep < accept(times)
+        if not mask.all():
+            times, which, key, session = times[mask], which[mask], key[mask], session[mask]
+        if len(times) > left:
+            n = int(left)
+            times, which, key, session = times[:n], which[:n], key[:n], session[:n]
+        left -= len(times)
+        for at, c, k, s in zip(
+            times.tolist(), which.tolist(), key.tolist(), session.tolist(), strict=True
+        ):
+            spec = classes[c]
+            yield Arrival(
+                at,
+                spec.model,
+                spec.priority,
+                spec.rows,
+                spec.deadline_s,
+                f"k{k}" if spec.keys else None,
+                f"s{s}" if spec.sessions else None,
+                spec.prompt_tokens,
+                spec.max_new_tokens,
+            )
+
+
+def _replay(
+    recorded: Sequence[Arrival], limit: int | None, duration_s: float | None
+) -> Iterator[Arrival]:
+    for i, arrival in enumerate(recorded):
+        if (limit is not None and i >= limit) or (
+            duration_s is not None and arrival.at >= duration_s
+        ):
+            return
+        yield arrival
+
+
+def _failures(
+    rng: random.Random, nodes: int, horizon_s: float, per_node_s: float, down_s: float | None
+) -> list[FleetEvent]:
+    """Failures of the nodes that are up, each node at ``per_node_s`` per second, and the
+    rejoins ``down_s`` after each."""
+    out: list[FleetEvent] = []
+    up = list(range(nodes))
+    rejoins: list[tuple[float, int]] = []
+    t = 0.0
+    while True:
+        fail_at = t + rng.expovariate(len(up) * per_node_s) if up else math.inf
+        rejoin_at = rejoins[0][0] if rejoins else math.inf
+        if min(fail_at, rejoin_at) > horizon_s:
+            return out
+        if rejoin_at <= fail_at:  # a rejoin first; the failure clock restarts (memoryless)
+            t, node = heapq.heappop(rejoins)
+            up.append(node)
+            out.append(FleetEvent(t, "rejoin", node))
+            continue
+        t = fail_at
+        i = rng.randrange(len(up))
+        node = up[i]
+        up[i] = up[-1]
+        up.pop()
+        out.append(FleetEvent(t, "fail", node))
+        if down_s is not None:
+            heapq.heappush(rejoins, (t + down_s, node))
+
+
+# -- reading files ---------------------------------------------------------------------
+
+
+def parse_workload(
+    data: Mapping[str, Any],
+    *,
+    source: str = "workload",
+    lines: Mapping[str, int] | None = None,
+    base_dir: str | Path | None = None,
+) -> Workload:
+    """Validate a parsed YAML mapping. ``source`` names it in errors, ``lines`` maps dotted
+    YAML paths to line numbers for them; a relative ``trace`` resolves against ``base_dir``
+    (default: the working directory) and must exist."""
+    lines = dict(lines or {})
+    header = f"invalid workload {source}:\n"
+    try:
+        workload = Workload.model_validate(data, context={_DEFER: True})
+    except ValidationError as exc:
+        raise ConfigError(header + _format_errors(exc, lines).partition("\n")[2]) from None
+    problems = [f"{path}{_where(lines, path)}: {msg}" for path, msg in workload._problems()]
+    if workload.trace is not None:
+        trace = Path(base_dir or ".") / workload.trace
+        if not trace.is_file():
+            problems.append(f"trace{_where(lines, 'trace')}: no such file: {trace}")
+        workload = workload.model_copy(update={"trace": trace})
+    if problems:
+        raise ConfigError(header + "  " + "\n  ".join(problems))
+    workload._source = source
+    workload._lines = lines
+    return workload
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Read and validate a workload YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read workload {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+        lines = _line_index(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping (arrivals:, mix:, ...)")
+    return parse_workload(data, source=str(path), lines=lines, base_dir=path.parent)
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _integer(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _text(v: object) -> bool:
+    return isinstance(v, str) and v != ""
+
+
+# field -> (required, is it valid, what it must be)
+_TRACE_FIELDS: dict[str, tuple[bool, Callable[[Any], bool], str]] = {
+    "at": (True, _number, "a number (seconds)"),
+    "model": (True, _text, "a non-empty string"),
+    "priority": (
+        True,
+        lambda v: _integer(v) and MIN_PRIORITY <= v <= MAX_PRIORITY,
+        "an int 0-10",
+    ),
+    "rows": (False, lambda v: _integer(v) and v >= 1, "an int >= 1"),
+    "deadline_s": (False, lambda v: v is None or (_number(v) and v > 0), "null or a number > 0"),
+    "key": (False, lambda v: v is None or _text(v), "null or a non-empty string"),
+    "session": (False, lambda v: v is None or _text(v), "null or a non-empty string"),
+    "prompt_tokens": (False, lambda v: _integer(v) and v >= 0, "an int >= 0"),
+    "max_new_tokens": (False, lambda v: _integer(v) and v >= 0, "an int >= 0"),
+    "id": (False, lambda v: v is None or _text(v), "null or a non-empty string"),
+}
+
+
+def read_trace(path: str | Path) -> list[Arrival]:
+    """The arrivals of a recorded trace, sorted by time, the first at 0.
+
+    One JSON object a line, as callers record it::
+
+        {"at": 12.345, "id": "r-1", "model": "classifier", "priority": 10, "rows": 1,
+         "deadline_s": 0.2, "key": null, "session": null, "prompt_tokens": 0,
+         "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0123, "node": "edge-0"}
+
+    ``at``, ``model`` and ``priority`` are required; the other fields of
+    :class:`Arrival` take its defaults when missing, and keys it does not have (outcome,
+    latency_s, node...) are ignored. Blank lines are skipped, as is a last line that
+    is cut short (no newline at its end, not valid JSON: the recorder was stopped while
+    writing it). Anything else that is wrong raises ConfigError naming ``file:line`` and
+    the field.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read trace {path}: {exc.strerror}") from None
+    lines = text.split("\n")
+    rows: list[_TraceRow] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(lines):  # no newline after it: a write cut short
+                break
+            raise ConfigError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{path}:{number}: a line must be a JSON object")
+        row = _trace_row(obj)
+        if row is None:
+            raise ConfigError(f"{path}:{number}: {_trace_problem(obj)}")
+        rows.append(row)
+    rows.sort(key=lambda r: r[0])
+    start = rows[0][0] if rows else 0.0
+    return [
+        Arrival(at - start, model, priority, n, deadline, key, session, prompt, new, rid)
+        for at, model, priority, n, deadline, key, session, prompt, new, rid in rows
+    ]
+
+
+_TraceRow = tuple[float, str, int, int, float | None, str | None, str | None, int, int, str | None]
+
+
+def _trace_row(obj: dict[str, Any]) -> _TraceRow | None:
+    """The fields of one trace line, or None when one is missing or wrong."""
+    get = obj.get
+    at, model, priority = get("at"), get("model"), get("priority")
+    rows, deadline = get("rows", 1), get("deadline_s")
+    key, session, rid = get("key"), get("session"), get("id")
+    prompt, new = get("prompt_tokens", 0), get("max_new_tokens", 0)
+    if (
+        (type(at) is float or type(at) is int)
+        and math.isfinite(at)
+        and type(model) is str
+        and model
+        and type(priority) is int
+        and MIN_PRIORITY <= priority <= MAX_PRIORITY
+        and type(rows) is int
+        and rows >= 1
+        and (deadline is None or _TRACE_FIELDS["deadline_s"][1](deadline))
+        and (key is None or (type(key) is str and key))
+        and (session is None or (type(session) is str and session))
+        and (rid is None or (type(rid) is str and rid))
+        and type(prompt) is int
+        and prompt >= 0
+        and type(new) is int
+        and new >= 0
+    ):
+        deadline = None if deadline is None else float(deadline)
+        return (float(at), model, priority, rows, deadline, key, session, prompt, new, rid)
+    return None
+
+
+def _trace_problem(obj: dict[str, Any]) -> str:
+    """What is wrong with a trace line :func:`_trace_row` refused, naming the field."""
+    for name, (required, valid, what) in _TRACE_FIELDS.items():
+        if name not in obj:
+            if required:
+                return f"{name}: missing"
+        elif not valid(obj[name]):
+            return f"{name}: must be {what}, got {obj[name]!r}"
+    return "not a trace line"
+
+
+__all__ = [
+    "Arrival",
+    "FleetEvent",
+    "Workload",
+    "load_workload",
+    "parse_workload",
+    "read_trace",
+]
