@@ -12,6 +12,10 @@ the final refusal for both inference and generation; :meth:`Dispatcher.submit` d
 it from completion callbacks (no thread or event loop per request),
 :meth:`Dispatcher.call` on the caller's thread and :meth:`Dispatcher.stream` from the
 caller's iteration.
+
+With ``router.record_dir`` set, each dispatcher appends a line per request to its own
+call record when the request's final answer is known (``cluster/record.py``), which the
+simulator replays.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from cluster.metrics import RouterMetrics
+from cluster.record import CallRecord
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import (
@@ -308,6 +313,8 @@ class Dispatcher:
         )
         self.closed = False
         self._jitter = random.Random()
+        directory = config.router.record_dir
+        self._record = None if directory is None else CallRecord(directory)
 
     # -------------------------------------------------------------------- the view
 
@@ -350,9 +357,17 @@ class Dispatcher:
                 self._sessions.setdefault(s, set()).add(name)
 
     def close(self) -> None:
-        """No further attempts: requests not yet answered end Cancelled."""
+        """No further attempts: requests not yet answered end Cancelled. Closes the call
+        record (requests answered after this are not recorded)."""
         self.closed = True
         self._retries.shutdown(wait=False)
+        if self._record is not None:
+            self._record.close()
+
+    def flush_record(self) -> None:
+        """Write out the call record's buffered lines (a no-op without a record)."""
+        if self._record is not None:
+            self._record.flush()
 
     def views(self) -> list[NodeView]:
         now = self._clock.now()
@@ -520,7 +535,7 @@ class Dispatcher:
                 log.exception("stream of %s failed", request.id)
                 final = attempt.broken(exc)
             except BaseException:  # the consumer went away, or worse: stop counting it
-                attempt.release(entry)
+                attempt.abandoned(entry)
                 raise
             else:
                 final = attempt.settle(entry, final)
@@ -639,6 +654,8 @@ class _Attempt:
         self.request = request
         self.request_now: Request = request  # a continuation after a node loss differs
         self.started = dispatcher._clock.now()
+        # Wall-clock arrival, for the call record: the dispatcher's clock may be monotonic.
+        self.arrived = time.time() if dispatcher._record is not None else 0.0
         self.tried: set[str] = set()
         self.refusals: list[Rejected] = []
         self.evicted: Final | None = None
@@ -743,11 +760,34 @@ class _Attempt:
         return self.finish(_failure(self.request, error))
 
     def finish(self, answer: Final) -> Final:
+        """The request's final answer: counted, measured and recorded, once."""
         if isinstance(answer, GenerationResult):
             answer = replace(answer, tokens=tuple(self.tokens))
-        self.d._count(_kind(answer.error))
-        self.d._metrics.answered(self.request, answer.error, self.d._clock.now() - self.started)
+        kind = _kind(answer.error)
+        latency_s = self.d._clock.now() - self.started
+        self.d._count(kind)
+        self.d._metrics.answered(self.request, answer.error, latency_s)
+        self.record(kind, latency_s, answer.node)
         return answer
+
+    def abandoned(self, entry: _Entry) -> None:
+        """The caller stopped reading the generation before its end: it gets no answer,
+        and its line in the call record says cancelled."""
+        self.release(entry)
+        self.record("cancelled", self.d._clock.now() - self.started, entry.spec.name)
+
+    def record(self, outcome: str, latency_s: float, node: str) -> None:
+        """Append the request's line to the dispatcher's call record, if it keeps one."""
+        record = self.d._record
+        if record is not None:
+            record.answered(
+                self.request,
+                at=self.arrived,
+                rows=self.preq.rows,
+                outcome=outcome,
+                latency_s=latency_s,
+                node=node,
+            )
 
 
 def _rows(request: Request) -> int:

@@ -309,6 +309,12 @@ class RouterConfig(_Strict):
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources: pins the router to a machine"
     )
+    record_dir: Path | None = Field(
+        None,
+        description="each caller (a FleetClient) appends a JSON line per request it placed, "
+        "when its answer is known, to its own file in this folder (cluster/record.py), for "
+        "`edgefleet simulate` to replay; relative to the YAML file's folder; default: no record",
+    )
 
 
 class RayClusterConfig(_Strict):
@@ -489,6 +495,10 @@ def parse_config(
     if trace_dir is not None:
         traced = {"trace_dir": (base_dir / trace_dir).resolve()}
         update["node_defaults"] = cfg.node_defaults.model_copy(update=traced)
+    record_dir = cfg.router.record_dir
+    if record_dir is not None:
+        recorded = {"record_dir": (base_dir / record_dir).resolve()}
+        update["router"] = cfg.router.model_copy(update=recorded)
     return cfg.model_copy(update=update)
 
 

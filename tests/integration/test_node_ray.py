@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +22,7 @@ from edgefleet.errors import (
     Rejected,
 )
 from edgefleet.modelgen import calibrate_slow, random_inputs
+from sim.workload import read_trace
 
 pytestmark = pytest.mark.integration
 
@@ -170,20 +172,46 @@ def test_foreground_overtakes_background_backlog(make_fleet, models_dir):
     assert fg.queue_s < 0.25 * last_bg_wait, (fg.queue_s, last_bg_wait)
 
 
-def test_deadline_and_rejection_reach_the_caller(make_fleet):
+def test_deadline_and_rejection_reach_the_caller(make_fleet, tmp_path):
     fleet = make_fleet(
         {
             "models": {"slow": {"path": "slow.onnx"}},
             "node_defaults": {"queue": {"capacity": 2}},
+            "router": {"record_dir": str(tmp_path)},
         }
     )
     inputs = random_inputs("slow")
-    with pytest.raises(DeadlineExceeded):
+    with pytest.raises(DeadlineExceeded) as expired:
         fleet.infer("slow", inputs, deadline_s=-1.0)
     refs = [fleet.submit("slow", inputs, priority="foreground") for _ in range(50)]
-    errors = [r.error for r in FleetClient.gather(refs, 60) if r.error is not None]
+    replies = FleetClient.gather(refs, 60)
+    errors = [r.error for r in replies if r.error is not None]
     assert errors and all(isinstance(e, Rejected) for e in errors)
     assert all(e.retry_after_s > 0 and "queue full" in str(e) for e in errors)
+    # The call record holds each request once, as it was sent and answered; the
+    # client's view feed flushes it every report interval.
+    answered = {r.request_id: ("rejected" if r.error else "completed", r.node) for r in replies}
+    answered[expired.value.request_id] = ("deadlineexceeded", "edge-0")
+    end = time.monotonic() + 10
+    while len(recorded := _recorded(tmp_path)) < len(answered):
+        assert time.monotonic() < end, f"{len(recorded)} of {len(answered)} recorded"
+        time.sleep(0.1)
+    by_id = {line["id"]: line for line in recorded}
+    assert len(by_id) == len(recorded) == len(answered)
+    assert {rid: (line["outcome"], line["node"]) for rid, line in by_id.items()} == answered
+    sent = {(line["model"], line["priority"], line["rows"], line["key"]) for line in recorded}
+    assert sent == {("slow", 10, 1, None)}
+    assert by_id[expired.value.request_id]["deadline_s"] == 1e-6  # already past on arrival
+    assert sorted(a.id for a in read_trace(tmp_path)) == sorted(answered)
+
+
+def _recorded(record_dir):
+    """The whole lines written so far to the call records in ``record_dir``."""
+    return [
+        json.loads(line)
+        for path in record_dir.glob("calls-*.jsonl")
+        for line in path.read_text().split("\n")[:-1]  # after the last newline: a part line
+    ]
 
 
 def test_async_client_and_drain(make_fleet):

@@ -1,0 +1,263 @@
+"""The call record (``router.record_dir``): a line per request a dispatcher placed, read
+back by the simulator's ``read_trace``. Dispatchers over scripted node handles (no Ray)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cluster.record
+from cluster.dispatch import Dispatcher
+from edgefleet.config import FleetConfig, parse_config
+from edgefleet.errors import Rejected
+from edgefleet.messages import GenerationResult, Reply, TokenChunk
+from edgefleet.request import GenerateRequest, InferRequest
+from sim.workload import Arrival, read_trace
+from tests.fakes import x
+
+REFUSED = "refused"  # every node refuses this id
+SPILLED = "spilled"  # the first node asked refuses this id; the next takes it
+
+
+class ScriptedNode:
+    """A node handle that answers at once: y = 2x for an inference, two chunks of tokens
+    for a generation; refuses the ids the fleet's ``refusals`` script says."""
+
+    def __init__(self, name: str, asked: dict[str, int]) -> None:
+        self.name = name
+        self.asked = asked  # request id -> times any node was asked, shared by the fleet
+
+    def _refuses(self, request_id: str) -> bool:
+        self.asked[request_id] = self.asked.get(request_id, 0) + 1
+        return request_id == REFUSED or (request_id == SPILLED and self.asked[request_id] == 1)
+
+    def _reply(self, request: InferRequest) -> Reply:
+        if self._refuses(request.id):
+            return Reply(request.id, self.name, error=Rejected("full", retry_after_s=0.1))
+        return Reply(request.id, self.name, outputs={"y": request.inputs["x"] * 2})
+
+    def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+        out: cf.Future[Reply] = cf.Future()
+        out.set_result(self._reply(request))
+        return out
+
+    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
+        return self._reply(request)
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+        if self._refuses(request.id):
+            yield GenerationResult(request.id, self.name, error=Rejected("full"))
+            return
+        yield TokenChunk((1, 2))
+        yield TokenChunk((3,))
+        yield GenerationResult(request.id, self.name, finish_reason="length")
+
+
+def make_config(base: Path, record_dir: str | None = "calls") -> FleetConfig:
+    return parse_config(
+        {
+            "models": {
+                "m": {"path": "m.onnx", "warmup": False},
+                "lm": {"path": "lm.onnx", "kind": "decoder", "warmup": False},
+            },
+            "nodes": [{"name": "a"}, {"name": "b"}],
+            "router": {"record_dir": record_dir, "placement": {"shed": {}}},
+        },
+        base,
+    )
+
+
+def dispatcher(config: FleetConfig) -> Dispatcher:
+    asked: dict[str, int] = {}
+    return Dispatcher(config, {n: ScriptedNode(n, asked) for n in ("a", "b")})
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def only_file(directory: Path) -> Path:
+    (path,) = directory.glob("*.jsonl")
+    return path
+
+
+def send_every_kind(d: Dispatcher) -> dict[str, Any]:
+    """One request of each kind through ``d``'s three entry points; their answers by id."""
+    answers: dict[str, Any] = {}
+    timed = InferRequest(
+        "m",
+        x(1.0, rows=3),
+        priority=7,
+        id="timed",
+        key="cam-1",
+        deadline_unix=time.time() + 0.5,
+    )
+    answers["timed"] = d.submit(timed).result(10)
+    answers["plain"] = d.call(InferRequest("m", x(1.0), priority=0, id="plain"))
+    answers[SPILLED] = d.submit(InferRequest("m", x(1.0), id=SPILLED)).result(10)
+    answers[REFUSED] = d.call(InferRequest("m", x(1.0), priority=3, id=REFUSED))
+    chat = GenerateRequest("lm", (5, 6, 7, 8), 8, priority=7, id="chat", session="s1")
+    answers["chat"] = list(d.stream(chat))[-1]
+    left = d.stream(GenerateRequest("lm", (5, 6), 8, priority=3, id="left"))
+    next(left)  # the caller reads one chunk and walks away
+    left.close()
+    answers["unknown"] = d.call(InferRequest("nope", x(1.0), id="unknown"))
+    return answers
+
+
+def test_every_request_is_recorded_once_when_answered(tmp_path):
+    d = dispatcher(make_config(tmp_path))
+    before = time.time()
+    answers = send_every_kind(d)
+    assert d.take_counters()["spilled"] == 3  # SPILLED once, REFUSED by both nodes
+    d.close()
+    path = only_file(tmp_path / "calls")
+    assert re.fullmatch(
+        rf"calls-{re.escape(socket.gethostname())}-{os.getpid()}-\d+\.jsonl", path.name
+    )
+    got = {line["id"]: line for line in lines(path)}
+    assert sorted(got) == sorted([*answers, "left"])
+    assert len(lines(path)) == len(got)  # once each
+    assert all(list(line) == list(got["plain"]) for line in got.values())  # one key order
+    assert list(got["plain"]) == [
+        "at",
+        "id",
+        "model",
+        "priority",
+        "rows",
+        "deadline_s",
+        "key",
+        "session",
+        "prompt_tokens",
+        "max_new_tokens",
+        "outcome",
+        "latency_s",
+        "node",
+    ]
+    assert all(before <= line["at"] <= time.time() for line in got.values())
+    assert all(line["latency_s"] >= 0 for line in got.values())
+
+    timed = got["timed"]
+    assert (timed["model"], timed["priority"], timed["rows"], timed["key"]) == ("m", 7, 3, "cam-1")
+    assert 0.45 < timed["deadline_s"] <= 0.5
+    assert (timed["outcome"], timed["node"]) == ("completed", answers["timed"].node)
+    assert timed["session"] is None and timed["prompt_tokens"] == timed["max_new_tokens"] == 0
+    plain = got["plain"]
+    assert (plain["deadline_s"], plain["key"], plain["rows"], plain["outcome"]) == (
+        None,
+        None,
+        1,
+        "completed",
+    )
+    spilled = got[SPILLED]
+    assert spilled["outcome"] == "completed" and spilled["node"] == answers[SPILLED].node != ""
+    refused = got[REFUSED]
+    assert (refused["outcome"], refused["node"], refused["priority"]) == ("rejected", "", 3)
+    chat = got["chat"]
+    assert (chat["model"], chat["session"], chat["rows"], chat["key"]) == ("lm", "s1", 1, None)
+    assert (chat["prompt_tokens"], chat["max_new_tokens"]) == (4, 8)
+    assert (chat["outcome"], chat["node"]) == ("completed", answers["chat"].node)
+    assert got["left"]["outcome"] == "cancelled" and got["left"]["node"] in ("a", "b")
+    assert (got["unknown"]["outcome"], got["unknown"]["node"]) == ("modelnotfound", "")
+
+
+def test_the_record_reads_back_as_the_arrivals_sent(tmp_path):
+    d = dispatcher(make_config(tmp_path))
+    send_every_kind(d)
+    d.close()
+    path = only_file(tmp_path / "calls")
+    recorded = {line["id"]: line["at"] for line in lines(path)}
+    arrivals = {a.id: a for a in read_trace(path)}
+    start = min(recorded.values())
+    for rid, at in recorded.items():
+        assert arrivals[rid].at == pytest.approx(at - start, abs=1e-6)
+    timed = arrivals["timed"]
+    assert timed == Arrival(
+        timed.at, "m", 7, rows=3, deadline_s=timed.deadline_s, key="cam-1", id="timed"
+    )
+    assert timed.deadline_s == pytest.approx(0.5, abs=0.05)
+    assert arrivals["chat"] == Arrival(
+        arrivals["chat"].at, "lm", 7, session="s1", prompt_tokens=4, max_new_tokens=8, id="chat"
+    )
+    assert arrivals["plain"] == Arrival(arrivals["plain"].at, "m", 0, id="plain")
+    assert arrivals[SPILLED] == Arrival(arrivals[SPILLED].at, "m", 10, id=SPILLED)
+    assert arrivals[REFUSED] == Arrival(arrivals[REFUSED].at, "m", 3, id=REFUSED)
+    assert arrivals["left"].prompt_tokens == 2
+
+
+def test_a_folder_of_callers_records_replays_merged_in_time_order(tmp_path):
+    config = make_config(tmp_path)
+    callers = [dispatcher(config), dispatcher(config)]
+    sent = []
+    for i in range(6):
+        rid = f"r{i}"
+        callers[i % 2].call(InferRequest("m", x(1.0), id=rid))
+        sent.append(rid)
+        time.sleep(0.002)
+    for d in callers:
+        d.close()
+    files = sorted((tmp_path / "calls").glob("calls-*.jsonl"))
+    assert len(files) == 2  # a file per dispatcher
+    got = read_trace(tmp_path / "calls")
+    assert [a.id for a in got] == sent
+    assert got[0].at == 0 and all(a.at < b.at for a, b in zip(got, got[1:], strict=False))
+
+
+def test_a_trace_folder_names_the_file_and_line_of_a_bad_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"at": 1, "model": "m", "priority": 1}\n')
+    (tmp_path / "b.jsonl").write_text('{"at": 2, "model": "m", "priority": 1}\n{"at": 3}\n')
+    with pytest.raises(Exception, match=re.escape(f"{tmp_path / 'b.jsonl'}:2: model: missing")):
+        read_trace(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Exception, match="without \\*.jsonl files"):
+        read_trace(tmp_path / "empty")
+
+
+def test_a_record_dir_that_cannot_be_made_is_logged_and_requests_go_on(tmp_path, caplog):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with caplog.at_level(logging.WARNING, logger="cluster.record"):
+        d = dispatcher(make_config(tmp_path, "taken/calls"))
+        answers = send_every_kind(d)
+        d.close()
+    assert answers["plain"].error is None and answers["chat"].error is None
+    assert answers[SPILLED].error is None and isinstance(answers[REFUSED].error, Rejected)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.record"]
+    assert len(warnings) == 1 and "call record off" in warnings[0]
+
+
+def test_a_record_that_stops_being_writable_turns_off_once(tmp_path, caplog, monkeypatch):
+    # /dev/full takes writes into the buffer and fails each flush: a full disk.
+    monkeypatch.setattr(cluster.record, "record_path", lambda *args: Path("/dev/full"))
+    d = dispatcher(make_config(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="cluster.record"):
+        assert d.call(InferRequest("m", x(1.0))).error is None
+        d.flush_record()
+        for _ in range(3):
+            assert d.call(InferRequest("m", x(1.0))).error is None
+        d.flush_record()
+        d.close()
+    warnings = [r for r in caplog.records if r.name == "cluster.record"]
+    assert len(warnings) == 1 and "call record off" in warnings[0].getMessage()
+
+
+def test_record_dir_is_off_by_default_and_relative_to_the_config(tmp_path):
+    assert make_config(tmp_path, None).router.record_dir is None
+    assert make_config(tmp_path, "calls").router.record_dir == (tmp_path / "calls").resolve()
+    d = dispatcher(make_config(tmp_path, None))
+    d.call(InferRequest("m", x(1.0)))
+    d.close()
+    assert not (tmp_path / "calls").exists()
+    idle = dispatcher(make_config(tmp_path, "calls"))  # a caller that sends nothing...
+    idle.flush_record()
+    idle.close()
+    assert not (tmp_path / "calls").exists()  # ...leaves no file
