@@ -43,6 +43,7 @@ from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import NodeSpec
 from edgefleet.errors import Cancelled, EdgeFleetError, EngineError, InvalidInput, Rejected
 from edgefleet.messages import (
+    MAX_REPORTED_SESSIONS,
     NODE_COUNTERS,
     GenerationResult,
     ModelStatus,
@@ -64,7 +65,6 @@ STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together...
 # at a time through a node, on 2 cores).
 BULK_STREAM_INTERVAL_S = 0.02
 LINGER_S = 0.002  # an engine thread with nothing to run waits this long for an arrival
-MAX_REPORTED_SESSIONS = 256  # sessions named in a status report (most recent first)
 
 
 class NodeRuntime:

@@ -32,6 +32,7 @@ from edgefleet.config import FleetConfig, parse_config
 from edgefleet.messages import Reply
 from edgefleet.modelgen import calibrate_slow
 from edgefleet.request import DEFAULT_PRIORITIES, InferRequest, new_request_id, resolve_priority
+from sim.report import md_table as md_table  # one table writer: benchmarks and simulator
 
 DISTURBED_CORES = 0.15  # other processes using more than this means noisy figures
 CALM_CORES = 0.2  # a measurement disturbed more than this is taken again (bounded)
@@ -94,42 +95,6 @@ class Summary:
 
 
 # ------------------------------------------------------------------------ Markdown
-
-
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A GitHub Markdown table; numbers are right-aligned, text left-aligned."""
-
-    def cell(value: object) -> str:
-        return str(value).replace("|", "\\|")
-
-    body = [[cell(v) for v in row] for row in rows]
-    numeric = []
-    for i in range(len(headers)):
-        filled = [row[i] for row in body if row[i].strip() not in _NEUTRAL]
-        numeric.append(bool(filled) and all(_looks_numeric(c) for c in filled))
-    widths = [max([len(h), 3, *(len(row[i]) for row in body)]) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        padded = [
-            c.rjust(w) if num else c.ljust(w)
-            for c, w, num in zip(cells, widths, numeric, strict=True)
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    rule = ["-" * (w - 1) + ":" if num else "-" * w for w, num in zip(widths, numeric, strict=True)]
-    return "\n".join([line(list(headers)), line(rule), *(line(row) for row in body)])
-
-
-_NEUTRAL = {"-", "n/a", ""}  # cells that do not decide a column's alignment
-
-
-def _looks_numeric(text: str) -> bool:
-    stripped = text.strip().rstrip("%x").replace(",", "").lstrip("+-")
-    try:
-        float(stripped)
-    except ValueError:
-        return False
-    return True
 
 
 def fmt(value: float, digits: int = 1, *, signed: bool = False) -> str:

@@ -17,7 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import batching_window, fleet, generation, node_overhead, priority_latency
+from bench import (
+    batching_window,
+    fleet,
+    generation,
+    node_overhead,
+    priority_latency,
+    simulation,
+)
 from bench.common import (
     CpuUse,
     EnvFacts,
@@ -46,6 +53,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("priority_batching", priority_latency.run_batching, priority_latency.BATCHING_TITLE),
     Scenario("fleet", fleet.run, fleet.TITLE),
     Scenario("generation", generation.run, generation.TITLE),
+    Scenario("simulation", simulation.run, simulation.TITLE),
 )
 
 

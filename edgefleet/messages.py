@@ -167,6 +167,9 @@ class NodeStatus:
         return sum(self.queued.values())
 
 
+MAX_REPORTED_SESSIONS = 256  # sessions a node names in its status (most recent first)
+
+
 @dataclass(frozen=True)
 class FleetStatus:
     """A snapshot of every node, which are healthy, and the fleet-wide counters of the

@@ -18,6 +18,7 @@ import itertools
 import math
 import random
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -35,7 +36,14 @@ from actors.scheduler import (
 from cluster.dispatch import Dispatcher, NodeGone
 from cluster.metrics import RouterMetrics
 from edgefleet.config import FleetConfig, NodeSpec
-from edgefleet.messages import GenerationResult, ModelStatus, NodeStatus, Reply, RunningStatus
+from edgefleet.messages import (
+    MAX_REPORTED_SESSIONS,
+    GenerationResult,
+    ModelStatus,
+    NodeStatus,
+    Reply,
+    RunningStatus,
+)
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
 from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
 from policies.budget import TokenBudgets, token_limit
@@ -142,6 +150,49 @@ def _interpolate(table: Mapping[int, float], rows: int) -> float:
 # ------------------------------------------------------------------------------ nodes
 
 
+class Host:
+    """Simulated nodes sharing one machine's cores: while more engine calls run than it
+    has cores, each inference call progresses at ``cores / running`` of its speed
+    (processor sharing); a decode call takes the share of the moment it plans its next
+    steps."""
+
+    def __init__(self, loop: EventLoop, cores: float) -> None:
+        self.loop = loop
+        self.cores = cores
+        self._running: dict[SimNode, _Call] = {}
+        self._since = 0.0
+        self._share = 1.0
+
+    def share(self) -> float:
+        n = len(self._running)
+        return 1.0 if n <= self.cores else self.cores / n
+
+    def start(self, node: SimNode, call: _Call) -> None:
+        self._progress()
+        self._running[node] = call
+        self._reschedule()
+
+    def stop(self, node: SimNode) -> None:
+        if node in self._running:
+            self._progress()
+            del self._running[node]
+            self._reschedule()
+
+    def _progress(self) -> None:
+        now = self.loop.t
+        for call in self._running.values():
+            if not call.gens:
+                call.left_s -= (now - self._since) * self._share
+        self._since = now
+
+    def _reschedule(self) -> None:
+        self._share = self.share()
+        for node, call in self._running.items():
+            if not call.gens:
+                call.token = next(node._token)
+                self.loop.at(self.loop.t + call.left_s / self._share, node._ended, call.token)
+
+
 class _NodeClock:
     """A node's clock: simulated time, or the time a report is made at."""
 
@@ -170,6 +221,7 @@ class _Call:
     step_s: float = 0.0  # decode: one step of the generations still running
     steps_from: float = 0.0  # decode: when the current run of steps began
     stop: bool = False  # decode: stop at the next token boundary
+    left_s: float = 0.0  # inference on a shared host: engine work still to do
 
 
 class SimNode:
@@ -188,11 +240,13 @@ class SimNode:
         answer: Callable[[str, Reply | GenerationResult], None],
         *,
         speed: float = 1.0,
+        host: Host | None = None,
         on_busy: Callable[[float], None] | None = None,
     ) -> None:
         self.loop = loop
         self.spec = spec
         self.speed = speed
+        self.host = host
         self.alive = True
         self.lifecycle: str = spec.lifecycle
         self._answer = answer
@@ -233,6 +287,8 @@ class SimNode:
         self._call: _Call | None = None
         self._gens: dict[str, _Gen] = {}
         self._held: set[str] = set()  # requests here that have not been answered
+        self._sessions: OrderedDict[str, None] = OrderedDict()  # chats held, oldest first
+        self._followers: dict[str, list[str]] = {}  # dedup 'follow': newer id -> older ids
         self._wake_at: float | None = None
         self.last_change = self.loop.t
 
@@ -336,11 +392,20 @@ class SimNode:
             )
             for g in call.gens:
                 g.prefilled = True
-            call.steps_from = self.loop.t + prefill / self.speed
+            if self.host is not None:
+                self.host.start(self, call)
+            call.steps_from = self.loop.t + prefill / self._speed()
             self._next_finish(call)
         else:
             seconds = self._costs[plan.model].call_s(plan.rows) / self.speed
-            self.loop.at(self.loop.t + seconds, self._ended, token)
+            if self.host is not None:
+                call.left_s = seconds
+                self.host.start(self, call)  # schedules the end
+            else:
+                self.loop.at(self.loop.t + seconds, self._ended, token)
+
+    def _speed(self) -> float:
+        return self.speed * (1.0 if self.host is None else self.host.share())
 
     def _wake(self, at: float) -> None:
         if self._wake_at == at:
@@ -379,7 +444,7 @@ class SimNode:
         if not running:
             self.loop.at(max(self.loop.t, call.steps_from), self._decoded, call.token)
             return
-        call.step_s = self._costs[call.plan.model].step_s(len(running)) / self.speed
+        call.step_s = self._costs[call.plan.model].step_s(len(running)) / self._speed()
         steps = min(g.limit - g.made for g in running)
         if call.stop:
             done = max(0.0, self.loop.t - call.steps_from)
@@ -426,6 +491,9 @@ class SimNode:
     # --------------------------------------------------------------- settlement
 
     def _busy(self, call: _Call) -> None:
+        """A call ended (done, aborted or stopped)."""
+        if self.host is not None:
+            self.host.stop(self)
         if self._on_busy is not None:
             self._on_busy(self.loop.t - call.started)
 
@@ -435,14 +503,21 @@ class SimNode:
             if r.id not in self._held:
                 continue
             if o.follow is not None and o.follow in self._held:
-                continue  # dedup 'follow': answered with the newer request's result
+                # dedup 'follow': answered with the newer request's answer, when it comes
+                self._followers.setdefault(o.follow, []).append(r.id)
+                continue
             self._held.discard(r.id)
             gen = self._gens.pop(r.id, None)
             if gen is not None:
-                self._answer(r.id, _generation_result(r, self.spec.name, o, gen))
+                if o.state is S.COMPLETED and gen.request.session is not None:
+                    self._sessions[gen.request.session] = None  # its KV stays here
+                    self._sessions.move_to_end(gen.request.session)
+                    while len(self._sessions) > MAX_REPORTED_SESSIONS:
+                        self._sessions.popitem(last=False)
+                self._give(r.id, _generation_result(r, self.spec.name, o, gen))
             else:
                 queue_s = (r.started - r.arrival) if r.started is not None else 0.0
-                self._answer(
+                self._give(
                     r.id,
                     Reply(
                         r.id,
@@ -453,12 +528,22 @@ class SimNode:
                     ),
                 )
 
+    def _give(self, request_id: str, answer: Reply | GenerationResult) -> None:
+        """Answer ``request_id``, then the requests it superseded in 'follow' mode (the
+        same answer under their own ids, as a live node forwards it)."""
+        self._answer(request_id, answer)
+        for older in self._followers.pop(request_id, ()):
+            self._held.discard(older)
+            self._give(older, replace(answer, request_id=older))
+
     # -------------------------------------------------------------- the outside
 
     def fail(self) -> list[str]:
         """The node dies: everything it held is lost (ids returned)."""
         lost = sorted(self._held)
         self.alive = False
+        if self.host is not None:
+            self.host.stop(self)
         self._reset()
         return lost
 
@@ -467,11 +552,18 @@ class SimNode:
         self._reset()
 
     def set_lifecycle(self, state: str) -> None:
+        """Budgets of running and paused generations change now: a running decode call
+        ends where its generations reach their new limits."""
         self.lifecycle = state
+        call = self._call if self._call is not None and self._call.gens else None
+        if call is not None:
+            self._advance(call)  # the tokens made so far, before the limits move
         for gen in self._gens.values():
             r = gen.request
             limit = token_limit(r.max_new_tokens, r.priority, state, self._budgets)
             gen.limit = max(gen.made, limit - r.continued)
+        if call is not None:
+            self._next_finish(call)
 
     def status(self, at: float) -> NodeStatus:
         """The node's report as the router would receive it, made at ``at``."""
@@ -500,6 +592,7 @@ class SimNode:
                 models=models,
                 paused=sched.paused_by_priority(),
                 lifecycle=self.lifecycle,
+                sessions=tuple(reversed(self._sessions)),
                 queued_rows=sched.queued_rows(),
                 busy=sched.busy_share(),
                 at=at,
@@ -559,7 +652,9 @@ class Network:
 
 
 class SimFleet:
-    """Nodes, the dispatcher above them, reports and failures, in simulated time."""
+    """Nodes, the callers placing requests on them (each a dispatcher with its own view
+    of the fleet, as each live ``FleetClient`` has), reports and failures, in simulated
+    time."""
 
     def __init__(
         self,
@@ -571,9 +666,18 @@ class SimFleet:
         speeds: Sequence[float] | None = None,
         network: Network = Network(),
         seed: int = 0,
+        callers: int = 1,
+        shared_cores: float | None = None,
         on_busy: Callable[[int, float], None] | None = None,
     ) -> None:
+        """``shared_cores``: every node runs on one machine with that many cores (see
+        :class:`Host`); default: each node is a device of its own."""
         self.loop = loop or EventLoop()
+        host = None if shared_cores is None else Host(self.loop, shared_cores)
+        if config.router.record_dir is not None:  # simulated callers record nothing
+            config = config.model_copy(
+                update={"router": config.router.model_copy(update={"record_dir": None})}
+            )
         self.config = config
         self.network = network
         specs = list(specs if specs is not None else config.node_specs())
@@ -585,35 +689,42 @@ class SimFleet:
                 costs,
                 self._answered_by(i),
                 speed=speeds[i],
+                host=host,
                 on_busy=None if on_busy is None else partial(on_busy, i),
             )
             for i, spec in enumerate(specs)
         ]
         self.index = {s.name: i for i, s in enumerate(specs)}
-        self.dispatcher = Dispatcher(
-            config,
-            {s.name: _Handle(self, i) for i, s in enumerate(specs)},
-            clock=self.loop,
-            rng=random.Random(seed),
-            metrics=RouterMetrics(config.fleet.name, config.priorities, sink=NullSink()),
-            executor=LoopExecutor(self.loop),
-            specs=specs,
-        )
+        handles = {s.name: _Handle(self, i) for i, s in enumerate(specs)}
+        metrics = RouterMetrics(config.fleet.name, config.priorities, sink=NullSink())
+        self.dispatchers = [
+            Dispatcher(
+                config,
+                handles,
+                clock=self.loop,
+                rng=random.Random(f"{seed}/{c}"),
+                metrics=metrics,
+                executor=LoopExecutor(self.loop),
+                specs=specs,
+            )
+            for c in range(callers)
+        ]
+        self.dispatcher = self.dispatchers[0]
         self._waiting: dict[str, cf.Future[Any]] = {}  # request id -> the caller's call
         self._where: dict[str, int] = {}  # request id -> node holding it
-        self._reported = [-math.inf] * len(specs)  # when each node's last report was made
         self.interval = config.router.report_interval_s
         self.lost_after = config.router.lost_after_s
-        for i, node in enumerate(self.nodes):
-            self.dispatcher.report(node.spec.name, node.status(0.0), True, 0.0)
-            self._reported[i] = 0.0
+        first = [(node.spec.name, node.status(0.0), True) for node in self.nodes]
+        self._deliver(first, 0.0)
+        self._reported = [0.0] * len(specs)
         self.loop.at(self.interval, self._poll)
 
     # ----------------------------------------------------------------- requests
 
-    def submit(self, request: InferRequest | GenerateRequest) -> cf.Future[Any]:
-        """Place ``request`` now; the future resolves with its one answer."""
-        return self.dispatcher.submit(request)  # type: ignore[arg-type]
+    def submit(self, request: InferRequest | GenerateRequest, caller: int = 0) -> cf.Future[Any]:
+        """Place ``request`` now from caller number ``caller``; the future resolves with
+        its one answer."""
+        return self.dispatchers[caller].submit(request)  # type: ignore[arg-type]
 
     def send(self, index: int, request: Any, fut: cf.Future[Any]) -> None:
         self.loop.at(self.loop.t + self.network.hop_s, self._arrive, index, request, fut)
@@ -656,8 +767,9 @@ class SimFleet:
         self.loop.at(now + self.interval, self._poll)
 
     def _deliver(self, reports: list[tuple[str, NodeStatus, bool]], taken: float) -> None:
-        for name, status, alive in reports:
-            self.dispatcher.report(name, status, alive, taken)
+        for d in self.dispatchers:
+            for name, status, alive in reports:
+                d.report(name, status, alive, taken)
 
     # -------------------------------------------------------------- fleet events
 

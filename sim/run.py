@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,6 +35,7 @@ from sim.workload import Arrival, CostConfig, Workload
 
 SAMPLE_EVERY_S = 0.05  # queue length over time: one sample per this much simulated time
 PROGRESS_EVERY = 2000  # answers between progress updates
+DRAIN_LIMIT_S = 600.0  # simulated seconds after the last arrival before giving up
 _OUTCOME = {
     Rejected: "rejected",
     Evicted: "evicted",
@@ -94,7 +96,8 @@ def simulate(
     specs = config.node_specs()
     specs = grow(specs, nodes or len(specs))
     n = len(specs)
-    workload.check(config.priorities, {m for s in specs for m in s.models})
+    costs = model_costs(workload.costs) if costs is None else costs
+    workload.check(config.priorities, {m for s in specs for m in s.models}, costs)
     seed = workload.seed if seed is None else seed
     rng = random.Random(seed)
     arrivals = workload.arrivals(rng, nodes=n, requests=requests, priorities=config.priorities)
@@ -108,13 +111,15 @@ def simulate(
     recorder = Recorder([s.name for s in specs], config.priorities)
     fleet = SimFleet(
         config,
-        costs if costs is not None else model_costs(workload.costs),
+        costs,
         specs=specs,
         speeds=workload.speeds(n),
         network=Network(
             workload.network.hop_ms / 1000.0, workload.network.report_delay_ms / 1000.0
         ),
         seed=seed,
+        callers=workload.callers,
+        shared_cores=workload.shared_cores,
         on_busy=recorder.busy,
     )
     driver = _Driver(fleet, recorder, arrivals, progress(total) if progress else None)
@@ -129,9 +134,12 @@ def simulate(
     finally:
         driver.close()
     wall = time.perf_counter() - wall
-    for name, count in sorted(fleet.dispatcher.take_counters().items()):
-        if name in ("spilled", "shed", "replaced"):
-            recorder.counter(name, count)
+    counters: Counter[str] = Counter()
+    for d in fleet.dispatchers:
+        counters.update(d.take_counters())
+    for name in ("spilled", "shed", "replaced"):
+        if counters[name]:
+            recorder.counter(name, counters[name])
     return RunResult(
         label or config.router.placement.policy,
         recorder,
@@ -169,16 +177,33 @@ class _Driver:
         self.recorder = recorder
         self.arrivals = arrivals
         self.progress = progress
+        self.callers = len(fleet.dispatchers)
         self.sent = 0
         self.answered = 0
         self.more = True
+        self.last_at = 0.0
+        self.pending: dict[str, tuple[float, int]] = {}  # request id -> arrival, priority
         self._inputs: dict[int, dict[str, np.ndarray]] = {}
         self._prompts: dict[int, tuple[int, ...]] = {}
         self._next()
         fleet.loop.at(0.0, self._sample)
 
     def run(self) -> None:
-        self.fleet.loop.run(until=lambda: not self.more and self.answered >= self.sent)
+        """Until every arrival is answered; a request still unanswered ``DRAIN_LIMIT_S``
+        of simulated time after the last arrival (a bug) ends the run, counted as lost
+        and named in the counters, rather than simulating forever."""
+        loop = self.fleet.loop
+        loop.run(
+            until=lambda: (
+                not self.more
+                and (self.answered >= self.sent or loop.t > self.last_at + DRAIN_LIMIT_S)
+            )
+        )
+        for at, priority in list(self.pending.values()):
+            self.recorder.answer(priority, "lost", loop.t - at, -1)
+            self.recorder.counter("unanswered")
+        self.answered += len(self.pending)
+        self.pending.clear()
 
     def close(self) -> None:
         if self.progress is not None:
@@ -194,7 +219,8 @@ class _Driver:
 
     def _arrive(self, a: Arrival) -> None:
         loop = self.fleet.loop
-        rid = a.id or f"r{self.sent}"
+        self.last_at = loop.t
+        rid = f"r{self.sent}" if a.id is None or a.id in self.pending else a.id
         deadline = None if a.deadline_s is None else loop.t + a.deadline_s
         request: InferRequest | GenerateRequest
         if a.prompt_tokens > 0:
@@ -216,12 +242,15 @@ class _Driver:
                 shape = (a.rows, 1)
                 inputs = self._inputs[a.rows] = {"x": np.zeros(shape, np.float32)}
             request = InferRequest(a.model, inputs, a.priority, rid, deadline, a.key)
+        fut = self.fleet.submit(request, self.sent % self.callers)
         self.sent += 1
-        fut = self.fleet.submit(request)
-        fut.add_done_callback(partial(self._answered, loop.t, a.priority))
+        self.pending[rid] = (loop.t, a.priority)
+        fut.add_done_callback(partial(self._answered, rid, loop.t, a.priority))
         self._next()
 
-    def _answered(self, at: float, priority: int, fut: cf.Future[Any]) -> None:
+    def _answered(self, rid: str, at: float, priority: int, fut: cf.Future[Any]) -> None:
+        if self.pending.pop(rid, None) is None:
+            return  # counted as lost already
         answer = fut.result()
         node = self.fleet.index.get(answer.node, -1)
         self.recorder.answer(priority, outcome(answer.error), self.fleet.loop.t - at, node)

@@ -272,6 +272,19 @@ class Workload(_Strict):
         default_factory=list, description="speeds of shares of the nodes; default: all speed 1"
     )
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    shared_cores: float | None = Field(
+        None,
+        gt=0,
+        description="every simulated node on one machine with this many cores: while "
+        "more engine calls run than cores, they share them; default: each node its own device",
+    )
+    callers: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="processes placing the requests (arrivals go to them in turn); each "
+        "sees the fleet through its own reports and in-flight work, as live callers do",
+    )
     trace: Path | None = Field(
         None,
         description="replay this recorded trace (JSONL, see read_trace) instead of "
@@ -335,7 +348,12 @@ class Workload(_Strict):
     def _at(self, path: str) -> str:
         return f"{path}{_where(self._lines, path)}"
 
-    def check(self, priorities: Mapping[str, int], models: Collection[str]) -> None:
+    def check(
+        self,
+        priorities: Mapping[str, int],
+        models: Collection[str],
+        costed: Collection[str] | None = None,
+    ) -> None:
         """Raise ConfigError naming every class of traffic the fleet cannot take: a model
         it does not serve (``mix.N.model``), an unknown priority class (``mix.N.priority``),
         a model of the recorded trace it does not serve."""
@@ -356,7 +374,8 @@ class Workload(_Strict):
         used = {c.model for c in self.mix or []}
         if self.trace is not None:
             used |= {a.model for a in self._recorded()}
-        for model in sorted(used & set(models) - set(self.costs)):
+        costed = self.costs if costed is None else costed
+        for model in sorted(used & set(models) - set(costed)):
             problems.append(
                 f"{self._at('costs')}: no engine time for {model!r}: add "
                 f"costs.{model}.call_ms (a decoder: prefill_ms_per_token and step_ms)"
@@ -664,8 +683,8 @@ def parse_workload(
     problems = [f"{path}{_where(lines, path)}: {msg}" for path, msg in workload._problems()]
     if workload.trace is not None:
         trace = Path(base_dir or ".") / workload.trace
-        if not trace.is_file():
-            problems.append(f"trace{_where(lines, 'trace')}: no such file: {trace}")
+        if not trace.exists():
+            problems.append(f"trace{_where(lines, 'trace')}: no such file or folder: {trace}")
         workload = workload.model_copy(update={"trace": trace})
     if problems:
         raise ConfigError(header + "  " + "\n  ".join(problems))
@@ -725,20 +744,41 @@ _TRACE_FIELDS: dict[str, tuple[bool, Callable[[Any], bool], str]] = {
 def read_trace(path: str | Path) -> list[Arrival]:
     """The arrivals of a recorded trace, sorted by time, the first at 0.
 
-    One JSON object a line, as callers record it::
+    ``path`` is a file, or a folder: every ``*.jsonl`` file in it (the call records of a
+    fleet's callers, ``router.record_dir``), merged by ``at``. One JSON object a line, as
+    callers record it (see ``cluster/record.py``)::
 
-        {"at": 12.345, "id": "r-1", "model": "classifier", "priority": 10, "rows": 1,
-         "deadline_s": 0.2, "key": null, "session": null, "prompt_tokens": 0,
+        {"at": 1767268800.123, "id": "r-1", "model": "classifier", "priority": 10,
+         "rows": 1, "deadline_s": 0.2, "key": null, "session": null, "prompt_tokens": 0,
          "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0123, "node": "edge-0"}
 
-    ``at``, ``model`` and ``priority`` are required; the other fields of
-    :class:`Arrival` take its defaults when missing, and keys it does not have (outcome,
-    latency_s, node...) are ignored. Blank lines are skipped, as is a last line that
-    is cut short (no newline at its end, not valid JSON: the recorder was stopped while
-    writing it). Anything else that is wrong raises ConfigError naming ``file:line`` and
-    the field.
+    ``at`` (seconds on any time line the files share, unix time as recorded),
+    ``model`` and ``priority`` are required; the other fields of :class:`Arrival` take
+    its defaults when missing, and keys it does not have (``outcome``, ``latency_s``,
+    ``node``: what the live fleet answered) are ignored. Blank lines are skipped, as is
+    a file's last line that is cut short (no newline at its end, not valid JSON: the
+    recorder was stopped while writing it). Anything else that is wrong raises
+    ConfigError naming ``file:line`` and the field; so does a folder without a
+    ``*.jsonl`` file.
     """
     path = Path(path)
+    if not path.is_dir():
+        rows = _read_rows(path)
+    else:
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise ConfigError(f"cannot read trace {path}: a folder without *.jsonl files")
+        rows = [row for file in files for row in _read_rows(file)]
+    rows.sort(key=lambda r: r[0])
+    start = rows[0][0] if rows else 0.0
+    return [
+        Arrival(at - start, model, priority, n, deadline, key, session, prompt, new, rid)
+        for at, model, priority, n, deadline, key, session, prompt, new, rid in rows
+    ]
+
+
+def _read_rows(path: Path) -> list[_TraceRow]:
+    """The lines of one trace file, in file order."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -760,12 +800,7 @@ def read_trace(path: str | Path) -> list[Arrival]:
         if row is None:
             raise ConfigError(f"{path}:{number}: {_trace_problem(obj)}")
         rows.append(row)
-    rows.sort(key=lambda r: r[0])
-    start = rows[0][0] if rows else 0.0
-    return [
-        Arrival(at - start, model, priority, n, deadline, key, session, prompt, new, rid)
-        for at, model, priority, n, deadline, key, session, prompt, new, rid in rows
-    ]
+    return rows
 
 
 _TraceRow = tuple[float, str, int, int, float | None, str | None, str | None, int, int, str | None]

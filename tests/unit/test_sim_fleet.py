@@ -1,0 +1,743 @@
+"""The fleet simulator (sim/fleet.py, sim/run.py, `edgefleet simulate`): a simulated node
+answers as the live node does, and the simulated fleet behaves as the real dispatcher
+and node scheduler make it, in exact simulated time."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+import sim.run
+from actors.node import NodeRuntime
+from cluster import dispatch
+from cluster.cli import main
+from edgefleet.config import FleetConfig, NodeSpec, QueueConfig, load_config
+from edgefleet.errors import DeadlineExceeded, NodeLost, Rejected, Superseded
+from edgefleet.messages import GenerationResult, Reply
+from edgefleet.request import GenerateRequest, InferRequest
+from sim.fleet import EventLoop, ModelCost, SimFleet, SimNode, grow
+from sim.report import LATENCY_PNG, OUTCOMES, QUEUE_PNG, write_report
+from sim.run import Progress, compare, outcome, simulate
+from sim.workload import load_workload, parse_workload
+from tests.fakes import CallGate, FakeLoader, fake_spec, x
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL = REPO / "configs" / "local.yaml"
+STEADY = REPO / "configs" / "sim" / "steady.yaml"
+
+# ------------------------------------------------------- the simulated node and the live one
+
+# Engine seconds of each fake model's call, whatever its rows (FakeEngine waits cost_s per
+# call): the live node's fake engines and the simulator's cost tables both come from here.
+FAKE_COSTS_S = {"a": 0.1, "b": 0.01, "f": 0.01, "m": 0.01}
+BATCH = 4  # rows per call of "m", the one model that batches
+
+
+def exact_spec() -> NodeSpec:
+    batching = {"window_ms": 20, "max_batch_size": BATCH, "only_if_faster": False}
+    models = {"a": {}, "b": {}, "f": {"dedup": "follow"}, "m": {"batching": batching}}
+    return fake_spec(models, capacity=9)
+
+
+def fake_costs() -> dict[str, ModelCost]:
+    """The fake engines' costs as the simulator's tables: the same time for any rows."""
+    return {
+        name: ModelCost(call_ms={1: s * 1000, BATCH: s * 1000}) for name, s in FAKE_COSTS_S.items()
+    }
+
+
+@dataclass(frozen=True)
+class Step:
+    """At simulated time ``at``: a request arrives, or (``cancel``) is cancelled."""
+
+    at: float
+    id: str
+    model: str = "b"
+    priority: int = 3
+    key: str | None = None
+    deadline_s: float | None = None  # after ``at``
+    cancel: bool = False
+
+
+FG, INLINE, BG, OFFLINE = 10, 7, 3, 0
+
+# What happens, with the node's queue of 9 (B, the first request, is running and not
+# queued):
+#   B       background on the slow model "a": runs first, and is preempted by F later
+#   i1..i6  inline on "m": batched 4 then 2 once the engine is free
+#   h1, h2  the same key on "f" (dedup: follow): h1 gets h2's answer when h2 has run
+#   g1, g2  the same key on "b" (dedup: supersede): g1 is answered superseded at once
+#   i4      fills the queue; i5 evicts o2 (lowest priority, newest); o3 (offline) finds
+#           nothing lower to evict and is rejected; g3 evicts o1; g4 finds nothing lower
+#           than background and is rejected
+#   c1      cancelled while queued
+#   D       evicts g3 (newest background), then its deadline passes while B still holds
+#           the engine
+#   F       foreground: B is aborted (gap 7 >= 5) and requeued at the head of
+#           background, so it runs again before g2
+#
+# Where the two nodes differ by nature, the trace keeps out of the way:
+# - Every arrival comes while B holds the engine (held by a CallGate on the live node).
+#   A preemption aborts B at once in the simulator, and on the live node only when the
+#   gate lets B's call go; F is the last arrival, so both then pick the next call from
+#   the same queue.
+# - D's deadline is a real timer on the live node: F is sent only once D is answered.
+# - Batching windows (20 ms) have all passed when the engine is free (D's deadline alone
+#   is 50 ms), so the batches are what is queued, whatever the live node's pace.
+# - Only inline requests use "m": the simulator gives the scheduler its cost table as
+#   measured costs, the live node (fake engines are not warmed up) none, and that table
+#   decides whether lower-priority rows may join a call.
+TRACE = [
+    Step(0.0, "B", model="a", priority=BG),
+    Step(0.0010, "i1", model="m", priority=INLINE),
+    Step(0.00102, "h1", model="f", priority=INLINE, key="frame"),
+    Step(0.00104, "h2", model="f", priority=INLINE, key="frame"),
+    Step(0.0011, "o1", priority=OFFLINE),
+    Step(0.0012, "i2", model="m", priority=INLINE),
+    Step(0.0013, "g1", priority=BG, key="cam"),
+    Step(0.0014, "o2", priority=OFFLINE),
+    Step(0.0015, "g2", priority=BG, key="cam"),
+    Step(0.0016, "i3", model="m", priority=INLINE),
+    Step(0.0017, "c1", priority=BG),
+    Step(0.0018, "i4", model="m", priority=INLINE),
+    Step(0.0019, "i5", model="m", priority=INLINE),
+    Step(0.0020, "o3", priority=OFFLINE),
+    Step(0.0021, "g3", priority=BG),
+    Step(0.0022, "g4", priority=BG),
+    Step(0.0023, "c1", cancel=True),
+    Step(0.0024, "i6", model="m", priority=INLINE),
+    Step(0.0025, "D", priority=INLINE, deadline_s=0.05),
+    Step(0.0600, "F", priority=FG),
+]
+
+
+def trace_request(step: Step, value: float, deadline_unix: float | None) -> InferRequest:
+    return InferRequest(
+        step.model, x(value), step.priority, step.id, deadline_unix=deadline_unix, key=step.key
+    )
+
+
+Answer = tuple[str, str, int]  # request id, outcome, requests in the call that ran it
+
+
+def simulated_answers(trace: list[Step]) -> list[tuple[float, Answer]]:
+    """Each answer a SimNode gives, in order, with its simulated time."""
+    loop = EventLoop()
+    answers: list[tuple[float, Answer]] = []
+
+    def answered(rid: str, answer: Reply | GenerationResult) -> None:
+        assert isinstance(answer, Reply)
+        answers.append((loop.t, (rid, outcome(answer.error), answer.batch_size)))
+
+    node = SimNode(loop, exact_spec(), fake_costs(), answered)
+    for i, step in enumerate(trace):
+        if step.cancel:
+            loop.at(step.at, node.cancel, step.id)
+        else:
+            deadline = None if step.deadline_s is None else step.at + step.deadline_s
+            loop.at(step.at, node.receive, trace_request(step, i + 1.0, deadline))
+    loop.run()
+    return answers
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.002)
+
+
+async def live_answers(trace: list[Step], simulated: list[tuple[float, Answer]]) -> list[Answer]:
+    """Each answer a live NodeRuntime with fake engines gives, in the order its callers
+    receive them.
+
+    The first request's call is held on the engine thread until every other step is
+    done. Before each step the test waits until the live node has given as many answers
+    as the simulated one had by that step's time (the deadline that passes while queued
+    is a real timer here), so each arrival finds the same queue in both."""
+    loader = FakeLoader(**{name: {"cost_s": s} for name, s in FAKE_COSTS_S.items()})
+    node = NodeRuntime(exact_spec(), loader=loader)
+    await node.start()
+    gate = CallGate(loader.engines[trace[0].model])
+    answers: list[Answer] = []
+    tasks = []
+
+    def record(task: asyncio.Task[Reply]) -> None:
+        reply = task.result()
+        answers.append((reply.request_id, outcome(reply.error), reply.batch_size))
+
+    sent = 0
+    for i, step in enumerate(trace):
+        due = sum(t < step.at for t, _ in simulated)
+        await until(lambda due=due: len(answers) >= due, f"{due} answers before {step.id}")
+        if step.cancel:
+            assert node.cancel(step.id)
+            continue
+        deadline = InferRequest.deadline_from_timeout(step.deadline_s)
+        task = asyncio.create_task(node.infer(trace_request(step, i + 1.0, deadline)))
+        task.add_done_callback(record)
+        tasks.append(task)
+        sent += 1
+        await until(lambda n=sent: node.status().counters["received"] == n, f"{step.id} admitted")
+        if i == 0:
+            await gate.entered()  # the first call holds the engine from now on
+    gate.open()
+    await asyncio.gather(*tasks)
+    await node.stop()
+    return answers
+
+
+def test_the_simulated_node_and_the_live_node_give_the_same_answers_in_the_same_order():
+    simulated = simulated_answers(TRACE)
+    live = asyncio.run(asyncio.wait_for(live_answers(TRACE, simulated), 60))
+    assert [answer for _, answer in simulated] == live
+    # The trace exercises what it is meant to.
+    assert live == [
+        ("g1", "superseded", 0),
+        ("o2", "evicted", 0),
+        ("o3", "rejected", 0),
+        ("o1", "evicted", 0),
+        ("g4", "rejected", 0),
+        ("c1", "cancelled", 0),
+        ("g3", "evicted", 0),
+        ("D", "expired", 0),
+        ("F", "completed", 1),
+        ("i1", "completed", BATCH),
+        ("i2", "completed", BATCH),
+        ("i3", "completed", BATCH),
+        ("i4", "completed", BATCH),
+        ("h2", "completed", 1),
+        ("h1", "completed", 1),
+        ("i5", "completed", 2),
+        ("i6", "completed", 2),
+        ("B", "completed", 1),
+        ("g2", "completed", 1),
+    ]
+
+
+# ------------------------------------------------------------------ one simulated node
+
+Answered = list[tuple[float, str, Reply | GenerationResult]]
+
+
+def sim_node(
+    spec: NodeSpec, costs: dict[str, ModelCost], **kw: Any
+) -> tuple[EventLoop, SimNode, Answered]:
+    """A SimNode on its own event loop, and the list its answers go to, with their
+    simulated times."""
+    loop = EventLoop()
+    answers: Answered = []
+    node = SimNode(loop, spec, costs, lambda rid, a: answers.append((loop.t, rid, a)), **kw)
+    return loop, node, answers
+
+
+def infer(rid: str, model: str = "a", priority: int = BG, **kw: Any) -> InferRequest:
+    return InferRequest(model, x(1.0), priority, rid, **kw)
+
+
+def generate(
+    rid: str, max_new: int, priority: int, prompt: int = 10, model: str = "lm"
+) -> GenerateRequest:
+    return GenerateRequest(model, tuple(range(prompt)), max_new, priority, rid)
+
+
+def when(answers: Answered) -> list[tuple[Any, str]]:
+    """(time, request id) of each answer, the times compared to a nanosecond."""
+    return [(pytest.approx(t, abs=1e-9), rid) for t, rid, _ in answers]
+
+
+def test_queued_work_runs_highest_priority_first_on_one_node():
+    # the running call is inline: a foreground arrival (gap 3) does not preempt it
+    loop, node, answers = sim_node(fake_spec({"a": {}}), {"a": ModelCost({1: 1.0})})
+    loop.at(0.0, node.receive, infer("first", priority=INLINE))
+    for i, p in enumerate([OFFLINE, BG, INLINE, FG, OFFLINE, FG]):
+        loop.at(0.0001 * (i + 1), node.receive, infer(f"p{p}-{i}", priority=p))
+    loop.run()
+    assert [rid for _, rid, _ in answers] == [
+        "first",
+        "p10-3",
+        "p10-5",
+        "p7-2",
+        "p3-1",
+        "p0-0",
+        "p0-4",
+    ]
+    assert [t for t, _, _ in answers] == pytest.approx([0.001 * i for i in range(1, 8)])
+
+
+def test_a_foreground_arrival_preempts_a_background_call_which_then_completes_once():
+    busy: list[float] = []
+    costs = {"a": ModelCost({1: 10.0}), "b": ModelCost({1: 2.0})}
+    loop, node, answers = sim_node(fake_spec({"a": {}, "b": {}}), costs, on_busy=busy.append)
+    loop.at(0.0, node.receive, infer("bg", "a", BG))
+    loop.at(0.003, node.receive, infer("fg", "b", FG))
+    loop.run()
+    # bg is aborted at 3 ms and runs again, in full, after fg
+    assert when(answers) == [(0.005, "fg"), (0.015, "bg")]
+    assert all(a.error is None for _, _, a in answers)
+    assert busy == pytest.approx([0.003, 0.002, 0.010])  # the aborted 3 ms count as busy
+
+
+def decoder_spec(**update: Any) -> NodeSpec:
+    return fake_spec({"blk": {}, "lm": {"kind": "decoder"}}).model_copy(update=update)
+
+
+LM = ModelCost(prefill_ms_per_token=0.1, step_ms={1: 1.0, 2: 1.5})
+
+
+def test_two_generations_of_one_decoder_decode_together_at_the_step_tables_cost():
+    loop, node, answers = sim_node(decoder_spec(), {"blk": ModelCost({1: 5.0}), "lm": LM})
+    loop.at(0.0, node.receive, infer("blk", "blk", INLINE))
+    loop.at(0.0, node.receive, generate("g1", 10, INLINE))
+    loop.at(0.0, node.receive, generate("g2", 20, INLINE))
+    gens: dict[str, Any] = {}
+    running: list[tuple[str, ...]] = []
+    loop.at(0.001, lambda: gens.update(node._gens))
+    loop.at(0.010, lambda: running.append(node.status(loop.t).running.request_ids))
+    loop.run()
+    assert running == [("g1", "g2")]
+    # From 5 ms: both prompts prefilled (2 x 10 tokens x 0.1 ms), 10 steps of two at
+    # 1.5 ms (g1 ends), 10 steps of one at 1 ms. As on a live node, the decode call
+    # answers its generations when it ends.
+    assert when(answers) == [(0.005, "blk"), (0.032, "g1"), (0.032, "g2")]
+    assert (gens["g1"].made, gens["g2"].made) == (10, 20)
+    assert [a.finish_reason for _, _, a in answers[1:]] == ["length", "length"]
+
+
+def test_a_foreground_generation_pauses_a_background_one_which_resumes_to_max_new_tokens():
+    loop, node, answers = sim_node(decoder_spec(), {"lm": LM})
+    loop.at(0.0, node.receive, generate("bg", 20, BG))
+    loop.at(0.0055, node.receive, generate("fg", 5, FG))
+    gens: dict[str, Any] = {}
+    seen = []
+    loop.at(0.001, lambda: gens.update(node._gens))
+
+    def look() -> None:
+        status = node.status(loop.t)
+        seen.append((status.running.request_ids, status.paused, gens["bg"].made))
+
+    loop.at(0.009, look)
+    loop.run()
+    # bg: prefill 1 ms, then a token a ms; fg arrives half-way through bg's 5th token,
+    # which bg finishes (6 ms) before it pauses. fg: prefill 1 ms and 5 tokens (12 ms).
+    # bg resumes without a second prefill: 15 tokens more (27 ms).
+    assert seen == [(("fg",), {BG: 1}, 5)]
+    assert when(answers) == [(0.012, "fg"), (0.027, "bg")]
+    assert gens["bg"].made == 20 and answers[1][2].finish_reason == "length"
+    assert all(a.error is None for _, _, a in answers)
+
+
+def test_a_background_lifecycle_cuts_a_running_background_generation_at_its_budget():
+    spec = local_config().node_specs()[0]  # node_defaults.token_budget: background 0.25
+    assert spec.token_budget["background"]["background"] == 0.25
+    lm = ModelCost(step_ms={1: 1.0})
+    loop, node, answers = sim_node(spec, {"tiny_lm": lm})
+    loop.at(0.0, node.receive, generate("bg", 40, BG, model="tiny_lm"))
+    gens: dict[str, Any] = {}
+    loop.at(0.001, lambda: gens.update(node._gens))
+    loop.at(0.0055, node.set_lifecycle, "background")
+    loop.run()
+    # a quarter of 40 tokens: the generation ends at its 10th token, 10 ms in
+    assert when(answers) == [(0.010, "bg")]
+    assert gens["bg"].made == 10 and answers[0][2].finish_reason == "budget"
+
+
+def test_dedup_supersede_answers_the_older_request_when_the_newer_arrives():
+    costs = {"a": ModelCost({1: 10.0}), "b": ModelCost({1: 1.0})}
+    loop, node, answers = sim_node(fake_spec({"a": {}, "b": {}}), costs)
+    loop.at(0.0, node.receive, infer("blk", "a"))
+    loop.at(0.001, node.receive, infer("old", "b", key="k"))
+    loop.at(0.002, node.receive, infer("new", "b", key="k"))
+    loop.run()
+    assert when(answers) == [(0.002, "old"), (0.010, "blk"), (0.011, "new")]
+    assert isinstance(answers[0][2].error, Superseded) and answers[2][2].error is None
+
+
+def test_dedup_follow_gives_the_older_request_the_newer_ones_answer():
+    costs = {"a": ModelCost({1: 10.0}), "b": ModelCost({1: 1.0})}
+    loop, node, answers = sim_node(fake_spec({"a": {}, "b": {"dedup": "follow"}}), costs)
+    loop.at(0.0, node.receive, infer("blk", "a"))
+    loop.at(0.001, node.receive, infer("old", "b", key="k"))
+    loop.at(0.002, node.receive, infer("mid", "b", key="k"))
+    loop.at(0.003, node.receive, infer("new", "b", key="k"))
+    loop.run()
+    # each superseded caller gets the answer of the request that replaced it, under its
+    # own id, once that one is answered (as a live node forwards it)
+    assert when(answers) == [(0.010, "blk"), (0.011, "new"), (0.011, "mid"), (0.011, "old")]
+    assert all(a.error is None and a.request_id == rid for _, rid, a in answers)
+    assert not node._held
+
+
+def test_a_deadline_passing_while_queued_answers_expired_at_the_deadline():
+    loop, node, answers = sim_node(fake_spec({"a": {}}), {"a": ModelCost({1: 10.0})})
+    loop.at(0.0, node.receive, infer("blk"))
+    loop.at(0.001, node.receive, infer("late", deadline_unix=0.0042))
+    loop.run()
+    assert when(answers) == [(0.0042, "late"), (0.010, "blk")]
+    assert isinstance(answers[0][2].error, DeadlineExceeded)
+
+
+# ------------------------------------------------------------------------ a small fleet
+
+# engine ms per call of configs/local.yaml's models on a node of speed 1
+FLEET_COSTS = {
+    "classifier": ModelCost({1: 1.0, 8: 6.5}),
+    "detector": ModelCost({1: 11.0, 4: 42.0}),
+    "heavy": ModelCost({1: 4.0, 8: 12.0}),
+    "stateful": ModelCost({1: 0.2}),
+    "tiny_lm": ModelCost(prefill_ms_per_token=0.05, step_ms={1: 0.15, 4: 0.3}),
+}
+
+
+def local_config() -> FleetConfig:
+    return load_config(LOCAL)
+
+
+def small_queues(config: FleetConfig, capacity: int) -> list[NodeSpec]:
+    return [
+        s.model_copy(update={"queue": QueueConfig(capacity=capacity)}) for s in config.node_specs()
+    ]
+
+
+class Calls:
+    """Requests submitted to a SimFleet at simulated times, and their answers."""
+
+    def __init__(self, fleet: SimFleet) -> None:
+        self.fleet = fleet
+        self.answers: dict[str, list[tuple[float, Any]]] = {}
+
+    def at(self, t: float, request: InferRequest | GenerateRequest) -> None:
+        self.fleet.loop.at(t, self.submit, request)
+
+    def submit(self, request: InferRequest | GenerateRequest) -> None:
+        fut = self.fleet.submit(request)
+        fut.add_done_callback(lambda f: self._answered(request.id, f))
+
+    def _answered(self, rid: str, fut: cf.Future[Any]) -> None:
+        self.answers.setdefault(rid, []).append((self.fleet.loop.t, fut.result()))
+
+    def one(self, rid: str) -> Any:
+        (answer,) = self.answers[rid]
+        return answer[1]
+
+    def node(self, rid: str) -> str:
+        return self.one(rid).node
+
+
+def test_a_node_failure_gives_every_request_it_held_one_answer_replaced_or_node_lost():
+    config = local_config()
+    fleet = SimFleet(config, FLEET_COSTS, seed=3)
+    ran: Counter[str] = Counter()  # answers the nodes gave, by request id
+    for node in fleet.nodes:
+        give = node._answer
+
+        def counted(rid: str, answer: Any, give: Any = give) -> None:
+            ran[rid] += 1
+            give(rid, answer)
+
+        node._answer = counted
+    calls = Calls(fleet)
+    ids = [f"r{i}" for i in range(16)]
+    for i, rid in enumerate(ids):  # every other one at most once
+        calls.at(0.0, infer(rid, "heavy", BG, at_most_once=i % 2 == 0))
+    held: dict[str, int] = {}
+
+    def fail() -> None:
+        held.update(fleet._where)
+        fleet.fail(0)
+
+    fleet.loop.at(0.010, fail)
+    fleet.loop.run(until=lambda: len(calls.answers) == len(ids))
+    lost = {rid for rid, i in held.items() if i == 0}
+    once = {rid for rid in lost if int(rid[1:]) % 2 == 0}
+    assert once and lost - once, "node 0 held requests of both kinds when it failed"
+    assert sorted(calls.answers) == sorted(ids)
+    assert all(len(a) == 1 for a in calls.answers.values())
+    for rid in ids:
+        answer = calls.one(rid)
+        if rid in once:
+            assert isinstance(answer.error, NodeLost)
+        else:
+            assert answer.error is None
+            assert rid not in lost or answer.node == "edge-1"  # placed again elsewhere
+    # no node answered a request twice; those lost at most once ran nowhere after
+    assert ran == Counter(set(ids) - once)
+    counters = fleet.dispatcher.take_counters()
+    assert counters["replaced"] == len(lost - once)
+    assert counters["nodelost"] == len(once)
+
+
+def test_a_rejoined_node_takes_work_again_after_its_next_report():
+    config = local_config()  # reports every 0.5 s
+    slow = dict(FLEET_COSTS, heavy=ModelCost({1: 200.0}))
+    fleet = SimFleet(config, slow, seed=1)
+    calls = Calls(fleet)
+    fleet.loop.at(0.001, fleet.fail, 0)  # the report at 0.5 s says it is down
+    fleet.loop.at(0.6, fleet.rejoin, 0)
+    for i in range(5):  # 1 s of work, all on edge-1: edge-0 is still down as reported
+        calls.at(0.7, infer(f"before{i}", "heavy", BG))
+    calls.at(0.95, infer("before5", "heavy", BG))
+    calls.at(1.05, infer("after", "heavy", BG))  # edge-0 reported up again at 1.0 s
+    fleet.loop.run(until=lambda: len(calls.answers) == 7)
+    assert {calls.node(f"before{i}") for i in range(6)} == {"edge-1"}
+    assert calls.node("after") == "edge-0"
+    assert all(calls.one(rid).error is None for rid in calls.answers)
+
+
+def test_a_request_refused_by_a_full_node_spills_to_another():
+    config = local_config()
+    slow = dict(FLEET_COSTS, heavy=ModelCost({1: 100.0}))
+    fleet = SimFleet(config, slow, specs=small_queues(config, 4), seed=1)
+    calls = Calls(fleet)
+    calls.at(0.0, infer("long", "heavy", BG))
+    other: list[int] = []
+
+    def fill() -> None:  # another caller's work, not in this caller's view until a report
+        other.append(1 - fleet._where["long"])
+        node = fleet.nodes[other[0]]
+        for i in range(5):  # one runs, four fill the queue
+            node.receive(infer(f"other{i}", "heavy", BG))
+
+    fleet.loop.at(0.001, fill)
+    calls.at(0.002, infer("r", "heavy", BG))
+    fleet.loop.run(until=lambda: len(calls.answers) == 2)
+    # r went first to the node that looked idle, was refused (its queue is full) and
+    # was taken by the node running "long"
+    assert calls.one("r").error is None
+    assert calls.node("r") == calls.node("long") == fleet.nodes[1 - other[0]].spec.name
+    assert fleet.dispatcher.take_counters()["spilled"] == 1
+
+
+def test_background_work_is_shed_when_every_node_is_past_its_share_but_foreground_is_not():
+    config = local_config()  # background may fill 3/4 of a queue
+    slow = dict(FLEET_COSTS, heavy=ModelCost({1: 100.0}))
+    fleet = SimFleet(config, slow, specs=small_queues(config, 4), seed=1)
+    calls = Calls(fleet)
+    for i in range(7):
+        calls.at(0.0, infer(f"bg{i}", "heavy", BG))
+    calls.at(0.0, infer("fg", "heavy", FG))
+    fleet.loop.run(until=lambda: len(calls.answers) == 8)
+    shed = [rid for rid in calls.answers if isinstance(calls.one(rid).error, Rejected)]
+    assert shed == ["bg6"]  # three in flight on each node of 4: a fourth would be past 3/4
+    assert "shed" in str(calls.one("bg6").error)
+    assert calls.answers["bg6"][0][0] == 0.0  # refused at once, no node was asked
+    assert calls.one("fg").error is None
+    assert fleet.dispatcher.take_counters()["shed"] == 1
+
+
+def test_a_deadline_passing_while_queued_reaches_the_caller_one_hop_after_it():
+    config = local_config()
+    slow = dict(FLEET_COSTS, heavy=ModelCost({1: 100.0}))
+    one = config.node_specs()[:1]
+    fleet = SimFleet(config, slow, specs=one, seed=1)
+    calls = Calls(fleet)
+    calls.at(0.0, infer("long", "heavy", BG))
+    calls.at(0.001, infer("late", "heavy", BG, deadline_unix=0.0303))
+    fleet.loop.run(until=lambda: len(calls.answers) == 2)
+    ((t, answer),) = calls.answers["late"]
+    assert isinstance(answer.error, DeadlineExceeded)
+    assert t == pytest.approx(0.0303 + fleet.network.hop_s, abs=1e-9)
+
+
+# ------------------------------------------------------------------- the runner and CLI
+
+
+def test_simulate_answers_every_arrival_once_and_the_same_seed_gives_the_same_run():
+    config, workload = local_config(), load_workload(STEADY)
+    first = simulate(config, workload, requests=400)
+    again = simulate(config, workload, requests=400)
+    assert not first.interrupted
+    counts = first.counts()
+    assert first.recorder.answers == sum(counts[o] for o in OUTCOMES) == 400
+    a, b = first.recorder.columns(), again.recorder.columns()
+    assert np.array_equal(a.latency_s, b.latency_s)
+    assert np.array_equal(a.outcome, b.outcome) and np.array_equal(a.node, b.node)
+    other = simulate(config, workload, requests=400, seed=workload.seed + 1)
+    assert not np.array_equal(other.recorder.columns().latency_s, a.latency_s)
+
+
+def test_simulate_answers_every_arrival_once_while_nodes_fail_and_rejoin():
+    data = yaml.safe_load(STEADY.read_text())
+    data["events"] = {"node_failures": {"per_minute": 60, "down_s": 0.2}}
+    workload = parse_workload(data, source="failing")
+    result = simulate(local_config(), workload, requests=600, nodes=6)
+    counts = result.counts()
+    assert result.recorder.answers == 600
+    assert counts["node_failures"] >= 2 and counts["replaced"] >= 1
+    assert counts["failed"] == counts["cancelled"] == 0
+
+
+def test_compare_gives_one_result_per_policy_in_order():
+    policies = ["expected_completion", "round_robin", "random"]
+    results = compare(local_config(), load_workload(STEADY), policies, requests=200)
+    assert [r.label for r in results] == policies
+    assert [r.recorder.answers for r in results] == [200, 200, 200]
+
+
+def simulate_cli(*args: str) -> int:
+    return main(["simulate", str(LOCAL), "--workload", str(STEADY), "--requests", "200", *args])
+
+
+def test_the_simulate_command_writes_the_report_and_its_plots(tmp_path, capsys):
+    assert simulate_cli("--out", str(tmp_path)) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "Fleet simulation" in report and "Interrupted" not in report
+    for png in (LATENCY_PNG, QUEUE_PNG):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert "report:" in capsys.readouterr().out
+
+
+def test_the_simulate_command_names_the_yaml_path_and_line_of_a_broken_workload(tmp_path, capsys):
+    text = STEADY.read_text().replace(
+        "  rate_per_node: 150\n", "  rate_per_node: 150\n  burst: 2\n"
+    )
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(text)
+    line = text.splitlines().index("  burst: 2") + 1
+    code = main(["simulate", str(LOCAL), "--workload", str(broken), "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert str(broken) in err and "arrivals.burst" in err and f"line {line}" in err
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_the_simulate_command_refuses_an_unknown_policy_to_compare(tmp_path, capsys):
+    assert simulate_cli("--out", str(tmp_path), "--compare", "round_robin,nope") == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "expected_completion" in err
+
+
+def interrupt_after(answers: int) -> Callable[[int], None]:
+    """A progress update that is a Ctrl-C once ``answers`` requests are answered."""
+    interrupted = False
+
+    def update(n: int) -> None:
+        nonlocal interrupted
+        if n >= answers and not interrupted:
+            interrupted = True
+            raise KeyboardInterrupt
+
+    return update
+
+
+def test_ctrl_c_ends_a_run_early_with_what_it_has(monkeypatch, tmp_path):
+    monkeypatch.setattr(sim.run, "PROGRESS_EVERY", 50)
+    update = interrupt_after(100)
+    result = simulate(
+        local_config(),
+        load_workload(STEADY),
+        requests=400,
+        progress=lambda total: Progress(update, lambda: None),
+    )
+    assert result.interrupted
+    assert result.recorder.answers == 100
+    report = write_report(tmp_path, [result], title="t").read_text()
+    assert "Interrupted" in report
+    # a comparison stops at the run that was interrupted
+    update = interrupt_after(100)
+    results = compare(
+        local_config(),
+        load_workload(STEADY),
+        ["round_robin", "random"],
+        requests=400,
+        progress=lambda total: Progress(update, lambda: None),
+    )
+    assert [(r.label, r.interrupted) for r in results] == [("round_robin", True)]
+
+
+def test_the_simulate_command_returns_130_on_ctrl_c_and_its_report_says_so(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(sim.run, "PROGRESS_EVERY", 50)
+    update = interrupt_after(100)
+
+    class Bar:  # tqdm as the command uses it
+        def __init__(self, **kw: Any) -> None:
+            self.n = 0
+
+        def update(self, n: int) -> None:
+            self.n += n
+            update(self.n)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr("tqdm.tqdm", Bar)
+    assert simulate_cli("--out", str(tmp_path)) == 130
+    assert "Interrupted" in (tmp_path / "report.md").read_text()
+    assert "interrupted" in capsys.readouterr().out
+
+
+# --------------------------------------------------------- placement in a large fleet
+
+
+def with_candidates(config: FleetConfig, k: int) -> FleetConfig:
+    placement = config.router.placement.model_copy(update={"candidates": k})
+    router = config.router.model_copy(update={"placement": placement})
+    return config.model_copy(update={"router": router})
+
+
+class Weighed:
+    """Counts the nodes the dispatcher weighs per placement, and the views it builds."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.per_placement: list[int] = []
+        self.views = 0
+        considered, view = dispatch.Dispatcher._considered, dispatch._Entry.view
+
+        def counted_considered(d: Any, request: Any, tried: set[str]) -> list[Any]:
+            out = considered(d, request, tried)
+            self.per_placement.append(len(out))
+            return out
+
+        def counted_view(entry: Any, now: float) -> Any:
+            self.views += 1
+            return view(entry, now)
+
+        monkeypatch.setattr(dispatch.Dispatcher, "_considered", counted_considered)
+        monkeypatch.setattr(dispatch._Entry, "view", counted_view)
+
+
+def test_placement_weighs_at_most_the_configured_candidates_of_a_large_fleet(monkeypatch):
+    config = with_candidates(local_config(), 8)
+    fleet = SimFleet(config, FLEET_COSTS, specs=grow(config.node_specs(), 100), seed=2)
+    weighed = Weighed(monkeypatch)
+    calls = Calls(fleet)
+    for i in range(200):
+        calls.at(0.0005 * i, infer(f"r{i}", "classifier", INLINE))
+    fleet.loop.run(until=lambda: len(calls.answers) == 200)
+    assert len(weighed.per_placement) == 200  # one placement each, none refused
+    assert set(weighed.per_placement) == {8}
+    assert weighed.views == 8 * 200  # a view of each node weighed, of no other
+    assert all(calls.one(f"r{i}").error is None for i in range(200))
+    assert len({calls.node(f"r{i}") for i in range(200)}) > 50  # the draws cover the fleet
+
+
+def test_a_session_reaches_the_node_holding_it_whether_or_not_it_was_drawn(monkeypatch):
+    config = with_candidates(local_config(), 8)
+    fleet = SimFleet(config, FLEET_COSTS, specs=grow(config.node_specs(), 100), seed=2)
+    holders = {f"s{k}": 5 * k + 3 for k in range(20)}
+    for session, i in holders.items():  # each node reports the session whose KV it holds
+        status = dataclasses.replace(fleet.nodes[i].status(0.0), sessions=(session,))
+        fleet.dispatcher.report(fleet.nodes[i].spec.name, status, True, 0.0)
+    weighed = Weighed(monkeypatch)
+    calls = Calls(fleet)
+    for k, session in enumerate(holders):
+        request = GenerateRequest("tiny_lm", (1, 2, 3), 4, INLINE, f"g{k}", session=session)
+        calls.at(0.001 * k, request)
+    fleet.loop.run(until=lambda: len(calls.answers) == len(holders))
+    for k, (session, i) in enumerate(holders.items()):
+        assert calls.node(f"g{k}") == fleet.nodes[i].spec.name, session
+    # 8 drawn at random, plus the holder when the draw missed it (most of the time)
+    assert set(weighed.per_placement) <= {8, 9} and weighed.per_placement.count(9) > 10
