@@ -44,6 +44,7 @@ from policies import (
     should_preempt,
 )
 from policies.admission import retry_after
+from policies.batching import STOPPED_AFTER_GAPS, preemptible_rows
 from policies.starvation import StarvationParams, promote
 from policies.views import ArrivalView
 
@@ -112,12 +113,15 @@ class _Arrivals:
     """Running estimate of the gap between arrivals of one model at one priority."""
 
     last: float
-    gap: float | None = None  # EWMA of gaps; None until a second arrival
+    gap: float | None = None  # EWMA of gaps, each capped (the batching window's view)
+    mean_gap: float | None = None  # EWMA of gaps as they were (the arrival rate)
 
     def observe(self, now: float, cap_s: float) -> None:
-        gap = min(now - self.last, cap_s)
+        raw = now - self.last
+        gap = min(raw, cap_s)
         w = ARRIVAL_WEIGHT
         self.gap = gap if self.gap is None else (1 - w) * self.gap + w * gap
+        self.mean_gap = raw if self.mean_gap is None else (1 - w) * self.mean_gap + w * raw
         self.last = now
 
 
@@ -327,6 +331,11 @@ class LocalScheduler:
             params = replace(params, lower_cost_bound=None)
         if promoted is not None:
             params = replace(params, window_s=0.0)  # it has waited long enough already
+        if params.max_rows > 1:
+            rate = self._preempting_rate(self._order.rank(leader.priority), now)
+            if rate > 0:
+                rows = preemptible_rows(params.costs, params.max_rows, rate)
+                params = replace(params, max_rows=rows)
         if leader.isolate or params.max_rows <= 1:
             candidates = [leader]
         else:
@@ -563,6 +572,20 @@ class LocalScheduler:
             for p, a in self._arrivals.get(model, {}).items()
             if a.gap is not None
         }
+
+    def _preempting_rate(self, rank: int, now: float) -> float:
+        """Arrivals a second, of every model, that would abort a call of ``rank`` (from
+        the recent gaps of the streams still arriving)."""
+        rate = 0.0
+        for by_priority in self._arrivals.values():
+            for priority, a in by_priority.items():
+                if (
+                    a.mean_gap
+                    and now < a.last + STOPPED_AFTER_GAPS * a.mean_gap
+                    and should_preempt(rank, self._order.rank(priority), self._preemption)
+                ):
+                    rate += 1.0 / a.mean_gap
+        return rate
 
     def _served_s(self, now: float) -> dict[int, float]:
         """Engine seconds spent on each priority's rows over the last ``BUSY_WINDOW_S``."""

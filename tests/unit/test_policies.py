@@ -25,6 +25,7 @@ from policies import (
     promote,
     should_preempt,
 )
+from policies.batching import preemptible_rows
 from policies.budget import TokenBudgets, token_limit
 from policies.kv import CacheView, KVAction, plan_kv_release
 
@@ -280,6 +281,23 @@ def test_adaptive_window_table(candidates, now, params, arrivals, ids, wait_unti
 )
 def test_batch_limit_table(costs, max_rows, min_gain, expected):
     assert batch_limit(costs, max_rows, min_gain) == expected
+
+
+NEAR_LINEAR = ((1, 0.014), (2, 0.0254), (4, 0.050))  # batch 4 costs 3.6x batch 1
+
+
+@pytest.mark.parametrize(
+    ("costs", "rate", "expected"),
+    [
+        (NEAR_LINEAR, 0.0, 4),  # nothing preempts: the configured size
+        (NEAR_LINEAR, 1.0, 4),  # one abort a second: a 50 ms call almost always ends
+        (NEAR_LINEAR, 20.0, 1),  # an abort every 50 ms: a batch of 4 rarely ends
+        (((1, 0.010), (4, 0.012)), 20.0, 4),  # batching pays so much it still wins
+        ((), 20.0, 4),  # nothing measured: the configured size
+    ],
+)
+def test_preemptible_rows_complete_the_most_rows_per_second(costs, rate, expected):
+    assert preemptible_rows(costs, 4, rate) == expected
 
 
 # ------------------------------------------------------------------ starvation

@@ -545,6 +545,24 @@ def test_foreground_does_not_wait_for_a_background_flood_it_cannot_batch_with():
     assert h.run_next() == ["bg4", "bg5", "bg6", "bg7"]
 
 
+def test_background_batches_shrink_while_urgent_arrivals_would_abort_them():
+    # Forced batching of a near-linear model: a batch of 4 takes 3.8x one row. With a
+    # foreground request every 20 ms (each aborts the running background call, losing
+    # its time), a 38 ms batch of 4 would rarely end: background runs one row a call.
+    params = BatchParams(0.0, 4, LINEAR_COSTS, lower_cost_bound=0.1)
+    h = Harness(capacity=32, batching=params)
+    for i in range(8):
+        h.admit(f"bg{i}", 3)
+    assert h.run_next() == ["bg0", "bg1", "bg2", "bg3"]  # no urgent stream known
+    for i in range(3):
+        h.admit(f"fg{i}", 10)
+        assert h.run_next(cost=0.010) == [f"fg{i}"]
+        h.clock.advance(0.010)
+    assert h.run_next() == ["bg4"]
+    h.clock.advance(0.100)  # the foreground stream stopped: full batches again
+    assert h.run_next() == ["bg5", "bg6", "bg7"]
+
+
 # ---------------------------------------------------------------- starvation bounds
 
 
