@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import math
 import os
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -73,6 +74,7 @@ from edgefleet.errors import Evicted, Rejected
 from edgefleet.messages import Reply
 from edgefleet.modelgen import make_classifier, random_inputs
 from edgefleet.request import new_request_id
+from sim.workload import Workload, parse_workload
 
 TITLE = "The fleet: placement in the caller (fleet)"
 
@@ -945,17 +947,29 @@ class TraceItem:
     priority: int
 
 
+def trace_workload(rate: float, count: int, seed: int = TRACE_SEED) -> Workload:
+    """The placement trace as a workload of the simulator's: Poisson arrivals at
+    ``rate``/s, half cheap half dear (``CHEAP_SHARE``), priorities in ``PRIORITY_MIX``."""
+    mix = [
+        {"model": model, "priority": p, "weight": share * w}
+        for model, share in ((CHEAP, CHEAP_SHARE), (DEAR, 1 - CHEAP_SHARE))
+        for p, w in PRIORITY_MIX
+    ]
+    data = {
+        "seed": seed,
+        "requests": count,
+        "arrivals": {"process": "poisson", "rate": rate},
+        "mix": mix,
+    }
+    return parse_workload(data, source="the placement trace")
+
+
 def make_trace(count: int, seed: int = TRACE_SEED) -> tuple[TraceItem, ...]:
-    """A deterministic trace: Poisson arrivals (in units of the mean gap), each request
-    a model (cheap with probability ``CHEAP_SHARE``) and a priority (``PRIORITY_MIX``)."""
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0, count)
-    at = np.cumsum(gaps) - gaps[0]
-    prios = rng.choice([p for p, _ in PRIORITY_MIX], size=count, p=[w for _, w in PRIORITY_MIX])
-    cheap = rng.random(count) < CHEAP_SHARE
+    """A deterministic trace (``trace_workload``), arrival times in mean gaps."""
+    workload = trace_workload(1.0, count, seed)
     return tuple(
-        TraceItem(float(a), CHEAP if c else DEAR, int(p))
-        for a, c, p in zip(at, cheap, prios, strict=True)
+        TraceItem(a.at, a.model, a.priority)
+        for a in workload.arrivals(random.Random(seed), nodes=len(TRACE_NODES))
     )
 
 
@@ -1109,7 +1123,7 @@ def measure_placement(
     are pooled over the rounds. The capacity of the default policy on the trace's mix
     (a closed loop at saturation) sets the rate for all."""
     feeds = {n: slow_feed(m.width) for n, m in models.items()}
-    rounds = ctx.count(5, 1)
+    rounds = ctx.count(9, 1)
     pooled: dict[str, list[Replay]] = {p: [] for p in POLICIES}
     with deployed(_trace_config("bench-trace", models, POLICIES[0])) as base:
         _warm(base, feeds, 10)
@@ -1535,7 +1549,7 @@ def run(ctx: RunContext) -> Section:
             log("(e) what placement costs per request, tiny model at saturation")
             cost_s = ctx.pick(2.0, 0.8)
             return _cost_part(
-                measure_routing_cost(client, random_inputs(COST_MODEL), cost_s, ctx.count(4, 1)),
+                measure_routing_cost(client, random_inputs(COST_MODEL), cost_s, ctx.count(8, 1)),
                 cost_s,
             )
 
@@ -1549,4 +1563,13 @@ def run(ctx: RunContext) -> Section:
     return Section(TITLE, measured, parts=parts)
 
 
-__all__ = ["Loop", "Replay", "TraceItem", "closed_loop", "make_trace", "replay", "run"]
+__all__ = [
+    "Loop",
+    "Replay",
+    "TraceItem",
+    "closed_loop",
+    "make_trace",
+    "replay",
+    "run",
+    "trace_workload",
+]

@@ -45,11 +45,9 @@ from bench.common import (
 from bench.fleet import (
     CHEAP,
     CHEAP_COST_MS,
-    CHEAP_SHARE,
     DEAR,
     DEAR_COST_MS,
     PRIORITY_MIX,
-    TRACE_SEED,
     Replay,
     TraceItem,
     _settle,
@@ -57,6 +55,7 @@ from bench.fleet import (
     _warm,
     measure_capacity,
     replay,
+    trace_workload,
 )
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.request import priority_name
@@ -84,23 +83,6 @@ class ClassFigures:
     p50_ms: float
     p99_ms: float
     count: int
-
-
-def fidelity_workload(rate: float, requests: int) -> Workload:
-    """The fleet benchmark's trace as a workload: Poisson arrivals, half cheap half
-    dear, the four priority classes in its proportions."""
-    mix = [
-        {"model": model, "priority": p, "weight": share * w}
-        for model, share in ((CHEAP, CHEAP_SHARE), (DEAR, 1 - CHEAP_SHARE))
-        for p, w in PRIORITY_MIX
-    ]
-    data = {
-        "seed": TRACE_SEED,
-        "requests": requests,
-        "arrivals": {"process": "poisson", "rate": rate},
-        "mix": mix,
-    }
-    return parse_workload(data, source="the fidelity trace")
 
 
 def _real_figures(samples: Sequence[Any]) -> dict[int, ClassFigures]:
@@ -152,7 +134,7 @@ def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidel
         _warm(client, feeds, 10)
         cap = measure_capacity(client, feeds, ctx.pick(1.5, 0.8))
         rate = FIDELITY_LOAD * cap.rate
-        workload = fidelity_workload(rate, requests)
+        workload = trace_workload(rate, requests)
         arrivals = list(
             workload.arrivals(random.Random(workload.seed), nodes=4, priorities=config.priorities)
         )
