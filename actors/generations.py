@@ -65,17 +65,7 @@ class NodeGenerations:
         deadline = None
         if request.deadline_unix is not None:
             deadline = now + (request.deadline_unix - time.time())
-        req = Request(
-            id=request.id,
-            model=request.model,
-            inputs={},
-            priority=request.priority,
-            arrival=now,
-            deadline=deadline,
-            nbytes=8 * len(request.prompt_ids),
-            group=request.id,  # never in an inference batch; decode batches form apart
-            pausable=True,
-        )
+        req = Request.generation(request, now, deadline)
         gen = Generation(
             request, limit=self.limit(request), emit=emit, max_context=info.max_context
         )

@@ -49,7 +49,6 @@ from edgefleet.messages import (
     ModelStatus,
     NodeStatus,
     Reply,
-    RunningStatus,
     TokenChunk,
 )
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
@@ -776,15 +775,7 @@ class NodeRuntime:
             failure=self._failure,
             queued=self._sched.queued_by_priority(),
             queued_bytes=self._sched.queued_bytes,
-            running=None
-            if running is None
-            else RunningStatus(
-                running.model,
-                tuple(r.id for r in running.requests),
-                max(r.priority for r in running.requests),
-                now - running.started,
-                sum(r.rows for r in running.requests),
-            ),
+            running=None if running is None else running.status(now),
             models=models,
             counters=dict(self._counters),
             switching=self._engine.switching,

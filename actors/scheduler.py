@@ -29,6 +29,7 @@ from edgefleet.errors import (
     Rejected,
     Superseded,
 )
+from edgefleet.messages import RunningStatus
 from edgefleet.request import MAX_PRIORITY, MIN_PRIORITY, Request, RequestState
 from policies import (
     Admit,
@@ -148,6 +149,16 @@ class Plan:
     @property
     def rows(self) -> int:
         return sum(r.rows for r in self.requests)
+
+    def status(self, now: float) -> RunningStatus:
+        """The call as a node reports it."""
+        return RunningStatus(
+            self.model,
+            tuple(r.id for r in self.requests),
+            max(r.priority for r in self.requests),
+            now - self.started,
+            self.rows,
+        )
 
 
 @dataclass(frozen=True)

@@ -505,18 +505,26 @@ def parse_config(
 def load_config(path: str | Path) -> FleetConfig:
     """Read, validate and resolve a fleet YAML file."""
     path = Path(path)
+    data, lines = read_yaml(path, "config", "with at least 'models:'")
+    return parse_config(data, path.parent, lines=lines)
+
+
+def read_yaml(path: Path, what: str, expected: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """A YAML mapping and the line of each dotted path in it; ConfigError naming the
+    file (``what`` it is) when it cannot be read, is not YAML or not a mapping
+    (``expected`` says what it should hold)."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     try:
         data = yaml.safe_load(text)
         lines = _line_index(yaml.compose(text))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping with at least 'models:'")
-    return parse_config(data, path.parent, lines=lines)
+        raise ConfigError(f"{path}: the top level must be a mapping {expected}")
+    return data, lines
 
 
 def _line_index(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:

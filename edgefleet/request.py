@@ -207,6 +207,24 @@ class Request:
     cancel_requested: bool = False  # running when cancelled: drop its result
     pausable: bool = False  # a generation: preemption pauses it instead of requeueing
 
+    @classmethod
+    def generation(
+        cls, request: GenerateRequest, arrival: float, deadline: float | None
+    ) -> Request:
+        """The scheduler's view of a generation: pausable, and never in an inference
+        batch (decode batches form apart)."""
+        return cls(
+            id=request.id,
+            model=request.model,
+            inputs={},
+            priority=request.priority,
+            arrival=arrival,
+            deadline=deadline,
+            nbytes=8 * len(request.prompt_ids),
+            group=request.id,
+            pausable=True,
+        )
+
     def move(self, new: RequestState) -> None:
         if new not in TRANSITIONS.get(self.state, frozenset()):
             raise IllegalTransition(f"request {self.id}: {self.state.name} -> {new.name}")

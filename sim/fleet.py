@@ -42,7 +42,6 @@ from edgefleet.messages import (
     ModelStatus,
     NodeStatus,
     Reply,
-    RunningStatus,
 )
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
 from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
@@ -306,17 +305,7 @@ class SimNode:
                 request.max_new_tokens, request.priority, self.lifecycle, self._budgets
             )
             self._gens[request.id] = _Gen(request, max(0, limit - request.continued))
-            req = Request(
-                id=request.id,
-                model=request.model,
-                inputs={},
-                priority=request.priority,
-                arrival=now,
-                deadline=deadline,
-                nbytes=8 * len(request.prompt_ids),
-                group=request.id,
-                pausable=True,
-            )
+            req = Request.generation(request, now, deadline)
         else:
             rows = _rows(request)
             req = Request(
@@ -580,15 +569,7 @@ class SimNode:
                 state="serving" if self.alive else "stopped",
                 queued=sched.queued_by_priority(),
                 queued_bytes=sched.queued_bytes,
-                running=None
-                if running is None
-                else RunningStatus(
-                    running.model,
-                    tuple(r.id for r in running.requests),
-                    max(r.priority for r in running.requests),
-                    at - running.started,
-                    running.rows,
-                ),
+                running=None if running is None else running.status(at),
                 models=models,
                 paused=sched.paused_by_priority(),
                 lifecycle=self.lifecycle,

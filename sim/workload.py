@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import yaml
 from pydantic import (
     Field,
     PrivateAttr,
@@ -52,7 +51,7 @@ from pydantic import (
     model_validator,
 )
 
-from edgefleet.config import Lifecycle, _format_errors, _line_index, _Strict, _where
+from edgefleet.config import Lifecycle, _format_errors, _Strict, _where, read_yaml
 from edgefleet.errors import ConfigError
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
 
@@ -696,17 +695,7 @@ def parse_workload(
 def load_workload(path: str | Path) -> Workload:
     """Read and validate a workload YAML file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read workload {path}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-        lines = _line_index(yaml.compose(text))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping (arrivals:, mix:, ...)")
+    data, lines = read_yaml(path, "workload", "(arrivals:, mix:, ...)")
     return parse_workload(data, source=str(path), lines=lines, base_dir=path.parent)
 
 
