@@ -732,7 +732,7 @@ def measure_flood(
     ctx: RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
 ) -> tuple[FleetFlood, FleetFlood, FleetFlood, FleetFlood]:
     feed = slow_feed(model.width)
-    n_fg = ctx.count(40, 8)
+    n_fg = ctx.count(120, 8)  # enough that p99 is not just the slowest one
     n_fifo = ctx.count(10, 2)
     bg_limit = background_limit(prio)
     with deployed(prio) as client:
