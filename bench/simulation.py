@@ -61,7 +61,7 @@ from edgefleet.config import FleetConfig, parse_config
 from edgefleet.request import priority_name
 from sim.fleet import ModelCost
 from sim.report import RunResult
-from sim.run import simulate
+from sim.run import measured_costs, simulate
 from sim.workload import Workload, parse_workload
 
 TITLE = (
@@ -150,7 +150,7 @@ def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidel
             kept = calm(lambda: replay(client, trace, rate, feeds), f"(a) round {i + 1}")
             runs.append(kept.value)
     samples = [s for r in runs for s in r.samples]
-    warmup = _costs_from_status(warm)
+    warmup = measured_costs((m.name, m.cost_ms) for n in warm.nodes for m in n.models)
     observed = _costs_observed(samples, warmup)
     outside = [
         s.latency_s - s.service_s - s.queue_s
@@ -212,19 +212,6 @@ def _table_work(
         random.Random(workload.seed), nodes=4, priorities=config.priorities
     )
     return sum(costs[a.model].call_s(1) for a in arrivals)
-
-
-def _costs_from_status(status: Any) -> dict[str, ModelCost]:
-    """Each model's cost table as the nodes measured it at warm-up (median over nodes)."""
-    tables: dict[str, dict[int, list[float]]] = {}
-    for node in status.nodes:
-        for m in node.models:
-            for rows, ms in m.cost_ms.items():
-                tables.setdefault(m.name, {}).setdefault(int(rows), []).append(ms)
-    return {
-        name: ModelCost({rows: statistics.median(v) for rows, v in t.items()})
-        for name, t in tables.items()
-    }
 
 
 def _costs_observed(

@@ -508,7 +508,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from edgefleet.config import load_config
     from policies.placement.registry import POLICIES
     from sim.report import write_report
-    from sim.run import Progress, compare, simulate
+    from sim.run import Progress, compare, costs_from_status, model_costs, simulate
     from sim.workload import load_workload
 
     config = load_config(args.config)
@@ -529,6 +529,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "progress": progress,
         "seed": args.seed,
     }
+    if args.costs is not None:  # measured on a live fleet; the workload's costs: win
+        options["costs"] = costs_from_status(args.costs) | model_costs(workload.costs)
     if policies:
         results = compare(config, workload, policies, **options)
     else:
@@ -922,6 +924,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--requests", type=int, help="stop after this many arrivals")
     simulate.add_argument("--seed", type=int, help="default: the workload's")
+    simulate.add_argument(
+        "--costs",
+        metavar="STATUS.json",
+        help="engine costs a live fleet measured: the output of `edgefleet status --json` "
+        "(the workload's costs: take precedence)",
+    )
     simulate.add_argument(
         "--out", default="sim-report", help="folder for the report (default: %(default)s)"
     )

@@ -8,12 +8,15 @@ has: the report says it was interrupted.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import random
+import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,7 @@ import numpy as np
 from edgefleet.config import FleetConfig
 from edgefleet.errors import (
     Cancelled,
+    ConfigError,
     DeadlineExceeded,
     EdgeFleetError,
     Evicted,
@@ -61,6 +65,37 @@ def model_costs(costs: Mapping[str, CostConfig]) -> dict[str, ModelCost]:
         )
         for name, c in costs.items()
     }
+
+
+def measured_costs(tables: Iterable[tuple[str, Mapping[Any, float]]]) -> dict[str, ModelCost]:
+    """Cost tables as nodes report them (model, ms per call by batch rows), the median
+    of every node's measurement per model and size."""
+    by_model: dict[str, dict[int, list[float]]] = {}
+    for model, cost_ms in tables:
+        for rows, ms in cost_ms.items():
+            by_model.setdefault(model, {}).setdefault(int(rows), []).append(float(ms))
+    return {
+        model: ModelCost({rows: statistics.median(v) for rows, v in table.items()})
+        for model, table in by_model.items()
+        if table
+    }
+
+
+def costs_from_status(path: str | Path) -> dict[str, ModelCost]:
+    """The engine costs a live fleet's nodes measured at warm-up, from the output of
+    ``edgefleet status --json`` saved in ``path``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        tables = [(m["name"], m["cost_ms"]) for n in data["nodes"] for m in n["models"]]
+        return measured_costs(tables)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"{path}: not the output of `edgefleet status --json` (nodes[].models[] with "
+            f"name and cost_ms): {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def with_policy(config: FleetConfig, policy: str) -> FleetConfig:

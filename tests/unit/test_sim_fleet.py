@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import dataclasses
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -23,12 +24,12 @@ from actors.node import NodeRuntime
 from cluster import dispatch
 from cluster.cli import main
 from edgefleet.config import FleetConfig, NodeSpec, QueueConfig, load_config
-from edgefleet.errors import DeadlineExceeded, NodeLost, Rejected, Superseded
+from edgefleet.errors import ConfigError, DeadlineExceeded, NodeLost, Rejected, Superseded
 from edgefleet.messages import GenerationResult, Reply
 from edgefleet.request import GenerateRequest, InferRequest
 from sim.fleet import EventLoop, ModelCost, SimFleet, SimNode, grow
 from sim.report import LATENCY_PNG, OUTCOMES, QUEUE_PNG, write_report
-from sim.run import Progress, compare, outcome, simulate
+from sim.run import Progress, compare, costs_from_status, outcome, simulate
 from sim.workload import load_workload, parse_workload
 from tests.fakes import CallGate, FakeLoader, fake_spec, x
 
@@ -616,6 +617,29 @@ def test_the_simulate_command_refuses_an_unknown_policy_to_compare(tmp_path, cap
     assert simulate_cli("--out", str(tmp_path), "--compare", "round_robin,nope") == 2
     err = capsys.readouterr().err
     assert "nope" in err and "expected_completion" in err
+
+
+def test_costs_measured_by_a_live_fleet_come_from_its_status_json(tmp_path, capsys):
+    nodes = [
+        {"name": f"edge-{i}", "models": [{"name": "classifier", "cost_ms": {"1": ms, "8": 8 * ms}}]}
+        for i, ms in enumerate((1.0, 2.0, 4.0))
+    ]
+    status = tmp_path / "status.json"
+    status.write_text(json.dumps({"fleet": "local", "nodes": nodes}))
+    assert costs_from_status(status) == {"classifier": ModelCost({1: 2.0, 8: 16.0})}  # medians
+    # a workload without costs for classifier runs on the measured ones
+    workload = yaml.safe_load(STEADY.read_text())
+    del workload["costs"]["classifier"]
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(workload))
+    args = ["simulate", str(LOCAL), "--workload", str(path), "--requests", "100"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 2  # no engine time for classifier
+    assert "costs.classifier" in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "b"), "--costs", str(status)]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"nodes": [{"models": [{"cost_ms": {}}]}]}))
+    with pytest.raises(ConfigError, match="edgefleet status --json"):
+        costs_from_status(bad)
 
 
 def interrupt_after(answers: int) -> Callable[[int], None]:
