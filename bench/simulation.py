@@ -11,6 +11,7 @@ memory, events per second). (c) placement policies x scenarios, simulated.
 from __future__ import annotations
 
 import math
+import multiprocessing
 import random
 import resource
 import statistics
@@ -20,6 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -515,41 +517,50 @@ def _scale_part(run: ScaleRun, target: bool) -> Part:
 
 
 def measure_table(sizes: Sequence[tuple[int, int]], policies: Sequence[str]) -> list[list[Any]]:
-    """Every scenario under every policy at every (nodes, requests) size."""
+    """Every scenario under every policy at every (nodes, requests) size, two runs at a
+    time (each is deterministic, and one core's work)."""
+    jobs = [
+        (nodes, requests, scenario, policy)
+        for nodes, requests in sizes
+        for scenario in SCENARIOS
+        for policy in policies
+    ]
+    out = []
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for row in pool.map(_table_row, jobs):
+            nodes, scenario, policy, fg, every, _, _, wall = row
+            log(
+                f"  (c) {nodes} nodes, {scenario}, {policy}: fg p99 {fg:.1f} all p99 "
+                f"{every:.1f} ({wall:.0f} s)"
+            )
+            out.append(row)
+    return out
+
+
+def _table_row(job: tuple[int, int, str, str]) -> list[Any]:
     from sim.run import with_policy
 
-    out = []
-    for nodes, requests in sizes:
-        for scenario in SCENARIOS:
-            config = table_config(mixed=scenario == "mixed models")
-            workload = table_workload(scenario)
-            for policy in policies:
-                r = simulate(
-                    with_policy(config, policy),
-                    workload,
-                    nodes=nodes,
-                    requests=requests,
-                    label=policy,
-                )
-                rows = r.latency_table()
-                fg, every = rows[0], rows[-1]
-                log(
-                    f"  (c) {nodes} nodes, {scenario}, {policy}: fg p99 {fg['p99_ms']:.1f} "
-                    f"all p99 {every['p99_ms']:.1f} ({r.wall_s:.0f} s)"
-                )
-                out.append(
-                    [
-                        nodes,
-                        scenario,
-                        policy,
-                        fg["p99_ms"],
-                        every["p99_ms"],
-                        r.counts(),
-                        r.simulated_s,
-                        r.wall_s,
-                    ]
-                )
-    return out
+    nodes, requests, scenario, policy = job
+    config = table_config(mixed=scenario == "mixed models")
+    r = simulate(
+        with_policy(config, policy),
+        table_workload(scenario),
+        nodes=nodes,
+        requests=requests,
+        label=policy,
+    )
+    rows = r.latency_table()
+    fg, every = rows[0], rows[-1]
+    return [
+        nodes,
+        scenario,
+        policy,
+        fg["p99_ms"],
+        every["p99_ms"],
+        r.counts(),
+        r.simulated_s,
+        r.wall_s,
+    ]
 
 
 def _table_part(rows: list[list[Any]], default: str) -> Part:

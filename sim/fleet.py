@@ -257,7 +257,9 @@ class SimNode:
         self._rules = {}
         for name, cfg in spec.models.items():
             cost = self._costs.get(name, ModelCost())
-            table = cost.table_s(cfg.batching.max_batch_size) if cfg.kind == "tensor" else {}
+            table = {}  # what this node measures at warm-up: its own speed
+            if cfg.kind == "tensor":
+                table = {n: c / speed for n, c in cost.table_s(cfg.batching.max_batch_size).items()}
             limit = configured_batch_limit(cfg, cfg.kind == "tensor", table)
             self._rules[name] = rules_for(cfg, limit, table)
             self._model_status[name] = ModelStatus(
