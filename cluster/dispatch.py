@@ -164,7 +164,7 @@ class _Entry:
             self.base = _base(status)
         self.since = {}
         for sent in self.inflight.values():
-            if sent.at > taken_at:
+            if sent.at >= taken_at:  # sent as it was taken: not in it
                 _add(self.since, sent, 1)
 
     def lose(self, now: float) -> None:
@@ -183,7 +183,7 @@ class _Entry:
         if sent is not None:
             self._view = None
             _add(self.mine, sent, -1)
-            if sent.at > self.report_at:
+            if sent.at >= self.report_at:
                 _add(self.since, sent, -1)
 
     def view(self, now: float) -> NodeView:

@@ -436,6 +436,21 @@ class Calls:
         return self.one(rid).node
 
 
+def test_a_slower_node_reports_the_slower_cost_tables_it_would_measure():
+    costs = {"classifier": ModelCost({1: 2.0, 8: 10.0})}
+    fleet = SimFleet(local_config(), costs, speeds=[1.0, 0.5])
+    tables = [
+        next(m for m in n.status(0.0).models if m.name == "classifier").cost_ms for n in fleet.nodes
+    ]
+    assert tables[0][1] == pytest.approx(2.0) and tables[0][8] == pytest.approx(10.0)
+    assert tables[1][1] == pytest.approx(4.0) and tables[1][8] == pytest.approx(20.0)
+    calls = Calls(fleet)
+    for i in range(4):  # one at a time: each goes where it ends first, the faster node
+        calls.at(i * 0.1, InferRequest("classifier", x(1.0), 10, f"r{i}"))
+    fleet.loop.run(until=lambda: len(calls.answers) == 4)
+    assert {calls.node(f"r{i}") for i in range(4)} == {fleet.nodes[0].spec.name}
+
+
 def test_a_node_failure_gives_every_request_it_held_one_answer_replaced_or_node_lost():
     config = local_config()
     fleet = SimFleet(config, FLEET_COSTS, seed=3)
