@@ -1262,16 +1262,26 @@ def _placement_part(
     )
     by = {r.policy: r for r in replays}
     default = by[POLICIES[0]]
-    targets = [
-        Target(
-            f"(d) {POLICIES[0]} {label} / {other} {label} (median of rounds)",
-            default.round_p99(prios) / by[other].round_p99(prios),
-            "<=",
-            1.0,
-        )
+    # p99 over every round's samples: a round holds a few dozen foreground requests, so
+    # its own p99 is its slowest one, and a median of those is a median of maxima
+    pairs = [
+        (label, prios, other)
         for label, prios in (("fg p99", [10]), ("all p99", None))
         for other in ("round_robin", "power_of_two")
     ]
+    targets = [
+        Target(
+            f"(d) {POLICIES[0]} {label} / {other} {label} (all rounds pooled)",
+            default.latency_ms(prios).p99 / by[other].latency_ms(prios).p99,
+            "<=",
+            1.0,
+        )
+        for label, prios, other in pairs
+    ]
+    per_round = "; ".join(
+        f"{label} / {other} {default.round_p99(prios) / by[other].round_p99(prios):.2f}"
+        for label, prios, other in pairs
+    )
     rounds = max(1, round(len(default.samples) / len(trace)))
     mix = Counter((t.model, t.priority) for t in trace)
     n_fg = sum(v for (_, p), v in mix.items() if p == 10)
@@ -1298,6 +1308,10 @@ def _placement_part(
         f"capacity: {rate:.0f} requests/s ({span:.1f} s of arrivals per replay). Latency "
         "is client end to end; a refused or evicted request is not retried."
     )
+    median_note = (
+        f"The same ratios as medians over the rounds of each round's own p99 ({per_round}): "
+        "a round's foreground p99 is its slowest request or two."
+    )
     notes = [
         "Share = the node's share of completed requests; in brackets the completed "
         f"{CHEAP} / {DEAR} requests it served.",
@@ -1307,6 +1321,7 @@ def _placement_part(
         "Reading p99 of the foreground: the pooled replays hold "
         f"{n_fg * rounds} foreground requests per policy, so the p99 is set by the slowest "
         f"{max(1, n_fg * rounds // 100)} or so.",
+        median_note,
         "Disturbance (CPU other processes used during the kept replay; attempts; worst "
         "submit lag behind the trace): "
         + "; ".join(

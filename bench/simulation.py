@@ -61,7 +61,7 @@ from bench.fleet import (
 )
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.request import priority_name
-from sim.fleet import ModelCost
+from sim.fleet import ModelCost, Network
 from sim.report import RunResult
 from sim.run import measured_costs, simulate
 from sim.workload import Workload, parse_workload
@@ -170,8 +170,11 @@ def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidel
     stretch = sum(s.service_s for s in done) / sum(warmup[s.item.model].call_s(1) for s in done)
     cores = _fit_cores(config, apart, warmup, stretch)
     on_host = apart.model_copy(update={"shared_cores": cores})
-    sim_warmup = simulate(config, on_host, costs=warmup)
-    sim_observed = simulate(config, apart, costs=observed)
+    # the network as the real replies met it: each answer's time outside its node drawn
+    # from theirs (the caller's own work and Ray's included, tail and all)
+    network = Network(hop_ms / 1000, round_trip_s=tuple(outside))
+    sim_warmup = simulate(config, on_host, costs=warmup, network=network)
+    sim_observed = simulate(config, apart, costs=observed, network=network)
     return Fidelity(
         rate,
         cap.rate,
@@ -314,9 +317,11 @@ def _fidelity_part(f: Fidelity) -> Part:
         f"ones do here, its cores fitted so that engine calls take {f.stretch:.2f}x their "
         f"tables on average as they did in the real run (`shared_cores: {f.cores:.2f}`), "
         "and with those tables scaled to the engine time "
-        "the run's replies reported, each node a device of its own. The simulated network "
-        "hop is the median time the real replies spent outside the node, halved: "
-        f"{f.hop_ms:.2f} ms each way."
+        "the run's replies reported, each node a device of its own. The simulated network: a "
+        f"request reaches its node after {f.hop_ms:.2f} ms (half the median time the real "
+        "replies spent outside their node) and each answer comes back after a time outside "
+        "the node drawn from those the real replies measured (the caller's own work and "
+        "Ray's included, tail and all)."
     )
     notes = [
         "Engine costs:\n\n" + costs,

@@ -628,10 +628,16 @@ class _Handle:
 @dataclass(frozen=True)
 class Network:
     """Simulated delays: each hop between a caller and a node, and how much older
-    a report is when it reaches the callers than when the node made it."""
+    a report is when it reaches the callers than when the node made it.
+
+    ``round_trip_s``, when given, are measured times a request spent outside its node
+    (both hops and the caller's own work, as a recorded run shows them); each answer
+    then comes back after one of them drawn at random, less the hop out, so the
+    simulation carries the measured spread, its tail included."""
 
     hop_s: float = 0.0005
     report_delay_s: float = 0.0
+    round_trip_s: tuple[float, ...] = ()
 
 
 class SimFleet:
@@ -663,6 +669,7 @@ class SimFleet:
             )
         self.config = config
         self.network = network
+        self._net_rng = random.Random(f"{seed}/network")
         specs = list(specs if specs is not None else config.node_specs())
         speeds = list(speeds) if speeds is not None else [1.0] * len(specs)
         self.nodes = [
@@ -731,7 +738,11 @@ class SimFleet:
         return answered
 
     def _back(self, fut: cf.Future[Any], answer: Any) -> None:
-        self.loop.at(self.loop.t + self.network.hop_s, _resolve, fut, answer)
+        net = self.network
+        delay = net.hop_s
+        if net.round_trip_s:
+            delay = max(0.0, self._net_rng.choice(net.round_trip_s) - net.hop_s)
+        self.loop.at(self.loop.t + delay, _resolve, fut, answer)
 
     # ------------------------------------------------------------------- reports
 

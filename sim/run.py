@@ -124,10 +124,12 @@ def simulate(
     seed: int | None = None,
     label: str | None = None,
     costs: Mapping[str, ModelCost] | None = None,
+    network: Network | None = None,
     progress: Callable[[int | None], Progress] | None = None,
 ) -> RunResult:
     """Run ``workload`` on ``config``'s fleet grown to ``nodes`` nodes (default: as the
-    config has them), until every arrival is answered or Ctrl-C."""
+    config has them), until every arrival is answered or Ctrl-C. ``costs`` and
+    ``network`` replace the workload's (measured on a live fleet, say)."""
     specs = config.node_specs()
     specs = grow(specs, nodes or len(specs))
     n = len(specs)
@@ -149,9 +151,8 @@ def simulate(
         costs,
         specs=specs,
         speeds=workload.speeds(n),
-        network=Network(
-            workload.network.hop_ms / 1000.0, workload.network.report_delay_ms / 1000.0
-        ),
+        network=network
+        or Network(workload.network.hop_ms / 1000.0, workload.network.report_delay_ms / 1000.0),
         seed=seed,
         callers=workload.callers,
         shared_cores=workload.shared_cores,
