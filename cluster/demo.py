@@ -11,6 +11,7 @@ report shows what the scheduler did for each class.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import threading
 import time
 from collections import Counter
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from cluster.client import FleetClient
+from cluster.head import stop_children
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import EdgeFleetError, Rejected
 from edgefleet.messages import Reply
@@ -61,6 +63,7 @@ class ChatStream:
     pauses: int = 0
 
 
+INTERRUPTED_STOP_S = 20.0  # after Ctrl-C and the report, stopping the fleet may take this
 SYSTEM_PROMPT = tuple(range(1, 33))
 
 
@@ -209,14 +212,44 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
             totals, router = _fleet_totals(client, timeout_s=2.0 if stop.is_set() else 30.0)
         finally:
             stop.set()  # chats still in a turn end quietly as the fleet goes away
+        if interrupted:  # the report first: stopping the fleet comes after it, bounded
+            _report(out, stats, totals, ran_on, config, router, chats)
+            _bound_the_stop(out)
+    if interrupted:
+        raise KeyboardInterrupt  # the report is out; the command ends as interrupted
+    _report(out, stats, totals, ran_on, config, router, chats)
+    return stats
+
+
+def _report(
+    out: Print,
+    stats: dict[str, ClassStats],
+    totals: dict[str, int],
+    ran_on: Counter[str],
+    config: FleetConfig,
+    router: dict[str, int] | None,
+    chats: list[ChatStream],
+) -> None:
     out("")
     out(report(stats, totals, ran_on, config, router))
     if chats:
         out("")
         out(generation_report(chats, totals))
-    if interrupted:
-        raise KeyboardInterrupt  # the report is out; the command ends as interrupted
-    return stats
+
+
+def _bound_the_stop(out: Print) -> None:
+    """After Ctrl-C, stopping the fleet may take at most ``INTERRUPTED_STOP_S``: past
+    that (a Ray process that does not answer), the processes this one started are
+    stopped and the command ends as interrupted."""
+
+    def give_up() -> None:
+        out(f"stopping the fleet took over {INTERRUPTED_STOP_S:.0f} s: stopping its processes")
+        stop_children(grace_s=0)
+        os._exit(130)
+
+    timer = threading.Timer(INTERRUPTED_STOP_S, give_up)
+    timer.daemon = True
+    timer.start()
 
 
 class _LifecycleEvents:
@@ -258,9 +291,7 @@ def generation_report(chats: list[ChatStream], totals: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
-def _count(
-    st: ClassStats, stream: Stream, reply: Reply, sent: float, ran_on: Counter[str]
-) -> None:
+def _count(st: ClassStats, stream: Stream, reply: Reply, sent: float, ran_on: Counter[str]) -> None:
     if reply.error is None:
         st.latencies.append(time.monotonic() - sent)
         st.batch_sizes.append(reply.batch_size)
