@@ -54,9 +54,7 @@ def _fleet(tmp_path: Path, models: dict[str, str]) -> Path:
 def test_validate_names_each_model_a_node_could_not_load(tmp_path):
     (tmp_path / "notes.onnx").write_text("these are my notes, not a model\n")
     _matmul_model(tmp_path / "odd.onnx", op="Frobnicate")
-    config = _fleet(
-        tmp_path, {"mine": "mine.onnx", "notes": "notes.onnx", "odd": "odd.onnx"}
-    )
+    config = _fleet(tmp_path, {"mine": "mine.onnx", "notes": "notes.onnx", "odd": "odd.onnx"})
     result = edgefleet("validate", str(config), timeout=60)
     assert result.returncode == 2, result.stdout
     err = result.stderr

@@ -351,8 +351,8 @@ def test_counters_exist_at_zero_before_the_first_event():
     RouterMetrics("f", sink=sink).start()
     for cls in DEFAULT_PRIORITIES:
         for outcome in ("completed", "rejected", "nodelost"):
-            assert (m.ROUTER_REQUESTS.name, frozenset(
-                {"fleet": "f", "priority": cls, "outcome": outcome}.items()
-            )) in sink.values
+            assert (
+                m.ROUTER_REQUESTS.name,
+                frozenset({"fleet": "f", "priority": cls, "outcome": outcome}.items()),
+            ) in sink.values
         assert sink.value(m.ROUTER_SHED, priority=cls) == 0
-

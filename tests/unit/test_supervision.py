@@ -73,8 +73,9 @@ async def until(cond: Any, timeout: float = 20.0) -> None:
 
 def test_router_starts_and_keeps_watching_when_a_node_poll_fails_unexpectedly():
     async def main() -> None:
-        a, b = Control(NodeRuntime(fake_spec(), loader=FakeLoader())), Control(
-            NodeRuntime(fake_spec(), loader=FakeLoader())
+        a, b = (
+            Control(NodeRuntime(fake_spec(), loader=FakeLoader())),
+            Control(NodeRuntime(fake_spec(), loader=FakeLoader())),
         )
         await a.node.start()
         await b.node.start()
