@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import ray
-from pydantic import ValidationError
 from ray.actor import ActorHandle
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
@@ -32,8 +31,8 @@ from cluster.deploy import (
 from cluster.dispatch import Dispatcher, FleetView, NodeReport
 from cluster.names import NAMESPACE, actor_name
 from cluster.nodes import RayNode
-from edgefleet.config import FleetConfig, PlacementConfig, load_config
-from edgefleet.errors import ConfigError, InvalidInput, ModelNotFound, NodeLost, TimedOut
+from edgefleet.config import FleetConfig, load_config
+from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import (
     GenerateRequest,
@@ -143,21 +142,7 @@ class FleetClient:
         """Another caller on the same fleet that places with other ``router.placement``
         settings (e.g. ``policy="round_robin"``), to compare policies on a live fleet.
         Settings not given keep this client's. Closing it leaves the fleet running."""
-        current = self.config.router.placement.model_dump(exclude_unset=True)
-        if "policy" in placement:  # a new preset: its own scorers and picker
-            current.pop("scorers", None)
-            current.pop("picker", None)
-        try:
-            changed = PlacementConfig.model_validate({**current, **placement})
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"router.placement.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-            )
-            raise ConfigError(f"invalid placement: {problems}") from None
-        router = self.config.router.model_copy(update={"placement": changed})
-        return FleetClient(
-            self.config.model_copy(update={"router": router}), self._router, self._nodes
-        )
+        return FleetClient(self.config.with_placement(**placement), self._router, self._nodes)
 
     def close(self) -> None:
         """Tear down what this client started (nodes, and Ray if it started it)."""

@@ -375,6 +375,24 @@ class FleetConfig(_Strict):
     router: RouterConfig = RouterConfig()
     ray: RayClusterConfig = RayClusterConfig()
 
+    def with_placement(self, **placement: Any) -> FleetConfig:
+        """This config placing with other ``router.placement`` settings (a new
+        ``policy`` brings its own preset scorers and picker); settings not given are
+        kept. ConfigError naming a bad setting."""
+        current = self.router.placement.model_dump(exclude_unset=True)
+        if "policy" in placement:
+            current.pop("scorers", None)
+            current.pop("picker", None)
+        try:
+            changed = PlacementConfig.model_validate({**current, **placement})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"router.placement.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid placement: {problems}") from None
+        router = self.router.model_copy(update={"placement": changed})
+        return self.model_copy(update={"router": router})
+
     @field_validator("priorities")
     @classmethod
     def _priority_range(cls, v: dict[str, int]) -> dict[str, int]:

@@ -17,7 +17,6 @@ import heapq
 import itertools
 import math
 import random
-from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -44,7 +43,7 @@ from edgefleet.messages import (
     Reply,
 )
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
-from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
+from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits, call_cost
 from policies.budget import TokenBudgets, token_limit
 
 S = RequestState
@@ -131,19 +130,8 @@ class ModelCost:
 
 
 def _interpolate(table: Mapping[int, float], rows: int) -> float:
-    sizes = sorted(table)
-    if not sizes:
-        return 0.0
-    if rows in table:
-        return table[rows]
-    i = bisect_left(sizes, rows)
-    if i == 0:
-        return table[sizes[0]] * rows / sizes[0]
-    if i == len(sizes):
-        last = sizes[-1]
-        return table[last] * rows / last
-    a, b = sizes[i - 1], sizes[i]
-    return table[a] + (table[b] - table[a]) * (rows - a) / (b - a)
+    """``table`` (ms by rows) at ``rows``, as the scheduler prices calls; 0 for none."""
+    return call_cost(tuple(sorted(table.items())), rows) if table else 0.0
 
 
 # ------------------------------------------------------------------------------ nodes

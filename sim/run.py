@@ -100,11 +100,7 @@ def costs_from_status(path: str | Path) -> dict[str, ModelCost]:
 
 def with_policy(config: FleetConfig, policy: str) -> FleetConfig:
     """``config`` placing with the named policy (its preset scorers and picker)."""
-    placement = config.router.placement.model_copy(
-        update={"policy": policy, "scorers": None, "picker": None}
-    )
-    router = config.router.model_copy(update={"placement": placement})
-    return config.model_copy(update={"router": router})
+    return config.with_placement(policy=policy)
 
 
 @dataclass
