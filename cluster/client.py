@@ -483,10 +483,11 @@ class _ViewFeed:
         self._thread = threading.Thread(target=self._run, name="edgefleet-view", daemon=True)
         self._thread.start()
 
-    def _fetch(self) -> None:
+    def _fetch(self, last: bool = False) -> None:
         counters = self._dispatcher.take_counters()
+        waiting = 0 if last else self._dispatcher.shed_waiting()  # closing: none come back
         try:
-            ref = self._router.fleet_view.remote(self._caller, dict(counters))
+            ref = self._router.fleet_view.remote(self._caller, dict(counters), waiting)
             (view,) = _get([ref], self._timeout, "fleet view")
         except BaseException:
             self._dispatcher.give_back(counters)
@@ -517,7 +518,7 @@ class _ViewFeed:
         self._stop.set()
         self._thread.join(self._timeout)
         try:
-            self._fetch()
+            self._fetch(last=True)
         except Exception:  # the router is gone or busy: its counts miss this caller's last
             log.debug("could not hand over the last counters", exc_info=True)
 

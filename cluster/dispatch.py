@@ -105,9 +105,12 @@ class NodeReport:
 
 @dataclass(frozen=True)
 class FleetView:
-    """The router's view of its nodes, as callers receive it."""
+    """The router's view of its nodes, as callers receive it. ``shed_waiting``: the
+    requests the fleet's other callers shed and told to come back later that had not
+    come back yet, as those callers last reported them."""
 
     nodes: Mapping[str, NodeReport]
+    shed_waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,9 +158,13 @@ class _Entry:
         self.mine: dict[int, list[float]] = {}
         self._view: NodeView | None = None  # the last view built, while nothing changed
         self._view_at = 0.0
+        # The report aged to _aged_at (work, backlog, running call left): sending or
+        # answering a request changes the view but not this.
+        self._aged: tuple[dict[int, int], dict[int, float], float] | None = None
+        self._aged_at = 0.0
 
     def report(self, status: NodeStatus | None, taken_at: float) -> None:
-        self._view = None
+        self._view = self._aged = None
         self.report_at = taken_at
         if status is not None:
             self.made_at = status.at
@@ -192,9 +199,13 @@ class _Entry:
         if self._view is not None and now - self._view_at < VIEW_REUSE_S:
             return self._view
         b = self.base
-        work, backlog, running = drain(b.work, b.backlog_s, b.running_left_s, now - self.report_at)
-        if b.running is not None and running > 0:  # the call in progress, until it ends
-            work[b.running[0]] = work.get(b.running[0], 0) + b.running[1]
+        if self._aged is None or now - self._aged_at >= VIEW_REUSE_S:
+            aged = drain(b.work, b.backlog_s, b.running_left_s, now - self.report_at)
+            if b.running is not None and aged[2] > 0:  # the call in progress, until it ends
+                aged[0][b.running[0]] = aged[0].get(b.running[0], 0) + b.running[1]
+            self._aged, self._aged_at = aged, now
+        work, backlog, running = self._aged
+        work, backlog = dict(work), dict(backlog)
         for p, (n, s) in self.since.items():
             work[p] = work.get(p, 0) + round(n)
             backlog[p] = backlog.get(p, 0.0) + s
@@ -308,6 +319,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
+        self._shed_elsewhere = 0  # shed requests of other callers still to come back
         self._retries: Executor = executor or ThreadPoolExecutor(
             1, thread_name_prefix="edgefleet-dispatch"
         )
@@ -326,6 +338,21 @@ class Dispatcher:
         with self._lock:
             for name, r in view.nodes.items():
                 self._report(name, r.status, r.healthy, now - r.age_s)
+            self._shed_elsewhere = view.shed_waiting
+
+    def shed_waiting(self) -> int:
+        """Requests this caller shed and told to come back later, not due yet (the
+        router adds up every caller's for the others: see :meth:`others_shed`)."""
+        now = self._clock.now()
+        with self._lock:
+            self._drop_due(now)
+            return len(self._shed_waiting)
+
+    def others_shed(self, waiting: int) -> None:
+        """The shed requests the fleet's other callers told to come back later (what
+        :attr:`FleetView.shed_waiting` carries)."""
+        with self._lock:
+            self._shed_elsewhere = waiting
 
     def report(self, name: str, status: NodeStatus | None, healthy: bool, taken_at: float) -> None:
         """One node's report, taken at ``taken_at`` on this dispatcher's clock."""
@@ -625,12 +652,13 @@ class Dispatcher:
 
     def _shed_retry_after(self, entries: list[_Entry], limit: float) -> float:
         """When a shed request should come back: after the node drains below ``limit``
-        *and* the requests shed before it, still waiting, have had their turn. Without
-        that queue of waiters every shed client would retry at the same moment."""
+        *and* the requests shed before it, still waiting, have had their turn: this
+        caller's and, as the router last told, every other caller's. Without that queue
+        of waiters every shed client would retry at the same moment; without the other
+        callers' waiters, N callers would each send theirs back N times too early."""
         now = self._clock.now()
         with self._lock:
-            while self._shed_waiting and self._shed_waiting[0] <= now:
-                heapq.heappop(self._shed_waiting)
+            self._drop_due(now)
             waits = []
             for e in entries:
                 view = e.view(now)
@@ -639,9 +667,14 @@ class Dispatcher:
                 waits.append((view.running_left_s + max(1, excess) * per_row, per_row))
             first, per_row = min(waits)
             # The nodes take the waiters in turn, in parallel.
-            delay = first + len(self._shed_waiting) * per_row / len(entries)
+            waiting = len(self._shed_waiting) + self._shed_elsewhere
+            delay = first + waiting * per_row / len(entries)
             heapq.heappush(self._shed_waiting, now + delay)
         return max(0.001, delay)
+
+    def _drop_due(self, now: float) -> None:
+        while self._shed_waiting and self._shed_waiting[0] <= now:
+            heapq.heappop(self._shed_waiting)
 
 
 class _Attempt:
@@ -787,6 +820,7 @@ class _Attempt:
                 outcome=outcome,
                 latency_s=latency_s,
                 node=node,
+                answer=answer,
             )
 
 

@@ -693,7 +693,7 @@ class SimFleet:
         self.interval = config.router.report_interval_s
         self.lost_after = config.router.lost_after_s
         first = [(node.spec.name, node.status(0.0), True) for node in self.nodes]
-        self._deliver(first, 0.0)
+        self._deliver(first, 0.0, [])
         self._reported = [0.0] * len(specs)
         self.loop.at(self.interval, self._poll)
 
@@ -736,22 +736,28 @@ class SimFleet:
 
     def _poll(self) -> None:
         """Every report interval: nodes that changed report (what the router polls),
-        and the reports reach the callers ``report_delay_s`` later."""
+        and the reports reach the callers ``report_delay_s`` later, with the other
+        callers' shed requests still to come back (what the router's view carries)."""
         now = self.loop.t
         reports = []
         for i, node in enumerate(self.nodes):
             if node.last_change >= self._reported[i] - BUSY_WINDOW_S:
                 reports.append((node.spec.name, node.status(now), node.alive))
                 self._reported[i] = now
-        delay = self.network.report_delay_s
-        if reports:
-            self.loop.at(now + delay, self._deliver, reports, now)
+        waiting = [d.shed_waiting() for d in self.dispatchers] if len(self.dispatchers) > 1 else []
+        if reports or waiting:
+            self.loop.at(now + self.network.report_delay_s, self._deliver, reports, now, waiting)
         self.loop.at(now + self.interval, self._poll)
 
-    def _deliver(self, reports: list[tuple[str, NodeStatus, bool]], taken: float) -> None:
-        for d in self.dispatchers:
+    def _deliver(
+        self, reports: list[tuple[str, NodeStatus, bool]], taken: float, waiting: list[int]
+    ) -> None:
+        total = sum(waiting)
+        for i, d in enumerate(self.dispatchers):
             for name, status, alive in reports:
                 d.report(name, status, alive, taken)
+            if waiting:
+                d.others_shed(total - waiting[i])
 
     # -------------------------------------------------------------- fleet events
 

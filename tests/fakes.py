@@ -224,7 +224,8 @@ class LocalFleet:
     def refresh(self) -> None:
         async def view() -> Any:
             await self.router.status()  # polls every node now
-            return self.router.fleet_view("test", self.dispatcher.take_counters())
+            d = self.dispatcher
+            return self.router.fleet_view("test", d.take_counters(), d.shed_waiting())
 
         self.dispatcher.update(self.run(view()))
 

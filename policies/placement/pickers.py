@@ -9,8 +9,12 @@ from collections.abc import Sequence
 from policies.placement.base import NodeView
 
 
+def _cost_then_name(scored: tuple[NodeView, float]) -> tuple[float, str]:
+    return scored[1], scored[0].name
+
+
 def _by_cost(scored: Sequence[tuple[NodeView, float]]) -> list[NodeView]:
-    return [n for n, _ in sorted(scored, key=lambda s: (s[1], s[0].name))]
+    return [n for n, _ in sorted(scored, key=_cost_then_name)]
 
 
 class Best:
@@ -69,9 +73,11 @@ class NearBest:
     def order(self, scored: Sequence[tuple[NodeView, float]], rng: random.Random) -> list[NodeView]:
         if len(scored) <= 1:
             return [n for n, _ in scored]
-        ranked = sorted(scored, key=lambda s: (s[1], s[0].name))
+        ranked = sorted(scored, key=_cost_then_name)
         best = ranked[0][1]
         band = best + max(self.tie_s, self.tie_ratio * best)
-        near = sum(1 for _, c in ranked if c <= band)
-        first = ranked.pop(rng.randrange(near))
-        return [first[0], *(n for n, _ in ranked)]
+        near = 1
+        while near < len(ranked) and ranked[near][1] <= band:
+            near += 1
+        first = ranked.pop(rng.randrange(near)) if near > 1 else ranked.pop(0)
+        return [first[0], *[n for n, _ in ranked]]

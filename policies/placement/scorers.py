@@ -42,7 +42,11 @@ class ExpectedCompletion:
             if count and (node.preempt_gap is None or q - p < node.preempt_gap):
                 blocking = max(blocking, seconds / count)
         own = request.rows * row_cost(node, request.model)
-        rho = min(MAX_OVERTAKEN, sum(s for p, s in node.busy.items() if p > q))
+        rho = 0.0
+        for p, share in node.busy.items():
+            if p > q:
+                rho += share
+        rho = min(MAX_OVERTAKEN, rho)
         wait = (node.running_left_s + ahead + BLOCKING_LEFT * blocking + own) / (1.0 - rho)
         return wait + self.lower_share * lower
 

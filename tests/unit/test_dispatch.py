@@ -286,6 +286,34 @@ def test_shed_clients_are_told_to_come_back_in_turn(fleet):
         r.result(30)
 
 
+def test_shed_requests_come_back_in_turn_across_callers(fleet):
+    """A second caller's shed requests queue behind the first caller's, through the
+    router's view: two callers do not each tell theirs to come back first."""
+    f = fleet({"a": {}}, cost_s=0.3, capacity=4, shed={"background": 0.5})
+    assert f.infer(req(3)).error is None  # the node measures its cost: reports drain slowly
+    first = [f.dispatcher.submit(req(3)) for _ in range(2)]  # the node is at the limit
+    other = Dispatcher(f.config, f.handles)
+    try:
+        deadline = time.monotonic() + 30
+        while sum(f.node("a").status().queued.values()) + 1 < 2:  # one may be running
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        f.refresh()
+        other.update(f.router.fleet_view("other"))
+        hints = [other.submit(req(3)).result(30).error.retry_after_s for _ in range(3)]
+        assert other.shed_waiting() == 3
+        f.router.fleet_view("other", None, other.shed_waiting())  # its view feed reports them
+        f.refresh()
+        mine = f.infer(req(3)).error.retry_after_s
+        assert mine > hints[-1]  # after the other caller's three, not alongside its first
+        f.refresh()
+        assert f.router.fleet_view("other", None, 3).shed_waiting == 1  # what "test" has out
+    finally:
+        other.close()
+    for r in first:
+        r.result(30)
+
+
 def test_a_failing_node_handle_gives_a_typed_answer_not_a_hang(fleet):
     f = fleet({"a": {}})
 
