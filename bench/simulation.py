@@ -3,15 +3,20 @@ how large a fleet it simulates, and placement policies compared at 1,000 and 10,
 nodes.
 
 (a) fidelity: one seeded trace replayed on the real 4-node fleet of the fleet
-benchmark's part (d) and in the simulator, with the engine costs that fleet measured.
+benchmark's part (d) several times and in the simulator, given what the first replay
+recorded (its engine times, its network) and compared with the other replays.
 (b) scale: 10,000 nodes and 1,000,000 requests, in a child process (wall time, peak
 memory, events per second). (c) placement policies x scenarios, simulated.
+
+``EDGEFLEET_BENCH_SIM_PARTS`` (e.g. ``a`` or ``bc``) runs only those parts; default all.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import multiprocessing
+import os
 import random
 import resource
 import statistics
@@ -63,8 +68,8 @@ from edgefleet.config import FleetConfig, parse_config
 from edgefleet.request import priority_name
 from sim.fleet import ModelCost, Network
 from sim.report import RunResult
-from sim.run import measured_costs, simulate
-from sim.workload import Workload, parse_workload
+from sim.run import measured_costs, recorded_costs, simulate
+from sim.workload import Workload, parse_workload, read_engine_times
 
 TITLE = (
     "Fleet simulator: fidelity, scale, placement policies at 1,000 and 10,000 nodes (simulation)"
@@ -116,78 +121,130 @@ def _pct(values: Sequence[float], q: float) -> float:
 class Fidelity:
     rate: float
     capacity: float
-    rounds: list[Replay]
+    rounds: list[Replay]  # the first is the recorded run, the others are held out
+    recorded_lines: int  # lines of the first replay in the call record
     warmup_costs: dict[str, ModelCost]
     observed_costs: dict[str, ModelCost]
+    recorded_costs: dict[str, ModelCost]
     hop_ms: float
-    sim_warmup: RunResult
-    sim_observed: RunResult
+    sims: dict[str, RunResult]  # by variant label, the acceptance variant last
     workload: Workload
     stretch: float  # real engine time per call / the warm-up cost table's
     cores: float  # cores of the shared machine fitted to that stretch
+
+    @property
+    def held_out(self) -> list[Replay]:
+        return self.rounds[1:]
+
+
+WARMUP, OBSERVED, RECORDED = (
+    "warm-up costs, shared cores",
+    "costs observed in the run",
+    "recorded run",
+)
 
 
 def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidelity:
     feeds = {n: slow_feed(m.width) for n, m in models.items()}
     requests = ctx.count(1500, 300)
-    rounds = ctx.count(3, 1)
-    config = _trace_config("bench-sim", models, "expected_completion")
-    with deployed(config) as client:
-        _warm(client, feeds, 10)
-        cap = measure_capacity(client, feeds, ctx.pick(1.5, 0.8))
-        rate = FIDELITY_LOAD * cap.rate
-        workload = trace_workload(rate, requests)
-        arrivals = list(
-            workload.arrivals(random.Random(workload.seed), nodes=4, priorities=config.priorities)
+    rounds = ctx.count(4, 3)  # the first is the recorded run; at least two held out
+    with tempfile.TemporaryDirectory() as tmp:
+        record_dir = Path(tmp) / "calls"
+        config = _trace_config("bench-sim", models, "expected_completion")
+        recording = config.model_copy(
+            update={"router": config.router.model_copy(update={"record_dir": record_dir})}
         )
-        trace = [TraceItem(a.at * rate, a.model, a.priority) for a in arrivals]
-        log(
-            f"  (a) capacity {cap.rate:.0f}/s; {len(trace)} requests at {rate:.0f}/s, "
-            f"{rounds} round(s) on the real fleet"
-        )
-        warm = client.status(GET_TIMEOUT_S)
-        runs: list[Replay] = []
-        for i in range(rounds):
-            _settle(client)
-            kept = calm(lambda: replay(client, trace, rate, feeds), f"(a) round {i + 1}")
-            runs.append(kept.value)
-    samples = [s for r in runs for s in r.samples]
+        with deployed(recording) as client:
+            _warm(client, feeds, 10)
+            cap = measure_capacity(client, feeds, ctx.pick(1.5, 0.8))
+            rate = FIDELITY_LOAD * cap.rate
+            workload = trace_workload(rate, requests)
+            arrivals = list(
+                workload.arrivals(
+                    random.Random(workload.seed), nodes=4, priorities=config.priorities
+                )
+            )
+            trace = [TraceItem(a.at * rate, a.model, a.priority) for a in arrivals]
+            log(
+                f"  (a) capacity {cap.rate:.0f}/s; {len(trace)} requests at {rate:.0f}/s, "
+                f"{rounds} round(s) on the real fleet"
+            )
+            warm = client.status(GET_TIMEOUT_S)
+
+            def timed_replay() -> tuple[Replay, tuple[float, float]]:
+                start = time.time()
+                run = replay(client, trace, rate, feeds)
+                return run, (start, time.time())
+
+            runs: list[Replay] = []
+            windows: list[tuple[float, float]] = []
+            for i in range(rounds):
+                _settle(client)
+                run, window = calm(timed_replay, f"(a) round {i + 1}").value
+                runs.append(run)
+                windows.append(window)
+        # closed: the client's call record is written out
+        first = Path(tmp) / "first.jsonl"
+        recorded_lines = _record_between(record_dir, windows[0], first)
+        times = read_engine_times(first)
+    log(f"  (a) recorded run: {recorded_lines} lines in the call record")
+    # What the simulator is given comes from the first replay alone (the recorded run);
+    # it is compared with the other replays, held out.
+    given = [s for s in runs[0].samples if s.error is None]
     warmup = measured_costs((m.name, m.cost_ms) for n in warm.nodes for m in n.models)
-    observed = _costs_observed(samples, warmup)
+    observed = _costs_observed(given, warmup)
+    recorded = recorded_costs(times, warmup)
     outside = [
         s.latency_s - s.service_s - s.queue_s
-        for s in samples
-        if s.error is None and s.latency_s > s.service_s + s.queue_s
+        for s in given
+        if s.latency_s > s.service_s + s.queue_s
     ]
     hop_ms = statistics.median(outside) * 1000 / 2 if outside else 0.5
     net = workload.network.model_copy(update={"hop_ms": hop_ms})
     apart = workload.model_copy(update={"network": net})
     # The warm-up tables on nodes sharing one machine, its cores fitted so that engine
-    # calls stretch as much as they did in the real run (this machine's 2 cores are
-    # shared with the caller, Ray and the nodes' own loops); the costs observed in the
-    # run already carry that stretch.
-    done = [s for s in samples if s.error is None]
-    stretch = sum(s.service_s for s in done) / sum(warmup[s.item.model].call_s(1) for s in done)
+    # calls stretch as much as they did in the recorded run (this machine's 2 cores are
+    # shared with the caller, Ray and the nodes' own loops); the observed and recorded
+    # costs already carry that stretch, so their nodes are devices of their own.
+    stretch = sum(s.service_s for s in given) / sum(warmup[s.item.model].call_s(1) for s in given)
     cores = _fit_cores(config, apart, warmup, stretch)
     on_host = apart.model_copy(update={"shared_cores": cores})
-    # the network as the real replies met it: each answer's time outside its node drawn
-    # from theirs (the caller's own work and Ray's included, tail and all)
+    # the network as the recorded run's replies met it: each answer's time outside its
+    # node drawn from theirs (the caller's own work and Ray's included, tail and all)
     network = Network(hop_ms / 1000, round_trip_s=tuple(outside))
-    sim_warmup = simulate(config, on_host, costs=warmup, network=network)
-    sim_observed = simulate(config, apart, costs=observed, network=network)
+    sims = {
+        WARMUP: simulate(config, on_host, costs=warmup, network=network),
+        OBSERVED: simulate(config, apart, costs=observed, network=network),
+        RECORDED: simulate(config, apart, costs=recorded, network=network),
+    }
     return Fidelity(
         rate,
         cap.rate,
         runs,
+        recorded_lines,
         warmup,
         observed,
+        recorded,
         hop_ms,
-        sim_warmup,
-        sim_observed,
+        sims,
         workload,
         stretch,
         cores,
     )
+
+
+def _record_between(record_dir: Path, window: tuple[float, float], out: Path) -> int:
+    """Write the lines of the call record in ``record_dir`` of requests that arrived
+    within ``window`` (unix times) to ``out``; how many."""
+    start, end = window
+    kept = [
+        line
+        for path in sorted(record_dir.glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip() and start <= json.loads(line)["at"] <= end
+    ]
+    out.write_text("".join(line + "\n" for line in kept))
+    return len(kept)
 
 
 def _fit_cores(
@@ -236,100 +293,141 @@ def _costs_observed(
 
 
 def _fidelity_part(f: Fidelity) -> Part:
-    samples = [s for r in f.rounds for s in r.samples]
+    samples = [s for r in f.held_out for s in r.samples]
     real = _real_figures(samples)
-    sims = {
-        "warm-up costs, shared cores": f.sim_warmup,
-        "costs observed in the run": f.sim_observed,
-    }
+    sims = {label: _sim_figures(result) for label, result in f.sims.items()}
     rows: list[list[object]] = []
+    gaps: list[list[object]] = []
     targets: list[Target] = []
     for p, _ in PRIORITY_MIX:
         r = real[p]
         row: list[object] = [priority_name(p), r.count, fmt(r.p50_ms), fmt(r.p99_ms)]
-        for label, result in sims.items():
-            s = _sim_figures(result)[p]
+        gap: list[object] = [priority_name(p)]
+        for label, figures in sims.items():
+            s = figures[p]
             row += [fmt(s.p50_ms), fmt(s.p99_ms)]
             for what, sv, rv in (("p50", s.p50_ms, r.p50_ms), ("p99", s.p99_ms, r.p99_ms)):
-                targets.append(
-                    Target(
-                        f"(a) {label}: simulated / real {priority_name(p)} {what} - 1, absolute",
-                        abs(sv / rv - 1) if rv > 0 else math.nan,
-                        "<=",
-                        FIDELITY_TOLERANCE,
+                off = sv / rv - 1 if rv > 0 else math.nan
+                gap.append(f"{fmt(off * 100, 0, signed=True)}%")
+                if label == RECORDED:
+                    targets.append(
+                        Target(
+                            f"(a) {label}: simulated / real {priority_name(p)} {what} - 1, "
+                            "absolute",
+                            abs(off),
+                            "<=",
+                            FIDELITY_TOLERANCE,
+                        )
                     )
-                )
         rows.append(row)
+        gaps.append(gap)
+    short = {WARMUP: "warm-up, shared", OBSERVED: "observed costs", RECORDED: "recorded run"}
     table = md_table(
         [
             "class",
-            "real completed",
+            "real completed (held out)",
             "real p50 ms",
             "real p99 ms",
-            "sim p50 (warm-up, shared)",
-            "sim p99 (warm-up, shared)",
-            "sim p50 (observed costs)",
-            "sim p99 (observed costs)",
+            *(f"sim {q} ({short[label]})" for label in sims for q in ("p50", "p99")),
         ],
         rows,
     )
+    deviations = md_table(
+        ["class", *(f"{q} ({short[label]})" for label in sims for q in ("p50", "p99"))], gaps
+    )
     real_counts = Counter(_kind(s.error) for s in samples)
-    rounds = len(f.rounds)
+    held = len(f.held_out)
+    total = sum(real_counts.values()) / held
     count_rows = []
     for kind in ("completed", "rejected", "evicted"):
-        real_n = real_counts[kind] / rounds
-        sim_n = [res.counts()[kind] for res in sims.values()]
-        count_rows.append([kind, fmt(real_n, 0), *(str(n) for n in sim_n)])
-        for label, n in zip(sims, sim_n, strict=True):
-            total = sum(real_counts.values()) / rounds
-            targets.append(
-                Target(
-                    f"(a) {label}: |simulated - real| {kind} / requests",
-                    abs(n - real_n) / total,
-                    "<=",
-                    COUNT_TOLERANCE,
-                    digits=3,
-                )
+        real_n = real_counts[kind] / held
+        sim_n = {label: res.counts()[kind] for label, res in f.sims.items()}
+        count_rows.append([kind, fmt(real_n, 0), *(str(n) for n in sim_n.values())])
+        targets.append(
+            Target(
+                f"(a) {RECORDED}: |simulated - real| {kind} / requests",
+                abs(sim_n[RECORDED] - real_n) / total,
+                "<=",
+                COUNT_TOLERANCE,
+                digits=3,
             )
+        )
     counts = md_table(
-        ["outcome", "real (mean per replay)", "sim (warm-up, shared)", "sim (observed costs)"],
+        ["outcome", "real (mean per held-out replay)", *(f"sim ({short[x]})" for x in sims)],
         count_rows,
     )
     costs = md_table(
-        ["model", "warm-up ms per call (batch 1)", "observed ms per call (median)"],
+        [
+            "model",
+            "warm-up ms per call (batch 1)",
+            "observed ms per call (median)",
+            "recorded calls (batch 1)",
+            "recorded p50 ms",
+            "recorded p99 ms",
+        ],
         [
             [
                 m,
                 fmt(f.warmup_costs[m].call_ms.get(1, math.nan), 2),
                 fmt(f.observed_costs[m].call_ms.get(1, math.nan), 2),
+                len(recorded := f.recorded_costs[m].samples_ms.get(1, ())),
+                fmt(_pct(recorded, 50), 2),
+                fmt(_pct(recorded, 99), 2),
             ]
             for m in sorted(f.warmup_costs)
         ],
     )
+    spread = md_table(
+        ["replay", *(f"{priority_name(p)} p50 / p99 ms" for p, _ in PRIORITY_MIX)],
+        [
+            [
+                "1 (recorded run)" if i == 0 else f"{i + 1} (held out)",
+                *(f"{fmt(c.p50_ms)} / {fmt(c.p99_ms)}" for c in _real_figures(r.samples).values()),
+            ]
+            for i, r in enumerate(f.rounds)
+        ],
+    )
+    rounds = len(f.rounds)
     measured = (
         "The 4-node fleet of the fleet benchmark's part (d) (edge-cheap serves cheap2 only, "
         "edge-1..3 serve cheap2 and dear10; queue 64; default placement and shedding). One "
-        f"seeded trace from `sim.workload` ({len(samples) // max(1, rounds)} requests, Poisson "
+        f"seeded trace from `sim.workload` ({len(f.rounds[0].samples)} requests, Poisson "
         f"at {f.rate:.0f}/s = {FIDELITY_LOAD:.0%} of the fleet's measured capacity of "
         f"{f.capacity:.0f}/s, the priority mix of part (d)) replayed open loop on the real "
-        f"fleet {rounds} time(s) (pooled) and in the simulator twice: with the cost tables "
-        "the nodes measured at warm-up, the 4 simulated nodes sharing one machine as the real "
-        f"ones do here, its cores fitted so that engine calls take {f.stretch:.2f}x their "
-        f"tables on average as they did in the real run (`shared_cores: {f.cores:.2f}`), "
-        "and with those tables scaled to the engine time "
-        "the run's replies reported, each node a device of its own. The simulated network: a "
-        f"request reaches its node after {f.hop_ms:.2f} ms (half the median time the real "
-        "replies spent outside their node) and each answer comes back after a time outside "
-        "the node drawn from those the real replies measured (the caller's own work and "
-        "Ray's included, tail and all)."
+        f"fleet {rounds} times, its caller keeping a call record (`router.record_dir`). "
+        "The first replay is the recorded run: everything the simulator is given that "
+        "was measured in a run comes from it alone, and the simulator is compared with "
+        f"the other {held} replays pooled (held out). Three simulated variants: "
+        "**recorded run** (the acceptance figures): each engine call takes the engine "
+        "time of one of the recorded run's calls of its model and batch size, drawn at "
+        "random (`service_ms` of its call record, `--costs` / `costs_from:` of "
+        f"`edgefleet simulate`; {f.recorded_lines} lines), the nodes reporting the "
+        "warm-up tables as the real ones do, each node a device of its own (the recorded "
+        "times carry the machine's contention already); **warm-up, shared**: the cost "
+        "tables the nodes measured at warm-up, the 4 simulated nodes sharing one machine "
+        "as the real ones do here, its cores fitted so that engine calls take "
+        f"{f.stretch:.2f}x their tables on average as they did in the recorded run "
+        f"(`shared_cores: {f.cores:.2f}`); **observed costs**: those tables scaled to the "
+        "median engine time of the recorded run's replies, each node a device of its own. "
+        f"The simulated network, the same for all three: a request reaches its node after "
+        f"{f.hop_ms:.2f} ms (half the median time the recorded run's replies spent outside "
+        "their node) and each answer comes back after a time outside the node drawn from "
+        "those the recorded run's replies measured (the caller's own work and Ray's "
+        "included, tail and all)."
     )
     notes = [
-        "Engine costs:\n\n" + costs,
+        "Simulated / real - 1, per variant:\n\n" + deviations,
+        "The real fleet replay by replay (the same trace each time):\n\n" + spread,
+        "Engine costs (recorded: the recorded run's completed calls):\n\n" + costs,
         "On this machine the four nodes share 2 cores, so an engine call under load takes "
         "longer than at warm-up, alone: the simulator models separate devices, each with "
-        "its own CPU, which is what a fleet is. The costs observed in the run carry the "
-        "machine's contention into the simulation; the warm-up tables show what the "
-        "simulator predicts from what nodes report before any traffic.",
+        "its own CPU, which is what a fleet is. The recorded run's engine times carry the "
+        "machine's contention and its tail (the engine thread sharing the cores with Ray, "
+        "the caller and the other nodes) into the simulation, drawn independently call by "
+        "call; the warm-up tables show what the simulator predicts from what nodes report "
+        "before any traffic, and the median-scaled tables what a single figure per model "
+        "gives. Only the recorded-run variant has targets; the other two are reported for "
+        "comparison.",
     ]
     return Part(
         "(a) Fidelity: the same trace on the real fleet and in the simulator",
@@ -645,35 +743,41 @@ def _table_part(rows: list[list[Any]], default: str) -> Part:
 
 def run(ctx: RunContext) -> Section:
     parts = []
-    t0, cpu0 = time.perf_counter(), cpu_sample()
-    log("(a) fidelity: one trace on the real fleet and in the simulator")
-    models = {
-        CHEAP: ctx.models.calibrated(CHEAP_COST_MS),
-        DEAR: ctx.models.calibrated(DEAR_COST_MS),
-    }
-    part = _fidelity_part(measure_fidelity(ctx, models))
-    part.seconds, part.cpu = time.perf_counter() - t0, cpu_since(cpu0)
-    parts.append(part)
+    chosen = os.environ.get("EDGEFLEET_BENCH_SIM_PARTS", "abc")
+    if "a" in chosen:
+        t0, cpu0 = time.perf_counter(), cpu_sample()
+        log("(a) fidelity: one trace on the real fleet and in the simulator")
+        models = {
+            CHEAP: ctx.models.calibrated(CHEAP_COST_MS),
+            DEAR: ctx.models.calibrated(DEAR_COST_MS),
+        }
+        part = _fidelity_part(measure_fidelity(ctx, models))
+        part.seconds, part.cpu = time.perf_counter() - t0, cpu_since(cpu0)
+        parts.append(part)
 
-    t0, cpu0 = time.perf_counter(), cpu_sample()
-    nodes, requests = (SCALE_NODES, SCALE_REQUESTS) if not ctx.quick else (1000, 20_000)
-    log(f"(b) scale: {nodes:,} nodes, {requests:,} requests in a child process")
-    with tempfile.TemporaryDirectory() as tmp:
-        scale = measure_scale(nodes, requests, Path(tmp))
-    part = _scale_part(scale, target=not ctx.quick)
-    part.seconds, part.cpu = time.perf_counter() - t0, cpu_since(cpu0)
-    parts.append(part)
+    if "b" in chosen:
+        t0, cpu0 = time.perf_counter(), cpu_sample()
+        nodes, requests = (SCALE_NODES, SCALE_REQUESTS) if not ctx.quick else (1000, 20_000)
+        log(f"(b) scale: {nodes:,} nodes, {requests:,} requests in a child process")
+        with tempfile.TemporaryDirectory() as tmp:
+            scale = measure_scale(nodes, requests, Path(tmp))
+        part = _scale_part(scale, target=not ctx.quick)
+        part.seconds, part.cpu = time.perf_counter() - t0, cpu_since(cpu0)
+        parts.append(part)
 
-    t0, cpu0 = time.perf_counter(), cpu_sample()
-    sizes = [(1000, 100_000), (10_000, 200_000)] if not ctx.quick else [(100, 5_000)]
-    log(f"(c) placement policies x scenarios at {', '.join(f'{n:,}' for n, _ in sizes)} nodes")
-    default = table_config().router.placement.policy
-    part = _table_part(measure_table(sizes, POLICIES), default)
-    part.seconds, part.cpu = time.perf_counter() - t0, cpu_since(cpu0)
-    parts.append(part)
+    if "c" in chosen:
+        t0, cpu0 = time.perf_counter(), cpu_sample()
+        sizes = [(1000, 100_000), (10_000, 200_000)] if not ctx.quick else [(100, 5_000)]
+        at = ", ".join(f"{n:,}" for n, _ in sizes)
+        log(f"(c) placement policies x scenarios at {at} nodes")
+        default = table_config().router.placement.policy
+        part = _table_part(measure_table(sizes, POLICIES), default)
+        part.seconds, part.cpu = time.perf_counter() - t0, cpu_since(cpu0)
+        parts.append(part)
     measured = (
         "The discrete-event fleet simulator (`edgefleet simulate`, `sim/`): the real node "
-        "scheduler and the real placement in simulated time, engine time from cost tables."
+        "scheduler and the real placement in simulated time, engine time from cost tables "
+        "or drawn from a recorded run."
     )
     return Section(TITLE, measured, parts=parts)
 

@@ -508,7 +508,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from edgefleet.config import load_config
     from policies.placement.registry import POLICIES
     from sim.report import write_report
-    from sim.run import Progress, compare, costs_from_status, model_costs, simulate
+    from sim.run import Progress, compare, simulate, workload_costs
     from sim.workload import load_workload
 
     config = load_config(args.config)
@@ -529,8 +529,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         "progress": progress,
         "seed": args.seed,
     }
-    if args.costs is not None:  # measured on a live fleet; the workload's costs: win
-        options["costs"] = costs_from_status(args.costs) | model_costs(workload.costs)
+    if args.costs is not None:  # measured on a live fleet
+        options["costs"] = workload_costs(workload, args.costs)
     if policies:
         results = compare(config, workload, policies, **options)
     else:
@@ -926,9 +926,12 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--seed", type=int, help="default: the workload's")
     simulate.add_argument(
         "--costs",
-        metavar="STATUS.json",
+        metavar="PATH",
         help="engine costs a live fleet measured: the output of `edgefleet status --json` "
-        "(the workload's costs: take precedence)",
+        "(its warm-up tables; the workload's costs: take precedence), or a call record "
+        "(router.record_dir: a .jsonl file or a folder of them; each inference call takes "
+        "the engine time of a recorded call of its model and batch size, in place of the "
+        "workload's costs_from:)",
     )
     simulate.add_argument(
         "--out", default="sim-report", help="folder for the report (default: %(default)s)"

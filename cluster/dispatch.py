@@ -800,7 +800,7 @@ class _Attempt:
         latency_s = self.d._clock.now() - self.started
         self.d._count(kind)
         self.d._metrics.answered(self.request, answer.error, latency_s)
-        self.record(kind, latency_s, answer.node)
+        self.record(kind, latency_s, answer.node, answer)
         return answer
 
     def abandoned(self, entry: _Entry) -> None:
@@ -809,8 +809,11 @@ class _Attempt:
         self.release(entry)
         self.record("cancelled", self.d._clock.now() - self.started, entry.spec.name)
 
-    def record(self, outcome: str, latency_s: float, node: str) -> None:
-        """Append the request's line to the dispatcher's call record, if it keeps one."""
+    def record(
+        self, outcome: str, latency_s: float, node: str, answer: Final | None = None
+    ) -> None:
+        """Append the request's line to the dispatcher's call record, if it keeps one
+        (with the node's figures of ``answer``, the final answer, when there is one)."""
         record = self.d._record
         if record is not None:
             record.answered(

@@ -26,12 +26,26 @@ One line, one request (keys in this order; numbers are JSON numbers)::
                     generation whose caller stopped reading it is "cancelled"
     latency_s       arrival at the caller to the final answer, on the dispatcher's clock
     node            the node that gave the final answer, or "" (none did)
+    service_ms      engine time of the call that served the request, as its node
+                    measured it (``Reply.service_s``; 0 when no call did, e.g. it
+                    expired while queued); null for a generation, and when no node
+                    answered
+    queue_ms        time queued on the node, arrival to engine start (``queue_s`` of
+                    the answer; a generation's to its first engine step); null when no
+                    node answered
+    batch           requests in the call that served it (``Reply.batch_size``; 0 when
+                    no call did); null for a generation, and when no node answered
 
 For example::
 
     {"at": 1767268800.123, "id": "9f3c...", "model": "classifier", "priority": 10,
      "rows": 1, "deadline_s": 0.2, "key": null, "session": null, "prompt_tokens": 0,
-     "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0012, "node": "edge-0"}
+     "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0012, "node": "edge-0",
+     "service_ms": 0.731, "queue_ms": 0.052, "batch": 1}
+
+Readers take lines without the last three keys too (their figures then unknown): the
+simulator replays such files, and draws engine times only from lines that have them
+(``sim.workload.read_engine_times``).
 
 Lines are buffered and flushed at least once a second while requests are answered
 (and on every fleet view a ``FleetClient`` fetches), and when the dispatcher closes; a
@@ -56,6 +70,7 @@ from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import IO
 
+from edgefleet.messages import GenerationResult, Reply
 from edgefleet.request import GenerateRequest, InferRequest
 
 log = logging.getLogger(__name__)
@@ -79,8 +94,10 @@ def call_line(
     outcome: str,
     latency_s: float,
     node: str,
+    answer: Reply | GenerationResult | None = None,
 ) -> str:
-    """One request's line, newline included.
+    """One request's line, newline included; ``answer`` is the final answer, when the
+    caller got one (its node's figures: see :func:`node_figures`).
 
     Formatted directly, strings escaped as ``json.dumps`` escapes them: about 3 µs,
     where ``json.dumps`` of the same dict takes 5 (this runs once per request).
@@ -91,6 +108,7 @@ def call_line(
     else:
         key, session, prompt_tokens, max_new_tokens = request.key, None, 0, 0
     deadline_s = _deadline_s(request.deadline_unix, at)
+    service_ms, queue_ms, batch = node_figures(answer)
     return (
         f'{{"at": {float(at)!r}, "id": {_text(request.id)}, "model": {_text(request.model)}, '
         f'"priority": {int(request.priority)}, "rows": {int(rows)}, '
@@ -98,8 +116,24 @@ def call_line(
         f'"key": {_maybe_text(key)}, "session": {_maybe_text(session)}, '
         f'"prompt_tokens": {int(prompt_tokens)}, "max_new_tokens": {int(max_new_tokens)}, '
         f'"outcome": {_text(outcome)}, "latency_s": {round(float(latency_s), 6)!r}, '
-        f'"node": {_text(node)}}}\n'
+        f'"node": {_text(node)}, "service_ms": {_maybe_number(service_ms)}, '
+        f'"queue_ms": {_maybe_number(queue_ms)}, '
+        f'"batch": {"null" if batch is None else int(batch)}}}\n'
     )
+
+
+def node_figures(
+    answer: Reply | GenerationResult | None,
+) -> tuple[float | None, float | None, int | None]:
+    """``service_ms``, ``queue_ms`` and ``batch`` of a request's line: what the node
+    that gave the final ``answer`` measured (ms rounded to the µs); None for a figure
+    the answer does not carry, and for all three when no node answered."""
+    if answer is None or not answer.node:
+        return None, None, None
+    queue_ms = round(float(answer.queue_s) * 1000, 3)
+    if isinstance(answer, GenerationResult):
+        return None, queue_ms, None
+    return round(float(answer.service_s) * 1000, 3), queue_ms, int(answer.batch_size)
 
 
 _text = encode_basestring_ascii  # a JSON string; TypeError for anything but a str
@@ -107,6 +141,11 @@ _text = encode_basestring_ascii  # a JSON string; TypeError for anything but a s
 
 def _maybe_text(value: str | None) -> str:
     return "null" if value is None else _text(value)
+
+
+def _maybe_number(value: float | None) -> str:
+    """A JSON number, or null for None or a value JSON cannot carry (NaN, infinity)."""
+    return "null" if value is None or not math.isfinite(value) else repr(value)
 
 
 def _deadline_s(deadline_unix: float | None, at: float) -> float | None:
@@ -153,11 +192,18 @@ class CallRecord:
         outcome: str,
         latency_s: float,
         node: str,
+        answer: Reply | GenerationResult | None = None,
     ) -> None:
         """Record a request's final answer (see :func:`call_line`)."""
         try:
             line = call_line(
-                request, at=at, rows=rows, outcome=outcome, latency_s=latency_s, node=node
+                request,
+                at=at,
+                rows=rows,
+                outcome=outcome,
+                latency_s=latency_s,
+                node=node,
+                answer=answer,
             )
         except Exception:  # a request no JSON can carry (a caller's own id type)
             with self._lock:

@@ -108,14 +108,36 @@ class ModelCost:
     """Engine time of one model on a node of speed 1: ``call_ms`` by batch rows
     (linear between the sizes given, the last size's cost per row beyond it); for a
     decoder, prefill per prompt token and one decode step by generations decoding
-    together."""
+    together.
+
+    ``samples_ms``, when given, are engine times of calls a live fleet ran (ms, by
+    batch size, as a call record has them): each call then takes one of them drawn at
+    random (:meth:`draw_s`), the spread and tail of the recorded run included, where
+    ``call_ms`` stays the table nodes report and price calls by."""
 
     call_ms: Mapping[int, float] = field(default_factory=dict)
     prefill_ms_per_token: float = 0.0
     step_ms: Mapping[int, float] = field(default_factory=dict)
+    samples_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
 
     def call_s(self, rows: int) -> float:
         return _interpolate(self.call_ms, rows) / 1000.0
+
+    def draw_s(self, rows: int, rng: random.Random) -> float:
+        """Engine seconds of one call of ``rows``: a recorded call of that batch size
+        drawn uniformly from ``rng``; of the nearest recorded size (the smaller at a
+        tie) scaled by the ratio of the two sizes' ``call_ms`` when none was recorded;
+        the table's (:meth:`call_s`, no draw) without recorded calls."""
+        if not self.samples_ms:
+            return self.call_s(rows)
+        size = rows
+        if size not in self.samples_ms:
+            size = min(self.samples_ms, key=lambda n: (abs(n - rows), n))
+        drawn = rng.choice(self.samples_ms[size])
+        if size != rows:
+            base = _interpolate(self.call_ms, size)
+            drawn *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
+        return drawn / 1000.0
 
     def step_s(self, rows: int) -> float:
         return _interpolate(self.step_ms, rows) / 1000.0
@@ -229,8 +251,12 @@ class SimNode:
         speed: float = 1.0,
         host: Host | None = None,
         on_busy: Callable[[float], None] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
+        """``rng`` draws the engine times of models with recorded calls (default: one
+        seeded from the node's name)."""
         self.loop = loop
+        self._rng = rng if rng is not None else random.Random(f"engine/{spec.name}")
         self.spec = spec
         self.speed = speed
         self.host = host
@@ -376,7 +402,7 @@ class SimNode:
             call.steps_from = self.loop.t + prefill / self._speed()
             self._next_finish(call)
         else:
-            seconds = self._costs[plan.model].call_s(plan.rows) / self.speed
+            seconds = self._costs[plan.model].draw_s(plan.rows, self._rng) / self.speed
             if self.host is not None:
                 call.left_s = seconds
                 self.host.start(self, call)  # schedules the end
@@ -669,6 +695,7 @@ class SimFleet:
                 speed=speeds[i],
                 host=host,
                 on_busy=None if on_busy is None else partial(on_busy, i),
+                rng=random.Random(f"{seed}/engine/{spec.name}"),
             )
             for i, spec in enumerate(specs)
         ]

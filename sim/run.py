@@ -14,7 +14,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from edgefleet.errors import (
 from edgefleet.request import GenerateRequest, InferRequest
 from sim.fleet import ModelCost, Network, SimFleet, grow
 from sim.report import Recorder, RunResult
-from sim.workload import Arrival, CostConfig, Workload
+from sim.workload import Arrival, CostConfig, EngineTimes, Workload, read_engine_times
 
 SAMPLE_EVERY_S = 0.05  # queue length over time: one sample per this much simulated time
 PROGRESS_EVERY = 2000  # answers between progress updates
@@ -98,6 +98,55 @@ def costs_from_status(path: str | Path) -> dict[str, ModelCost]:
         ) from None
 
 
+def recorded_costs(
+    times: EngineTimes, tables: Mapping[str, ModelCost] | None = None
+) -> dict[str, ModelCost]:
+    """``tables`` with the engine times a call record gave (:func:`read_engine_times`)
+    to draw each call's from: a model of ``times`` keeps its table (what its nodes report
+    and price calls by, and scale the recorded times by between batch sizes) or, without
+    one, gets the median recorded per batch size as its table. The models of ``tables``
+    without recorded calls keep their tables alone."""
+    out = dict(tables or {})
+    for model, by_size in times.items():
+        cost = out.get(model, ModelCost())
+        samples = {n: tuple(ms) for n, ms in sorted(by_size.items()) if ms}
+        table = cost.call_ms or {n: statistics.median(ms) for n, ms in samples.items()}
+        out[model] = replace(cost, call_ms=table, samples_ms=samples)
+    return out
+
+
+def is_call_record(path: str | Path) -> bool:
+    """Whether ``path`` is a call record (a folder, a ``.jsonl`` file, or a file whose
+    first line is a JSON object with ``at`` and ``model``) rather than the output of
+    ``edgefleet status --json``."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".jsonl":
+        return True
+    try:
+        with path.open() as file:
+            first = next((line for line in file if line.strip()), "")
+        obj = json.loads(first)
+    except (OSError, ValueError):
+        return False  # costs_from_status names the problem
+    return isinstance(obj, dict) and "at" in obj and "model" in obj
+
+
+def workload_costs(workload: Workload, measured: str | Path | None = None) -> dict[str, ModelCost]:
+    """The engine costs of a run of ``workload``: its ``costs:`` tables; for the models
+    they leave out, those of ``measured`` when it is the output of ``edgefleet status
+    --json``; each inference call drawn from the recorded engine times of a call record,
+    ``measured`` when it is one (see :func:`is_call_record`), else the workload's
+    ``costs_from:``."""
+    tables = model_costs(workload.costs)
+    if measured is not None and is_call_record(measured):
+        times = read_engine_times(measured)
+    else:
+        if measured is not None:
+            tables = costs_from_status(measured) | tables
+        times = workload.engine_times()
+    return recorded_costs(times, tables) if times else tables
+
+
 def with_policy(config: FleetConfig, policy: str) -> FleetConfig:
     """``config`` placing with the named policy (its preset scorers and picker)."""
     return config.with_placement(policy=policy)
@@ -125,11 +174,11 @@ def simulate(
 ) -> RunResult:
     """Run ``workload`` on ``config``'s fleet grown to ``nodes`` nodes (default: as the
     config has them), until every arrival is answered or Ctrl-C. ``costs`` and
-    ``network`` replace the workload's (measured on a live fleet, say)."""
+    ``network`` replace the workload's (default: :func:`workload_costs`)."""
     specs = config.node_specs()
     specs = grow(specs, nodes or len(specs))
     n = len(specs)
-    costs = model_costs(workload.costs) if costs is None else costs
+    costs = workload_costs(workload) if costs is None else costs
     workload.check(config.priorities, {m for s in specs for m in s.models}, costs)
     seed = workload.seed if seed is None else seed
     rng = random.Random(seed)

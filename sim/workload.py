@@ -18,7 +18,9 @@ A workload is a YAML file, validated like the fleet config (unknown keys are err
       lifecycle: [{at_s: 10, state: background, share: 0.5}]
 
 or, instead of ``arrivals`` and ``mix``, ``trace: recorded.jsonl``: a recorded trace to
-replay (see :func:`read_trace`).
+replay (see :func:`read_trace`). ``costs_from: calls/`` draws the engine time of each
+inference call from those a live fleet's calls took, as a call record has them (see
+:func:`read_engine_times`).
 
 :meth:`Workload.arrivals` yields the arrivals lazily and in time order; every random draw
 comes from a NumPy generator seeded from the ``random.Random`` it is given, so the same
@@ -56,6 +58,8 @@ from edgefleet.errors import ConfigError
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
 
 _CHUNK = 16_384  # candidate arrivals drawn per NumPy call
+# recorded engine ms per call: model -> batch size -> the calls' times
+EngineTimes = dict[str, dict[int, list[float]]]
 _DEFER = "defer_cross_checks"  # validation context: parse_workload reports them with lines
 
 
@@ -289,10 +293,18 @@ class Workload(_Strict):
         description="replay this recorded trace (JSONL, see read_trace) instead of "
         "arrivals and mix; relative to the YAML file's folder",
     )
+    costs_from: Path | None = Field(
+        None,
+        description="a call record (router.record_dir: a .jsonl file or a folder of them): "
+        "each inference call takes the engine time of one of the recorded calls of its "
+        "model and batch size, drawn at random; models it has no calls of keep costs:; "
+        "relative to the YAML file's folder; default: the costs: tables",
+    )
 
     _source: str = PrivateAttr("workload")
     _lines: dict[str, int] = PrivateAttr(default_factory=dict)
     _trace_cache: list[Arrival] | None = PrivateAttr(None)
+    _times_cache: EngineTimes | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> Workload:
@@ -421,6 +433,14 @@ class Workload(_Strict):
             assert self.trace is not None
             self._trace_cache = read_trace(self.trace)
         return self._trace_cache
+
+    def engine_times(self) -> EngineTimes:
+        """The recorded engine times of ``costs_from`` (read once); empty without it."""
+        if self.costs_from is None:
+            return {}
+        if self._times_cache is None:
+            self._times_cache = read_engine_times(self.costs_from)
+        return self._times_cache
 
     # -- arrivals ----------------------------------------------------------------------
 
@@ -671,8 +691,8 @@ def parse_workload(
     base_dir: str | Path | None = None,
 ) -> Workload:
     """Validate a parsed YAML mapping. ``source`` names it in errors, ``lines`` maps dotted
-    YAML paths to line numbers for them; a relative ``trace`` resolves against ``base_dir``
-    (default: the working directory) and must exist."""
+    YAML paths to line numbers for them; a relative ``trace`` or ``costs_from`` resolves
+    against ``base_dir`` (default: the working directory) and must exist."""
     lines = dict(lines or {})
     header = f"invalid workload {source}:\n"
     try:
@@ -680,11 +700,14 @@ def parse_workload(
     except ValidationError as exc:
         raise ConfigError(header + _format_errors(exc, lines).partition("\n")[2]) from None
     problems = [f"{path}{_where(lines, path)}: {msg}" for path, msg in workload._problems()]
-    if workload.trace is not None:
-        trace = Path(base_dir or ".") / workload.trace
-        if not trace.exists():
-            problems.append(f"trace{_where(lines, 'trace')}: no such file or folder: {trace}")
-        workload = workload.model_copy(update={"trace": trace})
+    for name in ("trace", "costs_from"):
+        value = getattr(workload, name)
+        if value is None:
+            continue
+        resolved = Path(base_dir or ".") / value
+        if not resolved.exists():
+            problems.append(f"{name}{_where(lines, name)}: no such file or folder: {resolved}")
+        workload = workload.model_copy(update={name: resolved})
     if problems:
         raise ConfigError(header + "  " + "\n  ".join(problems))
     workload._source = source
@@ -739,25 +762,21 @@ def read_trace(path: str | Path) -> list[Arrival]:
 
         {"at": 1767268800.123, "id": "r-1", "model": "classifier", "priority": 10,
          "rows": 1, "deadline_s": 0.2, "key": null, "session": null, "prompt_tokens": 0,
-         "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0123, "node": "edge-0"}
+         "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0123, "node": "edge-0",
+         "service_ms": 4.1, "queue_ms": 0.3, "batch": 1}
 
     ``at`` (seconds on any time line the files share, unix time as recorded),
     ``model`` and ``priority`` are required; the other fields of :class:`Arrival` take
     its defaults when missing, and keys it does not have (``outcome``, ``latency_s``,
-    ``node``: what the live fleet answered) are ignored. Blank lines are skipped, as is
+    ``node``, ``service_ms``, ``queue_ms``, ``batch``: what the live fleet answered)
+    are ignored. Blank lines are skipped, as is
     a file's last line that is cut short (no newline at its end, not valid JSON: the
     recorder was stopped while writing it). Anything else that is wrong raises
     ConfigError naming ``file:line`` and the field; so does a folder without a
     ``*.jsonl`` file.
     """
     path = Path(path)
-    if not path.is_dir():
-        rows = _read_rows(path)
-    else:
-        files = sorted(path.glob("*.jsonl"))
-        if not files:
-            raise ConfigError(f"cannot read trace {path}: a folder without *.jsonl files")
-        rows = [row for file in files for row in _read_rows(file)]
+    rows = [row for file in _jsonl_files(path, "trace") for row in _read_rows(file)]
     rows.sort(key=lambda r: r[0])
     start = rows[0][0] if rows else 0.0
     return [
@@ -766,14 +785,79 @@ def read_trace(path: str | Path) -> list[Arrival]:
     ]
 
 
-def _read_rows(path: Path) -> list[_TraceRow]:
-    """The lines of one trace file, in file order."""
+def read_engine_times(path: str | Path) -> EngineTimes:
+    """Engine time of the calls a call record's completed inferences ran in: ms by model
+    and batch size (``service_ms`` and ``batch`` of each line, see ``cluster/record.py``),
+    a call of ``n`` requests appearing once for each of them.
+
+    ``path`` is a file or a folder of ``*.jsonl`` files, read as :func:`read_trace` reads
+    them, each line checked as a trace line is. Lines without the figures (no node
+    answered, a generation, a line written without them) and lines of requests that did
+    not complete are skipped. ConfigError names ``file:line`` and the field of a wrong
+    figure, and says so when no line has an engine time.
+    """
+    path = Path(path)
+    out: EngineTimes = {}
+    for file in _jsonl_files(path, "call record"):
+        for number, obj in _objects(file, "call record"):
+            problem = _engine_problem(obj)
+            if problem is not None:
+                raise ConfigError(f"{file}:{number}: {problem}")
+            service, batch = obj.get("service_ms"), obj.get("batch")
+            if (
+                obj.get("outcome") == "completed"
+                and obj.get("prompt_tokens", 0) == 0
+                and service is not None
+                and service > 0
+                and batch is not None
+                and batch >= 1
+            ):
+                out.setdefault(obj["model"], {}).setdefault(batch, []).append(float(service))
+    if not out:
+        raise ConfigError(
+            f"{path}: no engine times in this call record: no line of a completed inference "
+            "has service_ms and batch (recorded by a caller with router.record_dir)"
+        )
+    return out
+
+
+# field -> (is it valid, what it must be): the node's figures in a call record's line
+_ENGINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "service_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
+    "queue_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
+    "batch": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
+    "outcome": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _engine_problem(obj: dict[str, Any]) -> str | None:
+    """What is wrong with a call record's line, naming the field; None: nothing."""
+    if _trace_row(obj) is None:
+        return _trace_problem(obj)
+    for name, (valid, what) in _ENGINE_FIELDS.items():
+        if name in obj and not valid(obj[name]):
+            return f"{name}: must be {what}, got {obj[name]!r}"
+    return None
+
+
+def _jsonl_files(path: Path, what: str) -> list[Path]:
+    """``path``, or the ``*.jsonl`` files of the folder ``path`` in name order."""
+    if not path.is_dir():
+        return [path]
+    files = sorted(path.glob("*.jsonl"))
+    if not files:
+        raise ConfigError(f"cannot read {what} {path}: a folder without *.jsonl files")
+    return files
+
+
+def _objects(path: Path, what: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Each line of a JSONL file as (line number, object); blank lines skipped, and a last
+    line cut short (no newline after it, not valid JSON)."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read trace {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     lines = text.split("\n")
-    rows: list[_TraceRow] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -781,10 +865,17 @@ def _read_rows(path: Path) -> list[_TraceRow]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines):  # no newline after it: a write cut short
-                break
+                return
             raise ConfigError(f"{path}:{number}: not valid JSON: {exc.msg}") from None
         if not isinstance(obj, dict):
             raise ConfigError(f"{path}:{number}: a line must be a JSON object")
+        yield number, obj
+
+
+def _read_rows(path: Path) -> list[_TraceRow]:
+    """The lines of one trace file, in file order."""
+    rows: list[_TraceRow] = []
+    for number, obj in _objects(path, "trace"):
         row = _trace_row(obj)
         if row is None:
             raise ConfigError(f"{path}:{number}: {_trace_problem(obj)}")
@@ -838,9 +929,11 @@ def _trace_problem(obj: dict[str, Any]) -> str:
 
 __all__ = [
     "Arrival",
+    "EngineTimes",
     "FleetEvent",
     "Workload",
     "load_workload",
     "parse_workload",
+    "read_engine_times",
     "read_trace",
 ]

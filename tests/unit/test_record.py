@@ -22,11 +22,13 @@ from edgefleet.config import FleetConfig, parse_config
 from edgefleet.errors import Rejected
 from edgefleet.messages import GenerationResult, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
-from sim.workload import Arrival, read_trace
+from sim.workload import Arrival, read_engine_times, read_trace
 from tests.fakes import x
 
 REFUSED = "refused"  # every node refuses this id
 SPILLED = "spilled"  # the first node asked refuses this id; the next takes it
+# what a scripted node says it measured: queued, engine time, requests in the call
+QUEUE_S, SERVICE_S, BATCH = 0.0015, 0.00425, 2
 
 
 class ScriptedNode:
@@ -44,7 +46,14 @@ class ScriptedNode:
     def _reply(self, request: InferRequest) -> Reply:
         if self._refuses(request.id):
             return Reply(request.id, self.name, error=Rejected("full", retry_after_s=0.1))
-        return Reply(request.id, self.name, outputs={"y": request.inputs["x"] * 2})
+        return Reply(
+            request.id,
+            self.name,
+            outputs={"y": request.inputs["x"] * 2},
+            queue_s=QUEUE_S,
+            service_s=SERVICE_S,
+            batch_size=BATCH,
+        )
 
     def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
         out: cf.Future[Reply] = cf.Future()
@@ -60,7 +69,7 @@ class ScriptedNode:
             return
         yield TokenChunk((1, 2))
         yield TokenChunk((3,))
-        yield GenerationResult(request.id, self.name, finish_reason="length")
+        yield GenerationResult(request.id, self.name, finish_reason="length", queue_s=QUEUE_S)
 
 
 def make_config(base: Path, record_dir: str | None = "calls") -> FleetConfig:
@@ -143,6 +152,9 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
         "outcome",
         "latency_s",
         "node",
+        "service_ms",
+        "queue_ms",
+        "batch",
     ]
     assert all(before <= line["at"] <= time.time() for line in got.values())
     assert all(line["latency_s"] >= 0 for line in got.values())
@@ -169,6 +181,14 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
     assert (chat["outcome"], chat["node"]) == ("completed", answers["chat"].node)
     assert got["left"]["outcome"] == "cancelled" and got["left"]["node"] in ("a", "b")
     assert (got["unknown"]["outcome"], got["unknown"]["node"]) == ("modelnotfound", "")
+
+    # the figures the answering node measured, in ms; null where none answered
+    figures = ("service_ms", "queue_ms", "batch")
+    for rid in ("timed", "plain", SPILLED):
+        assert tuple(got[rid][k] for k in figures) == (4.25, 1.5, BATCH), rid
+    assert tuple(chat[k] for k in figures) == (None, 1.5, None)  # a generation: queue only
+    for rid in (REFUSED, "unknown", "left"):  # no node answered; the caller walked away
+        assert tuple(got[rid][k] for k in figures) == (None, None, None), rid
 
 
 def test_the_record_reads_back_as_the_arrivals_sent(tmp_path):
@@ -261,3 +281,27 @@ def test_record_dir_is_off_by_default_and_relative_to_the_config(tmp_path):
     idle.flush_record()
     idle.close()
     assert not (tmp_path / "calls").exists()  # ...leaves no file
+
+
+def test_lines_without_the_node_figures_still_replay(tmp_path):
+    # a line as callers wrote it without service_ms, queue_ms and batch
+    old = {
+        "at": 1767268800.5,
+        "id": "r-1",
+        "model": "m",
+        "priority": 10,
+        "rows": 1,
+        "deadline_s": None,
+        "key": None,
+        "session": None,
+        "prompt_tokens": 0,
+        "max_new_tokens": 0,
+        "outcome": "completed",
+        "latency_s": 0.0123,
+        "node": "a",
+    }
+    new = dict(old, at=1767268801.0, id="r-2", service_ms=4.0, queue_ms=0.5, batch=1)
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
+    assert read_trace(path) == [Arrival(0.0, "m", 10, id="r-1"), Arrival(0.5, "m", 10, id="r-2")]
+    assert read_engine_times(path) == {"m": {1: [4.0]}}  # the old line has none

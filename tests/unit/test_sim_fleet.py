@@ -8,9 +8,10 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import json
+import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from edgefleet.messages import GenerationResult, Reply
 from edgefleet.request import GenerateRequest, InferRequest
 from sim.fleet import EventLoop, ModelCost, SimFleet, SimNode, grow
 from sim.report import LATENCY_PNG, OUTCOMES, QUEUE_PNG, write_report
-from sim.run import Progress, compare, costs_from_status, outcome, simulate
+from sim.run import Progress, compare, costs_from_status, outcome, recorded_costs, simulate
 from sim.workload import load_workload, parse_workload
 from tests.fakes import CallGate, FakeLoader, fake_spec, x
 
@@ -655,6 +656,128 @@ def test_costs_measured_by_a_live_fleet_come_from_its_status_json(tmp_path, caps
     bad.write_text(json.dumps({"nodes": [{"models": [{"cost_ms": {}}]}]}))
     with pytest.raises(ConfigError, match="edgefleet status --json"):
         costs_from_status(bad)
+
+
+# ---------------------------------------------------------- engine times of a recorded run
+
+
+def test_a_call_takes_a_recorded_engine_time_of_its_batch_size():
+    cost = ModelCost({1: 10.0, 4: 20.0}, samples_ms={1: (5.0, 7.0, 9.0), 4: (30.0, 40.0)})
+    rng = random.Random(1)
+    ones = [cost.draw_s(1, rng) for _ in range(300)]
+    fours = [cost.draw_s(4, rng) for _ in range(300)]
+    assert set(ones) == {0.005, 0.007, 0.009}  # every one of them, nothing else
+    assert set(fours) == {0.03, 0.04}
+    again = random.Random(1)
+    assert [cost.draw_s(1, again) for _ in range(300)] == ones  # the seed decides
+    assert [cost.draw_s(1, random.Random(2)) for _ in range(300)] != ones
+
+
+def test_a_size_not_recorded_scales_the_nearest_by_the_cost_table():
+    cost = ModelCost({1: 10.0, 4: 20.0}, samples_ms={1: (5.0,), 4: (30.0,)})
+    rng = random.Random(1)
+    # 2 rows: nearest recorded size 1; the table says 2 rows cost (10 + 10/3) / 10 of it
+    assert cost.draw_s(2, rng) == pytest.approx(0.005 * (10 + 10 / 3) / 10)
+    assert cost.draw_s(8, rng) == pytest.approx(0.030 * 2)  # the table: 40 ms at 8 rows
+    tie = ModelCost({1: 10.0, 3: 30.0}, samples_ms={1: (5.0,), 3: (60.0,)})
+    assert tie.draw_s(2, rng) == pytest.approx(0.005 * 2)  # the smaller at a tie
+    no_table = ModelCost(samples_ms={2: (6.0,)})
+    assert no_table.draw_s(4, rng) == pytest.approx(0.012)  # by rows without a table
+
+
+def test_a_model_without_recorded_calls_keeps_its_table_and_draws_nothing():
+    costs = recorded_costs(
+        {"classifier": {1: [3.0, 5.0], 8: [9.0]}, "new": {1: [2.0, 4.0, 9.0]}}, FLEET_COSTS
+    )
+    heavy = costs["heavy"]
+    assert heavy == FLEET_COSTS["heavy"] and not heavy.samples_ms
+    rng = random.Random(1)
+    state = rng.getstate()
+    assert heavy.draw_s(8, rng) == heavy.call_s(8) == 0.012
+    assert rng.getstate() == state
+    # the recorded models keep their tables, or take the recorded medians as one
+    assert costs["classifier"].call_ms == FLEET_COSTS["classifier"].call_ms
+    assert costs["classifier"].samples_ms == {1: (3.0, 5.0), 8: (9.0,)}
+    assert costs["new"].call_ms == {1: 4.0}
+    assert costs["tiny_lm"] == FLEET_COSTS["tiny_lm"]  # decoders: step times from the table
+
+
+def test_a_simulated_node_runs_each_call_for_a_recorded_engine_time():
+    recorded = {1: (30.0, 50.0)}
+    costs = dict(FLEET_COSTS, heavy=ModelCost({1: 4.0}, samples_ms=recorded))
+    config = local_config()
+    fleet = SimFleet(config, costs, specs=config.node_specs()[:1], seed=1)
+    calls = Calls(fleet)
+    for i in range(20):  # one at a time
+        calls.at(i * 0.1, infer(f"r{i}", "heavy", BG))
+    fleet.loop.run(until=lambda: len(calls.answers) == 20)
+    hops = 2 * fleet.network.hop_s
+    took = {round(calls.answers[f"r{i}"][0][0] - i * 0.1 - hops, 9) for i in range(20)}
+    assert took == {0.03, 0.05}
+    # what the node reports and prices calls by stays the table
+    status = next(m for m in fleet.nodes[0].status(0.0).models if m.name == "heavy")
+    assert status.cost_ms[1] == pytest.approx(4.0)
+
+
+def write_call_record(path: Path, model: str, service_ms: Sequence[float]) -> Path:
+    """A call record of completed batch-1 calls of ``model`` taking ``service_ms``."""
+    lines = [
+        {
+            "at": 1767268800.0 + i,
+            "id": f"r{i}",
+            "model": model,
+            "priority": 5,
+            "rows": 1,
+            "outcome": "completed",
+            "latency_s": ms / 1000 + 0.001,
+            "node": "edge-0",
+            "service_ms": ms,
+            "queue_ms": 0.1,
+            "batch": 1,
+        }
+        for i, ms in enumerate(service_ms)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_workload_draws_engine_times_from_its_call_record(tmp_path):
+    record = write_call_record(tmp_path / "calls" / "calls-h-1-0.jsonl", "classifier", [2, 3])
+    data = yaml.safe_load(STEADY.read_text())
+    del data["costs"]["classifier"]
+    data["costs_from"] = "calls"
+    workload = parse_workload(data, source="recorded", base_dir=tmp_path)
+    costs = sim.run.workload_costs(workload)
+    assert costs["classifier"].samples_ms == {1: (2.0, 3.0)}
+    assert costs["heavy"] == FLEET_COSTS["heavy"]
+    first = simulate(local_config(), workload, requests=300)
+    again = simulate(local_config(), workload, requests=300)
+    assert first.recorder.answers == 300
+    assert np.array_equal(first.recorder.columns().latency_s, again.recorder.columns().latency_s)
+    tables = load_workload(STEADY)  # the same arrivals on the 1 ms table
+    other = simulate(local_config(), tables, requests=300).recorder.columns()
+    assert not np.array_equal(first.recorder.columns().latency_s, other.latency_s)
+    assert sim.run.is_call_record(record) and sim.run.is_call_record(tmp_path / "calls")
+
+
+def test_the_simulate_command_takes_a_call_record_for_costs(tmp_path, capsys):
+    workload = yaml.safe_load(STEADY.read_text())
+    del workload["costs"]["classifier"]
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(workload))
+    args = ["simulate", str(LOCAL), "--workload", str(path), "--requests", "100"]
+    record = write_call_record(tmp_path / "calls" / "calls-h-1-0.jsonl", "classifier", [1.5, 4])
+    assert main([*args, "--out", str(tmp_path / "a"), "--costs", str(record)]) == 0
+    assert main([*args, "--out", str(tmp_path / "b"), "--costs", str(record.parent)]) == 0
+    # a call record under another name is told apart from a status file by its content
+    renamed = record.rename(tmp_path / "calls.log")
+    assert main([*args, "--out", str(tmp_path / "c"), "--costs", str(renamed)]) == 0
+    capsys.readouterr()
+    no_times = tmp_path / "old.jsonl"
+    no_times.write_text(json.dumps({"at": 1.0, "model": "classifier", "priority": 5}) + "\n")
+    assert main([*args, "--out", str(tmp_path / "d"), "--costs", str(no_times)]) == 2
+    assert "no engine times in this call record" in capsys.readouterr().err
 
 
 def interrupt_after(answers: int) -> Callable[[int], None]:

@@ -19,6 +19,7 @@ from sim.workload import (
     Workload,
     load_workload,
     parse_workload,
+    read_engine_times,
     read_trace,
 )
 
@@ -122,6 +123,10 @@ BROKEN = [
         "requests: 9\narrivals: {rate: 5}\nmix: [{model: m, priority: 1}]\ntrace: t.jsonl\n",
         r"arrivals \(line 2\): a trace replaces arrivals and mix(.|\n)*"
         r"trace \(line 4\): no such file",
+    ),
+    (  # engine times from a call record that is not there
+        "requests: 9\narrivals: {rate: 5}\nmix: [{model: m, priority: 1}]\ncosts_from: calls/\n",
+        r"costs_from \(line 4\): no such file or folder: .*calls",
     ),
 ]
 
@@ -431,3 +436,70 @@ def test_a_workload_replays_its_trace(tmp_path):
     w.check({}, {"clf"})
     with pytest.raises(ConfigError, match=r"trace \(line 2\): 10 arrivals .* for 'clf'"):
         w.check({}, {"heavy"})
+
+
+# -- engine times from a call record ---------------------------------------------------
+
+
+def call_line(**fields: object) -> str:
+    """A call record's line: a completed batch-1 inference of m unless ``fields`` say."""
+    line: dict[str, object] = {
+        "at": 1.0,
+        "model": "m",
+        "priority": 5,
+        "rows": 1,
+        "prompt_tokens": 0,
+        "outcome": "completed",
+        "node": "edge-0",
+        "service_ms": 4.0,
+        "queue_ms": 0.5,
+        "batch": 1,
+    }
+    return json.dumps(line | fields) + "\n"
+
+
+def test_engine_times_come_from_completed_inferences_of_a_call_record(tmp_path):
+    (tmp_path / "calls").mkdir()
+    write(
+        tmp_path,
+        call_line()
+        + call_line(service_ms=6.0)
+        + call_line(service_ms=9.5, batch=4)
+        + call_line(model="n", service_ms=2.0)
+        + call_line(service_ms=50.0, outcome="deadlineexceeded")  # not completed
+        + call_line(service_ms=None, queue_ms=None, batch=None, node="", outcome="rejected")
+        + call_line(service_ms=0.0, batch=0, outcome="completed")  # no call served it
+        + call_line(model="lm", prompt_tokens=8, service_ms=None, batch=None)  # a generation
+        + json.dumps({"at": 2.0, "model": "m", "priority": 1, "outcome": "completed"})  # old
+        + "\n",
+        "calls/calls-a.jsonl",
+    )
+    write(tmp_path, call_line(service_ms=5.0), "calls/calls-b.jsonl")
+    expected = {"m": {1: [4.0, 6.0, 5.0], 4: [9.5]}, "n": {1: [2.0]}}
+    assert read_engine_times(tmp_path / "calls") == expected
+    # a workload names the record relative to its own folder
+    path = write(
+        tmp_path,
+        "requests: 9\narrivals: {rate: 5}\nmix: [{model: m, priority: 1}]\ncosts_from: calls\n",
+    )
+    w = load_workload(path)
+    assert w.costs_from == tmp_path / "calls"
+    assert w.engine_times() == expected
+    assert workload().engine_times() == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (call_line(service_ms=-1.0), r":1: service_ms: must be null or a number >= 0, got -1.0"),
+        (call_line(batch=1.5), r":1: batch: must be null or an int >= 0, got 1.5"),
+        (call_line(queue_ms="1"), r":1: queue_ms: must be null or a number >= 0"),
+        (call_line() + call_line(priority=12), r":2: priority: must be an int 0-10"),
+        (call_line(outcome="rejected"), r": no engine times in this call record"),
+        (call_line(service_ms=None, batch=None), r": no engine times in this call record"),
+    ],
+)
+def test_a_call_record_names_the_line_and_field_of_a_bad_figure(tmp_path, text, message):
+    path = write(tmp_path, text, "calls.jsonl")
+    with pytest.raises(ConfigError, match=f"{path}{message}"):
+        read_engine_times(path)
