@@ -227,6 +227,7 @@ class _Entry:
             row_cost_s=b.row_cost_s,
             load_cost_s=b.load_cost_s,
             running_left_s=running,
+            running_priority=None if b.running is None or running <= 0 else b.running[0],
             sessions=b.sessions,
             preempt_gap=self.preempt_gap,
             busy=b.busy,

@@ -34,6 +34,7 @@ class NodeView:
     row_cost_s: Mapping[str, float] = field(default_factory=dict)  # engine seconds per row
     load_cost_s: Mapping[str, float] = field(default_factory=dict)  # seconds to load a model
     running_left_s: float = 0.0  # expected remaining time of the call in progress
+    running_priority: int | None = None  # that call's priority (None: not known)
     sessions: frozenset[str] = frozenset()  # sessions whose state the node holds
     preempt_gap: int | None = 5  # priority gap that preempts a running call; None: never
     busy: Mapping[int, float] = field(default_factory=dict)  # share of engine time by priority

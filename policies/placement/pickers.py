@@ -64,9 +64,11 @@ class NearBest:
     """The best candidate, chosen at random among those within a tie band of the best
     (``tie_s`` seconds or ``tie_ratio`` of its cost, whichever is larger); the rest by
     cost. Callers that share a stale view then spread over the near-best nodes instead
-    of all picking the same one."""
+    of all picking the same one. The band is narrow: a cost includes what the request
+    does to the work it overtakes, and a band of 30 % of that sent urgent requests at
+    random to nodes where they wait for a call they cannot preempt."""
 
-    def __init__(self, tie_s: float = 0.001, tie_ratio: float = 0.3) -> None:
+    def __init__(self, tie_s: float = 0.001, tie_ratio: float = 0.05) -> None:
         self.tie_s = tie_s
         self.tie_ratio = tie_ratio
 

@@ -50,7 +50,7 @@ class PipelineParams(BaseModel):
         "(the delay a request adds to the work it overtakes)",
     )
     tie_s: float = Field(0.001, ge=0, description="near_best: nodes this close to the best tie")
-    tie_ratio: float = Field(0.3, ge=0, description="near_best: ...or this share of the best")
+    tie_ratio: float = Field(0.05, ge=0, description="near_best: ...or this share of the best")
     affinity_penalty_s: float = Field(
         0.5, ge=0, description="session_affinity: cost of moving a session from its KV cache"
     )

@@ -13,13 +13,14 @@ class ExpectedCompletion:
     the work it overtakes?
 
     Work of equal or higher priority is ahead of it, each request priced at its own
-    model's cost, plus what is left of the call in progress, plus its own rows. Lower
-    work waits behind it, except a call it cannot preempt (a priority gap below the
-    node's ``preempt_gap``): when such work is there, one of it may be running, and on
-    average half of a call remains. ``lower_share`` of the lower work's time is added
-    too: this request delays all of it by its own service time, and a placement that
-    ignores that piles urgent work onto the nodes already holding background work,
-    where the background work then waits longest.
+    model's cost, plus what is left of the call in progress unless this request
+    preempts that call, plus its own rows. Lower work waits behind it, except a call it
+    cannot preempt (a priority gap below the node's ``preempt_gap``): when the node is
+    not known to be running a call and such work is queued, one of it may be running by
+    now, and on average half of a call remains. ``lower_share`` of the lower work's
+    time is added too: this request delays all of it by its own service time, and a
+    placement that ignores that piles urgent work onto the nodes already holding
+    background work, where the background work then waits longest.
 
     Work of higher priority that arrives later overtakes this request too: where such
     work keeps the engine busy a share ``rho`` of the time, the wait stretches by
@@ -32,6 +33,7 @@ class ExpectedCompletion:
 
     def cost(self, node: NodeView, request: PlacementRequest) -> float:
         q = request.priority
+        gap = node.preempt_gap
         ahead = lower = blocking = 0.0
         for p, seconds in node.backlog_s.items():
             if p >= q:
@@ -39,15 +41,20 @@ class ExpectedCompletion:
                 continue
             lower += seconds
             count = node.work.get(p, 0)
-            if count and (node.preempt_gap is None or q - p < node.preempt_gap):
+            if count and (gap is None or q - p < gap):
                 blocking = max(blocking, seconds / count)
+        running = node.running_left_s
+        if running > 0 and node.running_priority is not None:
+            blocking = 0.0  # what runs is known: no guess at what may be running
+            if gap is not None and q - node.running_priority >= gap:
+                running = 0.0  # this request preempts it
         own = request.rows * row_cost(node, request.model)
         rho = 0.0
         for p, share in node.busy.items():
             if p > q:
                 rho += share
         rho = min(MAX_OVERTAKEN, rho)
-        wait = (node.running_left_s + ahead + BLOCKING_LEFT * blocking + own) / (1.0 - rho)
+        wait = (running + ahead + BLOCKING_LEFT * blocking + own) / (1.0 - rho)
         return wait + self.lower_share * lower
 
 

@@ -89,6 +89,24 @@ def test_expected_completion_prices_what_it_cannot_preempt_and_what_overtakes_it
     assert ExpectedCompletion(0.5).cost(node("a", {BG: 4}), fg) == pytest.approx(0.030)
 
 
+def test_expected_completion_knows_which_call_it_would_wait_for():
+    ec = ExpectedCompletion(lower_share=0.0)
+    fg = PlacementRequest("m", FG)
+    # a background call with 8 ms left: foreground preempts it and does not wait
+    running_bg = node("a", {BG: 1}, running_left_s=0.008, running_priority=BG)
+    assert ec.cost(running_bg, fg) == pytest.approx(0.010)
+    # an inline call (gap 3 < 5) with 8 ms left: foreground waits for the rest of it,
+    # not for half a call as when it is only known that such work is queued
+    running_inline = node("a", {7: 1}, running_left_s=0.008, running_priority=7)
+    assert ec.cost(running_inline, fg) == pytest.approx(0.018)
+    assert ec.cost(node("a", {7: 1}), fg) == pytest.approx(0.015)
+    # the call's priority unknown (an old report): its rest counts, as before
+    assert ec.cost(node("a", {BG: 1}, running_left_s=0.008), fg) == pytest.approx(0.018)
+    # work of its own priority is never preempted
+    running_fg = node("a", {FG: 1}, running_left_s=0.008, running_priority=FG)
+    assert ec.cost(running_fg, fg) == pytest.approx(0.008 + 0.010 + 0.010)
+
+
 @pytest.mark.parametrize(
     ("view", "request_", "expected"),
     [
