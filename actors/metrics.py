@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -44,7 +45,10 @@ EXPORT_PREFIX = "ray_"  # Ray's metrics agent puts this in front of every metric
 
 LOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
-COUNTER_FLUSH_S = 1.0  # in Ray, a node records its counter sums at most this often
+# In Ray, a recorder hands its counter sums and histogram observations to Ray's metric
+# API at most this often: one record costs tens of microseconds there when the threads
+# of a busy process contend for it, many from one thread at once much less.
+COUNTER_FLUSH_S = 1.0
 
 NODE_STATES = ("starting", "serving", "draining", "drained", "stopped", "failed")
 
@@ -386,19 +390,39 @@ def priority_label(priority: int, classes: Mapping[str, int]) -> str:
 
 
 class Recorder:
-    """Shared plumbing: fixed labels, priority labels, and records that cannot fail."""
+    """Shared plumbing: fixed labels, priority labels, records that cannot fail, and
+    counters and histograms kept back and recorded in batches.
+
+    ``flush_s``: counter sums and histogram observations are recorded at most this
+    often (at the first record after it passed, and at every :meth:`flush`); 0 records
+    each at once. By default they go to Ray's metric API every ``COUNTER_FLUSH_S``,
+    and any other sink sees every record at once. Gauges are always recorded at once.
+    Thread-safe.
+    """
 
     def __init__(
         self,
         base: Mapping[str, str],
         priorities: Mapping[str, int],
         sink: Sink | None,
+        *,
+        flush_s: float | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._base = dict(base)
         self._classes = dict(priorities) or dict(DEFAULT_PRIORITIES)
         self._labels = {p: priority_label(p, self._classes) for p in range(0, 11)}
         self._sink = sink if sink is not None else default_sink()
         self.errors = 0  # records that failed and were dropped
+        if flush_s is None:
+            flush_s = COUNTER_FLUSH_S if isinstance(self._sink, RaySink) else 0.0
+        self._flush_s = flush_s
+        self._clock = clock or MonotonicClock()
+        self._flushed_at = self._clock.now()
+        self._lock = threading.Lock()
+        self._sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._observed: list[tuple[MetricDef, float, Mapping[str, str]]] = []
+        self._tags: dict[tuple[str, str], dict[str, str]] = {}  # (priority label, model)
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -427,6 +451,48 @@ class Recorder:
             if self.errors == 1:  # once: a broken metric must not flood the log either
                 log.warning("dropping a record of %s", metric.name, exc_info=True)
 
+    def _count(self, metric: MetricDef, value: float, **labels: str) -> None:
+        """Add ``value`` to a counter: at once, or to its sum until the next flush."""
+        if not self._flush_s:
+            self.emit(metric, value, **labels)
+            return
+        key = (metric.name, tuple(labels.items()))
+        with self._lock:
+            self._sums[key] = self._sums.get(key, 0.0) + value
+        self._flush_when_due()
+
+    def _observe(self, metric: MetricDef, value: float, priority: str, model: str) -> None:
+        """One histogram observation labelled by priority class and model: at once, or
+        at the next flush."""
+        tags = self._tags.get((priority, model))
+        if tags is None:
+            tags = self._tags[(priority, model)] = {
+                **self._base,
+                "priority": priority,
+                "model": model,
+            }
+        if not self._flush_s:
+            self._record(metric, value, tags)
+            return
+        with self._lock:
+            self._observed.append((metric, value, tags))
+        self._flush_when_due()
+
+    def _flush_when_due(self) -> None:
+        if self._clock.now() - self._flushed_at >= self._flush_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Record the counter sums and histogram observations kept since the last flush."""
+        with self._lock:
+            self._flushed_at = self._clock.now()
+            sums, self._sums = self._sums, {}
+            observed, self._observed = self._observed, []
+        for (name, labels), value in sums.items():
+            self.emit(_BY_NAME[name], value, **dict(labels))
+        for metric, value, tags in observed:
+            self._record(metric, value, tags)
+
 
 class NodeMetrics(Recorder):
     """Everything one node records. The node calls one method per event."""
@@ -441,46 +507,11 @@ class NodeMetrics(Recorder):
         flush_s: float | None = None,
         clock: Clock | None = None,
     ) -> None:
-        """``flush_s``: counters are summed and recorded at most this often (and at
-        every ``flush``); 0 records each at once. By default the sums go to Ray's metric
-        API every ``COUNTER_FLUSH_S``, and any other sink sees every record at once."""
-        super().__init__({"fleet": fleet, "node": node}, priorities, sink)
+        """``flush_s``, ``clock``: see :class:`Recorder`."""
+        super().__init__(
+            {"fleet": fleet, "node": node}, priorities, sink, flush_s=flush_s, clock=clock
+        )
         self._latency = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in self.classes}
-        if flush_s is None:
-            flush_s = COUNTER_FLUSH_S if isinstance(self._sink, RaySink) else 0.0
-        self._flush_s = flush_s
-        self._clock = clock or MonotonicClock()
-        self._flushed_at = self._clock.now()
-        self._sums: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        self._tags: dict[tuple[str, str], dict[str, str]] = {}  # (priority label, model)
-
-    def _count(self, metric: MetricDef, value: float, **labels: str) -> None:
-        """Add ``value`` to a counter: at once, or to its sum until the next flush."""
-        if not self._flush_s:
-            self.emit(metric, value, **labels)
-            return
-        key = (metric.name, tuple(labels.items()))
-        self._sums[key] = self._sums.get(key, 0.0) + value
-        if self._clock.now() - self._flushed_at >= self._flush_s:
-            self.flush()
-
-    def flush(self) -> None:
-        """Record the counter sums kept since the last flush."""
-        self._flushed_at = self._clock.now()
-        sums, self._sums = self._sums, {}
-        for (name, labels), value in sums.items():
-            self.emit(_BY_NAME[name], value, **dict(labels))
-
-    def _observe(self, metric: MetricDef, value: float, priority: str, model: str) -> None:
-        """One histogram observation labelled by priority class and model."""
-        tags = self._tags.get((priority, model))
-        if tags is None:
-            tags = self._tags[(priority, model)] = {
-                **self._base,
-                "priority": priority,
-                "model": model,
-            }
-        self._record(metric, value, tags)
 
     def start(self, models: Iterable[str], decoders: Iterable[str]) -> None:
         """The node serves ``models`` (``decoders`` among them): its counters start at

@@ -464,7 +464,7 @@ class TokenStream(Iterator[int]):
 class _ViewFeed:
     """Keeps a dispatcher's fleet view fresh: fetches the router's view every
     ``report_interval_s`` and hands over the counters counted meanwhile (and flushes
-    the dispatcher's call record as often). A router that does not answer (restarting,
+    the dispatcher's metrics and call record as often). A router that does not answer (restarting,
     say) is asked again with exponential backoff and jitter; meanwhile requests are
     placed on the last view and the caller's own accounting. The first view is fetched
     before the client is returned."""
@@ -498,7 +498,7 @@ class _ViewFeed:
         jitter = random.Random()
         delay = self._interval
         while not self._stop.wait(delay):
-            self._dispatcher.flush_record()  # recorded calls reach the file while idle too
+            self._dispatcher.flush()  # metrics and recorded calls go out while idle too
             try:
                 self._fetch()
             except Exception as exc:  # supervised: the feed keeps going, with backoff

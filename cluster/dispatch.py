@@ -389,11 +389,14 @@ class Dispatcher:
         record (requests answered after this are not recorded)."""
         self.closed = True
         self._retries.shutdown(wait=False)
+        self._metrics.flush()
         if self._record is not None:
             self._record.close()
 
-    def flush_record(self) -> None:
-        """Write out the call record's buffered lines (a no-op without a record)."""
+    def flush(self) -> None:
+        """Record the metrics kept back and write out the call record's buffered lines
+        (the client's view feed calls it every report interval)."""
+        self._metrics.flush()
         if self._record is not None:
             self._record.flush()
 

@@ -29,6 +29,7 @@ from actors.metrics import (
     Sink,
     bucket_quantile,
 )
+from edgefleet.clock import Clock
 from edgefleet.request import DEFAULT_PRIORITIES, GenerateRequest, InferRequest
 
 if TYPE_CHECKING:
@@ -53,8 +54,10 @@ class RouterMetrics(Recorder):
         priorities: Mapping[str, int] = DEFAULT_PRIORITIES,
         *,
         sink: Sink | None = None,
+        clock: Clock | None = None,
     ) -> None:
-        super().__init__({"fleet": fleet}, priorities, sink)
+        """Recorded in batches in Ray (see :class:`~actors.metrics.Recorder`)."""
+        super().__init__({"fleet": fleet}, priorities, sink, clock=clock)
 
     def start(self) -> None:
         """A caller's counters start at zero for every priority class and outcome."""
@@ -75,19 +78,19 @@ class RouterMetrics(Recorder):
         ``seconds``."""
         outcome = "completed" if error is None else type(error).__name__.lower()
         priority = self.label(request.priority)
-        self.emit(ROUTER_REQUESTS, 1, priority=priority, outcome=outcome)
+        self._count(ROUTER_REQUESTS, 1, priority=priority, outcome=outcome)
         if error is None:
-            self.emit(ROUTER_LATENCY, seconds, priority=priority, model=request.model)
+            self._observe(ROUTER_LATENCY, seconds, priority, request.model)
 
     def spilled(self, priority: int) -> None:
-        self.emit(ROUTER_SPILLED, 1, priority=self.label(priority))
+        self._count(ROUTER_SPILLED, 1, priority=self.label(priority))
 
     def replaced(self, priority: int, reason: str) -> None:
         """``reason``: ``evicted`` or ``node_lost``."""
-        self.emit(ROUTER_REPLACED, 1, priority=self.label(priority), reason=reason)
+        self._count(ROUTER_REPLACED, 1, priority=self.label(priority), reason=reason)
 
     def shed(self, priority: int) -> None:
-        self.emit(ROUTER_SHED, 1, priority=self.label(priority))
+        self._count(ROUTER_SHED, 1, priority=self.label(priority))
 
     def node_health(self, node: str, healthy: bool) -> None:
         self.emit(NODE_HEALTHY, 1 if healthy else 0, node=node)

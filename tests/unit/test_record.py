@@ -261,10 +261,10 @@ def test_a_record_that_stops_being_writable_turns_off_once(tmp_path, caplog, mon
     d = dispatcher(make_config(tmp_path))
     with caplog.at_level(logging.WARNING, logger="cluster.record"):
         assert d.call(InferRequest("m", x(1.0))).error is None
-        d.flush_record()
+        d.flush()
         for _ in range(3):
             assert d.call(InferRequest("m", x(1.0))).error is None
-        d.flush_record()
+        d.flush()
         d.close()
     warnings = [r for r in caplog.records if r.name == "cluster.record"]
     assert len(warnings) == 1 and "call record off" in warnings[0].getMessage()
@@ -278,7 +278,7 @@ def test_record_dir_is_off_by_default_and_relative_to_the_config(tmp_path):
     d.close()
     assert not (tmp_path / "calls").exists()
     idle = dispatcher(make_config(tmp_path, "calls"))  # a caller that sends nothing...
-    idle.flush_record()
+    idle.flush()
     idle.close()
     assert not (tmp_path / "calls").exists()  # ...leaves no file
 
