@@ -660,7 +660,8 @@ def node_cancel(
 
 
 class Route(Protocol):
-    """Where a scenario sends its requests: one node actor, or the fleet's router."""
+    """Where a scenario sends its requests: one node actor, or the fleet's router. A
+    route is a ``cluster.traffic.Client``: the traffic drivers send through it."""
 
     @property
     def label(self) -> str: ...
@@ -671,10 +672,12 @@ class Route(Protocol):
         inputs: Mapping[str, np.ndarray],
         *,
         priority: str | int = "foreground",
+        deadline_s: float | None = None,
+        key: str | None = None,
         request_id: str | None = None,
     ) -> Pending: ...
 
-    def cancel(self, request_id: str) -> bool: ...
+    def cancel(self, request_id: str, timeout_s: float = GET_TIMEOUT_S) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -694,12 +697,16 @@ class NodeRoute:
         inputs: Mapping[str, np.ndarray],
         *,
         priority: str | int = "foreground",
+        deadline_s: float | None = None,
+        key: str | None = None,
         request_id: str | None = None,
     ) -> Pending:
-        return node_submit(self.client, self.node, model, inputs, priority, request_id)
+        return node_submit(
+            self.client, self.node, model, inputs, priority, request_id, deadline_s, key
+        )
 
-    def cancel(self, request_id: str) -> bool:
-        return node_cancel(self.client, self.node, request_id)
+    def cancel(self, request_id: str, timeout_s: float = GET_TIMEOUT_S) -> bool:
+        return node_cancel(self.client, self.node, request_id, timeout_s)
 
 
 @dataclass(frozen=True)
@@ -718,12 +725,16 @@ class RouterRoute:
         inputs: Mapping[str, np.ndarray],
         *,
         priority: str | int = "foreground",
+        deadline_s: float | None = None,
+        key: str | None = None,
         request_id: str | None = None,
     ) -> Pending:
-        return self.client.submit(model, inputs, priority=priority, request_id=request_id)
+        return self.client.submit(
+            model, inputs, priority=priority, deadline_s=deadline_s, key=key, request_id=request_id
+        )
 
-    def cancel(self, request_id: str) -> bool:
-        return self.client.cancel(request_id, GET_TIMEOUT_S)
+    def cancel(self, request_id: str, timeout_s: float = GET_TIMEOUT_S) -> bool:
+        return self.client.cancel(request_id, timeout_s)
 
 
 def only_node(client: FleetClient) -> NodeRoute:

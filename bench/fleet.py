@@ -24,7 +24,6 @@ Five parts, each measured side by side in one run on one embedded Ray:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import random
@@ -67,13 +66,11 @@ from bench.common import (
     reply_of,
     slow_feed,
 )
-from bench.priority_latency import FloodCounts, ForegroundRun, foreground
+from bench.priority_latency import FLOOD_BACKOFF, ForegroundRun, foreground
 from cluster.client import FleetClient
+from cluster.traffic import ClosedLoop, Counts
 from edgefleet.config import FleetConfig
-from edgefleet.errors import Evicted, Rejected
-from edgefleet.messages import Reply
 from edgefleet.modelgen import make_classifier, random_inputs
-from edgefleet.request import new_request_id
 from sim.workload import Workload, parse_workload
 
 TITLE = "The fleet: placement in the caller (fleet)"
@@ -540,10 +537,10 @@ def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float 
 class FloodActor:
     """The background flood as a client of its own (a Ray actor with its own
     ``FleetClient``, placing its requests itself, so its work does not share the
-    measuring driver's interpreter): ``outstanding`` lanes, each sending one background
-    request at a time and the next as soon as the reply returns; after a refusal a lane
-    waits the reply's ``retry_after_s`` (at most ``max_retry_s``), after an eviction or
-    another error 5 ms."""
+    measuring driver's interpreter): a ``cluster.traffic.ClosedLoop`` of ``outstanding``
+    lanes, each sending one background request at a time and the next as soon as the
+    reply returns; after a refusal a lane waits the reply's ``retry_after_s`` (2 ms to
+    ``max_retry_s``), after an eviction or another error 5 ms (``FLOOD_BACKOFF``)."""
 
     def __init__(
         self,
@@ -556,16 +553,9 @@ class FloodActor:
     ) -> None:
         self._fleet = fleet
         self._client: FleetClient | None = None
-        self._model = model
-        self._feed = feed
-        self._outstanding = outstanding
-        self._priority = priority
-        self._max_retry_s = max_retry_s
-        self._stopping: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._live: set[str] = set()  # request ids in flight
-        self._counts = FloodCounts()
-        self._error: str | None = None
+        self._flood: ClosedLoop | None = None
+        self._lanes = (model, feed, outstanding, priority)
+        self._backoff = replace(FLOOD_BACKOFF, max_retry_s=max_retry_s)
 
     async def start(self) -> None:
         # Connecting waits on the router: off the actor's event loop.
@@ -573,62 +563,25 @@ class FloodActor:
         self._client = await loop.run_in_executor(
             None, partial(FleetClient.connect, fleet=self._fleet)
         )
-        self._stopping = asyncio.Event()
-        self._tasks = [asyncio.create_task(self._lane()) for _ in range(self._outstanding)]
+        model, feed, outstanding, priority = self._lanes
+        self._flood = ClosedLoop(
+            self._client, model, feed, lanes=outstanding, priority=priority, backoff=self._backoff
+        )
+        await self._flood.start()
 
-    async def _lane(self) -> None:
-        assert self._stopping is not None
-        stopping = self._stopping
-        try:
-            while not stopping.is_set():
-                rid = new_request_id()
-                self._live.add(rid)
-                self._counts.submitted += 1
-                assert self._client is not None
-                try:
-                    reply: Reply = await asyncio.wrap_future(
-                        self._client.submit(
-                            self._model, self._feed, priority=self._priority, request_id=rid
-                        )
-                    )
-                finally:
-                    self._live.discard(rid)
-                if stopping.is_set():
-                    return
-                delay = 0.005
-                if reply.error is None:
-                    self._counts.completed += 1
-                    continue
-                if isinstance(reply.error, Rejected):
-                    self._counts.rejected += 1
-                    delay = min(self._max_retry_s, max(0.002, reply.error.retry_after_s))
-                elif isinstance(reply.error, Evicted):
-                    self._counts.evicted += 1
-                else:
-                    self._counts.other_errors += 1
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopping.wait(), delay)
-        except Exception as exc:  # reported by counts()/stop(); the lane ends
-            self._error = self._error or repr(exc)
+    def counts(self) -> tuple[Counts, str | None]:
+        """The counts so far, and the first failure of a lane (a lane that fails ends)."""
+        assert self._flood is not None
+        error = self._flood.error
+        return self._flood.counts.copy(), None if error is None else repr(error)
 
-    def counts(self) -> tuple[FloodCounts, str | None]:
-        return replace(self._counts), self._error
-
-    async def stop(self, timeout_s: float) -> tuple[FloodCounts, str | None]:
+    async def stop(self, timeout_s: float) -> tuple[Counts, str | None]:
         """Stop every lane, cancel what is in flight (bounded); the counts so far."""
-        assert self._stopping is not None
-        self._stopping.set()
-        live = list(self._live)
+        assert self._flood is not None and self._client is not None
+        await self._flood.stop(timeout_s)
         loop = asyncio.get_running_loop()
-        client = self._client
-        assert client is not None
-        for rid in live:
-            await loop.run_in_executor(None, client.cancel, rid, timeout_s)
-        _, pending = await asyncio.wait(self._tasks, timeout=timeout_s)
-        for task in pending:
-            task.cancel()
-        await loop.run_in_executor(None, client.close)  # hands its counters to the router
-        return replace(self._counts), self._error
+        await loop.run_in_executor(None, self._client.close)  # hands its counters to the router
+        return self.counts()
 
 
 @dataclass(frozen=True)
@@ -670,9 +623,9 @@ def _fleet_flooded(
         for i in range(callers)
     ]
 
-    def counts_now() -> FloodCounts:
+    def counts_now() -> Counts:
         got = ray.get([f.counts.remote() for f in floods], timeout=GET_TIMEOUT_S)
-        return FloodCounts.total(c for c, _ in got)
+        return Counts.total(c for c, _ in got)
 
     errors: list[str] = []
     try:

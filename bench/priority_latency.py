@@ -4,21 +4,22 @@ Model: a slow MLP calibrated to about 20 ms per call, batching off, queue capaci
 64. Three configurations in one run: "alone" (foreground only), "edgefleet"
 (priority order, preemption on with gap 5) and "FIFO" (``order: fifo``). During a
 flood a background thread keeps ``capacity`` background requests (priority 3)
-outstanding, resubmitting each as its reply comes back, so the node is never idle
-and its queue never drains. Foreground requests (priority 10) go one at a time with
-a pause between them; the client measures each end to end. Every request goes
-straight to the node actor (``NodeRoute``), bypassing the fleet's router: this
-scenario measures the node's scheduler (``bench.fleet`` measures it behind the router).
+outstanding (a ``cluster.traffic.ClosedLoop``), resubmitting each as its reply comes
+back, so the node is never idle and its queue never drains. Foreground requests
+(priority 10) go one at a time with a pause between them; the client measures each end
+to end. Every request goes straight to the node actor (``NodeRoute``), bypassing the
+fleet's router: this scenario measures the node's scheduler (``bench.fleet`` measures
+it behind the router).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import heapq
-import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
@@ -26,10 +27,8 @@ from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
     Calm,
-    Inbox,
     ModelEntry,
     NodeRoute,
-    Pending,
     Route,
     RunContext,
     Section,
@@ -37,7 +36,6 @@ from bench.common import (
     Target,
     calm,
     deployed,
-    drain_pending,
     fleet_config,
     fmt,
     linear_call_ms,
@@ -46,13 +44,11 @@ from bench.common import (
     median,
     node_costs_ms,
     only_node,
-    replies_of,
     reply_of,
     slow_feed,
 )
 from cluster.client import FleetClient
-from edgefleet.errors import Evicted, Rejected
-from edgefleet.request import new_request_id
+from cluster.traffic import Answer, Backoff, ClosedLoop, Counts, OnAnswer, in_background
 
 TITLE = "Foreground latency under a background flood (c)"
 MODEL = "slow20"
@@ -63,28 +59,11 @@ BACKGROUND = 3
 OFFLINE = 0
 GAP_S = 0.1  # pause between foreground requests
 MAX_RETRY_S = 0.05  # cap on a refused request's back-off
+# A flood's refused request waits its hint (2 ms to MAX_RETRY_S), an evicted or failed one 5 ms.
+FLOOD_BACKOFF = Backoff(min_retry_s=0.002, max_retry_s=MAX_RETRY_S, error_pause_s=0.005)
 TARGET_BOUND_RATIO = 1.0  # edgefleet p99 / (1.5 x alone p99 + one service time)
 TARGET_FIFO_RATIO = 8.0  # FIFO p99 / edgefleet p99
 REFERENCE = "FIFO 1420 ms vs 161 ms with the scheduler (isolated ~140 ms)"
-
-
-@dataclass
-class FloodCounts:
-    completed: int = 0
-    rejected: int = 0
-    evicted: int = 0
-    other_errors: int = 0
-    submitted: int = 0
-    engine_s: float = 0.0  # engine time of completed requests (a call's time / its rows)
-    calls: float = 0.0  # engine calls of completed requests (1 / batch size each)
-
-    @classmethod
-    def total(cls, counts: Iterable[FloodCounts]) -> FloodCounts:
-        out = cls()
-        for c in counts:
-            for f in fields(cls):
-                setattr(out, f.name, getattr(out, f.name) + getattr(c, f.name))
-        return out
 
 
 @dataclass(frozen=True)
@@ -97,14 +76,14 @@ class ForegroundRun:
     queue_s: tuple[float, ...]
     refused: int  # foreground attempts refused (retried)
     errors: int  # foreground requests that failed for another reason
-    flood: FloodCounts | None = None
+    flood: Counts | None = None
     bg_rate: float = float("nan")  # background completions/s while the foreground ran
     counters: dict[str, int] = field(default_factory=dict)
     foreign_cores: float = 0.0  # CPU other processes used meanwhile
     attempts: int = 1
     batch_sizes: tuple[int, ...] = ()  # of the foreground requests' calls
-    bg_window: FloodCounts | None = None  # the background flood while the foreground ran
-    offline: FloodCounts | None = None  # the offline flood, while the foreground ran
+    bg_window: Counts | None = None  # the background flood while the foreground ran
+    offline: Counts | None = None  # the offline flood, while the foreground ran
     offline_wait_s: tuple[float, ...] = ()  # queue waits of offline requests completed then
     offline_share: float = float("nan")  # their share of the engine time of completed work
 
@@ -113,110 +92,27 @@ class ForegroundRun:
         return Summary.of([x * 1000 for x in self.latencies_s])
 
 
-class Flood:
-    """A background thread keeping ``outstanding`` background requests outstanding on
-    ``route`` (one node actor, or the fleet's router).
-
-    Each completed (or refused, or evicted) request is replaced by a new one; refused
-    ones after their ``retry_after_s`` (capped at ``max_retry_s``), so a full queue
-    does not become a busy loop. Every wait is bounded; :meth:`stop` joins with a
-    timeout, then cancels what is still outstanding so the node is idle for whatever is
-    measured next.
-    """
-
-    def __init__(
-        self,
-        route: Route,
-        model: str,
-        feed: dict[str, np.ndarray],
-        outstanding: int,
-        *,
-        priority: int = BACKGROUND,
-        max_retry_s: float = MAX_RETRY_S,
-    ) -> None:
-        self._route = route
-        self._priority = priority
-        self._max_retry_s = max_retry_s
-        self._model = model
-        self._feed = feed
-        self._outstanding = outstanding
-        self._stop = threading.Event()
-        self._pending: dict[Pending, str] = {}  # outstanding reply -> request id
-        self._inbox = Inbox()
-        self._thread = threading.Thread(target=self._loop, name="bench-flood", daemon=True)
-        self.counts = FloodCounts()
-        self.waits: list[float] = []  # queue waits of completed requests, in reply order
-        self.error: BaseException | None = None
-        self._started = 0.0
-        self.seconds = 0.0
-
-    def __enter__(self) -> Flood:
-        self._started = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        self._thread.join(timeout=GET_TIMEOUT_S)
-        self.seconds = time.perf_counter() - self._started
-        if self._thread.is_alive():
-            raise RuntimeError("the background flood thread did not stop")
-        if self._pending:
-            for rid in list(self._pending.values()):
-                self._route.cancel(rid)
-            drain_pending(list(self._pending))
-            self._pending.clear()
-
-    def _submit(self) -> None:
-        self.counts.submitted += 1
-        rid = new_request_id()
-        ref = self._route.submit(self._model, self._feed, priority=self._priority, request_id=rid)
-        self._pending[self._inbox.add(ref)] = rid
-
-    def _loop(self) -> None:
-        try:
-            for _ in range(self._outstanding):
-                self._submit()
-            later: list[float] = []  # resubmit times of refused requests (a heap)
-            while not self._stop.is_set():
-                now = time.perf_counter()
-                while later and later[0] <= now:
-                    heapq.heappop(later)
-                    self._submit()
-                timeout = 0.1 if not later else max(0.0, min(0.1, later[0] - now))
-                if not self._pending:
-                    time.sleep(timeout)
-                    continue
-                ready = self._inbox.ready(timeout)
-                if not ready:
-                    continue
-                replies = replies_of(ready)
-                for ref in ready:
-                    del self._pending[ref]
-                for reply in replies:
-                    if reply.error is None:
-                        self.counts.completed += 1
-                        self.counts.engine_s += reply.service_s / max(1, reply.batch_size)
-                        self.counts.calls += 1 / max(1, reply.batch_size)
-                        self.waits.append(reply.queue_s)
-                        self._submit()
-                    elif isinstance(reply.error, Rejected):
-                        self.counts.rejected += 1
-                        delay = min(self._max_retry_s, max(0.002, reply.error.retry_after_s))
-                        heapq.heappush(later, time.perf_counter() + delay)
-                    elif isinstance(reply.error, Evicted):
-                        self.counts.evicted += 1
-                        heapq.heappush(later, time.perf_counter() + 0.005)
-                    else:
-                        self.counts.other_errors += 1
-                        heapq.heappush(later, time.perf_counter() + 0.005)
-        except BaseException as exc:  # surfaced by the scenario after stop()
-            self.error = exc
+def _flood(
+    route: Route,
+    model: str,
+    feed: dict[str, np.ndarray],
+    outstanding: int,
+    *,
+    priority: int = BACKGROUND,
+    on_answer: OnAnswer | None = None,
+) -> ClosedLoop:
+    """``outstanding`` requests kept outstanding on ``route`` (one node actor, or the
+    fleet's router), each replaced by a new one as its reply returns (``FLOOD_BACKOFF``
+    after a refusal, an eviction or an error)."""
+    return ClosedLoop(
+        route,
+        model,
+        feed,
+        lanes=outstanding,
+        priority=priority,
+        backoff=FLOOD_BACKOFF,
+        on_answer=on_answer,
+    )
 
 
 def foreground(
@@ -229,44 +125,45 @@ def foreground(
     priority: int = FOREGROUND,
     gap_s: float = GAP_S,
 ) -> ForegroundRun:
-    """``count`` foreground requests one at a time on ``route``, ``gap_s`` apart;
-    refused ones retry after the reply's ``retry_after_s`` (capped).
+    """``count`` foreground requests one at a time on ``route``, ``gap_s`` apart (a
+    closed loop of one lane that pauses ``gap_s`` after each answer); a refused one is
+    sent again after the reply's ``retry_after_s`` (1 ms to ``MAX_RETRY_S``) for up to
+    ``GET_TIMEOUT_S``.
 
     Latency runs from the first attempt to the reply, retries included.
     """
-    latencies: list[float] = []
-    services: list[float] = []
-    queues: list[float] = []
-    batches: list[int] = []
-    refused = errors = 0
-    for i in range(count):
-        t0 = time.perf_counter()
-        give_up = t0 + GET_TIMEOUT_S
-        while True:
-            reply = reply_of(route.submit(model, feed, priority=priority))
-            if not isinstance(reply.error, Rejected) or time.perf_counter() > give_up:
-                break
-            refused += 1
-            time.sleep(min(MAX_RETRY_S, max(0.001, reply.error.retry_after_s)))
-        elapsed = time.perf_counter() - t0
-        if reply.error is None:
-            latencies.append(elapsed)
-            services.append(reply.service_s)
-            queues.append(reply.queue_s)
-            batches.append(reply.batch_size)
-        else:
-            errors += 1
-        if (i + 1) % 10 == 0:
-            log(f"  {label}: {i + 1}/{count} foreground requests, last {elapsed * 1000:.0f} ms")
-        time.sleep(gap_s)
+    answers: list[Answer] = []
+
+    def answered(a: Answer) -> None:
+        answers.append(a)
+        done = sum(x.final for x in answers) if a.final else 0
+        if done and done % 10 == 0:
+            log(f"  {label}: {done}/{count} foreground requests, last {a.total_s * 1000:.0f} ms")
+
+    lane = ClosedLoop(
+        route,
+        model,
+        feed,
+        lanes=1,
+        priority=priority,
+        requests=count,
+        think_s=gap_s,
+        backoff=Backoff(min_retry_s=0.001, max_retry_s=MAX_RETRY_S, error_pause_s=gap_s),
+        give_up_s=GET_TIMEOUT_S,
+        reply_timeout_s=GET_TIMEOUT_S,
+        on_answer=answered,
+    )
+    asyncio.run(lane.run())
+    final = [a for a in answers if a.final]
+    ok = [a.reply for a in final if a.reply.error is None]
     return ForegroundRun(
         label,
-        tuple(latencies),
-        tuple(services),
-        tuple(queues),
-        refused,
-        errors,
-        batch_sizes=tuple(batches),
+        tuple(a.total_s for a in final if a.reply.error is None),
+        tuple(r.service_s for r in ok),
+        tuple(r.queue_s for r in ok),
+        len(answers) - len(final),
+        len(final) - len(ok),
+        batch_sizes=tuple(r.batch_size for r in ok),
     )
 
 
@@ -282,6 +179,11 @@ def _wait_saturated(
             return queued
         time.sleep(0.05)
     raise TimeoutError(f"the flood filled the queue to {queued} only, wanted {want_queued}")
+
+
+def _completed_wait(waits: list[float], answer: Answer) -> None:
+    if answer.reply.error is None:
+        waits.append(answer.reply.queue_s)
 
 
 def _flooded(
@@ -300,28 +202,28 @@ def _flooded(
     offline ones) stay outstanding; ``running`` is how many the node runs at once (its
     batch size), so the queue holds the rest."""
     before = client.status(GET_TIMEOUT_S).totals
-    with contextlib.ExitStack() as stack:
-        flood = stack.enter_context(Flood(route, model, feed, outstanding=outstanding))
+    waits: list[float] = []  # queue waits of completed offline requests, in reply order
+    flood = _flood(route, model, feed, outstanding)
+    low = None
+    if offline:
+        on_answer = partial(_completed_wait, waits)
+        low = _flood(route, model, feed, offline, priority=OFFLINE, on_answer=on_answer)
+    with contextlib.ExitStack() as stack:  # leaving it stops the floods, or raises their failure
+        stack.enter_context(in_background(flood, GET_TIMEOUT_S, name="bench-flood"))
         queued = _wait_saturated(client, route.node, outstanding - running - 1)
-        low = None
-        if offline:
-            low = stack.enter_context(
-                Flood(route, model, feed, outstanding=offline, priority=OFFLINE)
-            )
+        if low is not None:
+            stack.enter_context(in_background(low, GET_TIMEOUT_S, name="bench-flood-offline"))
         log(f"  {label}: flood running, {queued} queued")
-        counts0, t0 = replace(flood.counts), time.perf_counter()
-        low0 = replace(low.counts) if low is not None else FloodCounts()
-        waits0 = len(low.waits) if low is not None else 0
+        counts0, t0 = flood.counts.copy(), time.perf_counter()
+        low0 = low.counts.copy() if low is not None else Counts()
+        waits0 = len(waits)
         fg = foreground(route, feed, count, label, model=model)
         bg_rate = (flood.counts.completed - counts0.completed) / (time.perf_counter() - t0)
         snapshot = client.status(GET_TIMEOUT_S)  # before the flood's leftovers are cancelled
         depth = snapshot.node(route.node).queue_length
-        bg = _delta(flood.counts, counts0)
-        off = _delta(low.counts, low0) if low is not None else None
-        waits = tuple(low.waits[waits0:]) if low is not None else ()
-    for f in (flood, low):
-        if f is not None and f.error is not None:
-            raise RuntimeError(f"flood thread failed: {f.error!r}") from f.error
+        bg = flood.counts.minus(counts0)
+        off = low.counts.minus(low0) if low is not None else None
+        offline_waits = tuple(waits[waits0:])
     after = snapshot.totals
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     counters["queue_at_end"] = depth
@@ -337,16 +239,9 @@ def _flooded(
         bg_rate=bg_rate,
         counters=counters,
         offline=off,
-        offline_wait_s=waits,
+        offline_wait_s=offline_waits,
         offline_share=share,
     )
-
-
-def _delta(now: FloodCounts, then: FloodCounts) -> FloodCounts:
-    out = FloodCounts()
-    for f in fields(FloodCounts):
-        setattr(out, f.name, getattr(now, f.name) - getattr(then, f.name))
-    return out
 
 
 def _kept(c: Calm[ForegroundRun]) -> ForegroundRun:
@@ -666,7 +561,7 @@ def _batching_section(
     strict: VariantRun,
     starved: VariantRun,
 ) -> Section:
-    def mean_batch(c: FloodCounts | None) -> str:
+    def mean_batch(c: Counts | None) -> str:
         return "-" if c is None or not c.calls else fmt(c.completed / c.calls, 2)
 
     rows = []
@@ -843,4 +738,4 @@ def _batching_section(
     return Section(BATCHING_TITLE, measured, [table, stable], targets, notes)
 
 
-__all__ = ["Flood", "FloodCounts", "ForegroundRun", "foreground", "run", "run_batching"]
+__all__ = ["ForegroundRun", "foreground", "run", "run_batching"]

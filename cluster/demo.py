@@ -1,8 +1,9 @@
 """`edgefleet demo`: a mixed workload on the embedded default fleet, with a report.
 
 Four streams share the fleet: foreground classifications, camera frames with a
-deadline and a dedup key, a background flood of batch jobs, and offline work on a
-model that cannot batch. When the config has a decoder model, a foreground chat (with
+deadline and a dedup key, offline work on a model that cannot batch (Poisson arrivals
+of a ``sim.workload`` workload, sent open loop) and a background flood of batch jobs
+(a closed loop). When the config has a decoder model, a foreground chat (with
 sessions) and background summaries run on it too, and halfway through one node is
 told its device went to the background (token budgets shrink) and later back. The
 report shows what the scheduler did for each class.
@@ -10,41 +11,44 @@ report shows what the scheduler did for each class.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import os
+import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from cluster.client import FleetClient
 from cluster.head import stop_children
+from cluster.traffic import Answer, Backoff, ClosedLoop, Driver, LoopThread, OpenLoop
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import EdgeFleetError, Rejected
-from edgefleet.messages import Reply
+from edgefleet.errors import EdgeFleetError
 from edgefleet.modelgen import make_missing_models, random_inputs
+from sim.workload import parse_workload
 
 Print = Callable[[str], None]
 
-
-@dataclass
-class Stream:
-    """One source of requests: a fixed rate, or a number kept in flight."""
-
-    name: str
-    model: str
-    priority: str
-    rate_hz: float = 0.0  # open loop at this rate...
-    in_flight: int = 0  # ...or closed loop with this many outstanding
-    deadline_s: float | None = None
-    key: str | None = None
-    next_at: float = 0.0
-    outstanding: int = 0
-    retry_at: list[float] = field(default_factory=list)  # refused slots, resent after retry_after
+# Open-loop classes of requests, sent at Poisson arrivals; weight: requests/s.
+OPEN_LOOP: tuple[Mapping[str, Any], ...] = (
+    {"model": "classifier", "priority": "foreground", "weight": 8},  # a chat UI
+    # camera frames: each has a deadline, and a newer frame replaces a queued older one
+    {"model": "detector", "priority": "inline", "weight": 15, "deadline_ms": 250, "keys": 1},
+    {"model": "stateful", "priority": "offline", "weight": 20},  # an indexer
+)
+WORKLOAD_SEED = 0
+# Batch jobs, kept in flight: a refused one is sent again after the reply's retry hint
+# (as given, as a well-behaved client does), an evicted or failed one at once.
+BATCH_JOBS = ("heavy", "background", 160)  # model, priority class, requests in flight
+BATCH_BACKOFF = Backoff(min_retry_s=0.0, max_retry_s=None, error_pause_s=0.0)
+DRAIN_S = 30.0  # at the end, the replies still out may take this long to come
 
 
 @dataclass
@@ -138,30 +142,124 @@ class ClassStats:
     batch_sizes: list[int] = field(default_factory=list)
 
 
-def default_streams() -> list[Stream]:
-    return [
-        Stream("chat-ui", "classifier", "foreground", rate_hz=8),
-        Stream("camera", "detector", "inline", rate_hz=15, deadline_s=0.25, key="camera-0"),
-        Stream("batch-jobs", "heavy", "background", in_flight=160),
-        Stream("indexer", "stateful", "offline", rate_hz=20),
-    ]
+class _Tally:
+    """Replies by priority class and the nodes that served them (fed by the drivers'
+    callbacks, on the traffic's loop thread)."""
+
+    def __init__(self, classes: Mapping[int, str]) -> None:
+        self.stats = {name: ClassStats() for name in classes.values()}
+        self.ran_on: Counter[str] = Counter()
+        self._classes = classes
+
+    def add(self, answer: Answer) -> None:
+        """Count one reply under the priority class it was sent at."""
+        assert answer.arrival is not None
+        self.add_to(self._classes[answer.arrival.priority], answer)
+
+    def add_to(self, cls: str, answer: Answer) -> None:
+        st, reply = self.stats[cls], answer.reply
+        if reply.error is None:
+            st.latencies.append(answer.latency_s)
+            st.batch_sizes.append(reply.batch_size)
+            st.outcomes["completed"] += 1
+            self.ran_on[reply.node] += 1
+        else:
+            st.outcomes[type(reply.error).__name__] += 1
+
+    def progress(self) -> tuple[int, int]:
+        """Requests completed, and requests answered with an error."""
+        done = sum(s.outcomes["completed"] for s in self.stats.values())
+        return done, sum(sum(s.outcomes.values()) for s in self.stats.values()) - done
+
+
+def _traffic(
+    client: FleetClient, config: FleetConfig, duration_s: float
+) -> tuple[list[Driver], _Tally]:
+    """The demo's drivers for the models the fleet serves (the open loop of the
+    workload's arrivals, the batch jobs' closed loop), and the tally of their replies."""
+    mix = [c for c in OPEN_LOOP if c["model"] in config.models]
+    jobs_model, jobs_class, in_flight = BATCH_JOBS
+    jobs = [jobs_model] if jobs_model in config.models else []
+    classes = [c["priority"] for c in mix] + [jobs_class] * len(jobs)
+    tally = _Tally({config.priorities[c]: c for c in classes})
+    inputs = {m: random_inputs(m) for m in {c["model"] for c in mix} | set(jobs)}
+    drivers: list[Driver] = []
+    if mix and duration_s > 0:
+        workload = parse_workload(
+            {
+                "seed": WORKLOAD_SEED,
+                "duration_s": duration_s,
+                "arrivals": {"process": "poisson", "rate": sum(c["weight"] for c in mix)},
+                "mix": [dict(c) for c in mix],
+            },
+            source="of the demo",
+        )
+        arrivals = workload.arrivals(
+            random.Random(workload.seed),
+            nodes=len(config.node_specs()),
+            priorities=config.priorities,
+        )
+        drivers.append(OpenLoop(client, arrivals, inputs, on_answer=tally.add))
+    for model in jobs:
+        batch_jobs = ClosedLoop(
+            client,
+            model,
+            inputs[model],
+            lanes=in_flight,
+            priority=jobs_class,
+            backoff=BATCH_BACKOFF,
+            on_answer=partial(tally.add_to, jobs_class),
+        )
+        drivers.append(batch_jobs)
+    return drivers, tally
+
+
+def _drive(
+    client: FleetClient,
+    traffic: LoopThread,
+    drivers: Sequence[Driver],
+    tally: _Tally,
+    lifecycle: _LifecycleEvents | None,
+    duration_s: float,
+    out: Print,
+) -> None:
+    """Run the drivers for ``duration_s``, then until the replies still out have come
+    (bounded), with a progress line every 2 s and the lifecycle events on time."""
+    start = last_report = time.monotonic()
+    for d in drivers:
+        traffic.run(d.start())
+    finishing: cf.Future[None] | None = None
+    while finishing is None or not finishing.done():
+        now = time.monotonic()
+        if lifecycle is not None:
+            lifecycle.tick(now)
+        if finishing is None and now - start >= duration_s:
+            finishing = traffic.spawn(_finish(drivers, DRAIN_S))
+        if now - last_report >= 2.0:
+            last_report = now
+            done, refused = traffic.call(tally.progress)
+            out(_progress_line(client, now - start, done, refused))
+        time.sleep(0.01)
+    finishing.result()
+    for d in drivers:
+        d.check()
+
+
+async def _finish(drivers: Sequence[Driver], timeout_s: float) -> None:
+    """Stop sending, and wait (bounded) for the replies still out: they count too."""
+    await asyncio.gather(*(d.stop(timeout_s, drain=True) for d in drivers))
 
 
 def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[str, ClassStats]:
     config = load_config(config_path)
     make_missing_models(config, out)
-    streams = [s for s in default_streams() if s.model in config.models]
-    inputs = {s.model: random_inputs(s.model) for s in streams}
     decoder = next((n for n, m in config.models.items() if m.kind == "decoder"), None)
     chats = default_chats() if decoder else []
-    stats = {s.priority: ClassStats() for s in streams}
-    ran_on: Counter[str] = Counter()
     stop = threading.Event()
     interrupted = False
     with FleetClient.local(config, progress=out) as client:
-        pending: dict[cf.Future[Reply], tuple[Stream, float]] = {}
+        drivers, tally = _traffic(client, config, duration_s)
         start = time.monotonic()
-        last_report = start
         out(f"running a mixed workload for {duration_s:.0f} s on {len(config.node_specs())} nodes")
         out(
             "every 2 s: requests completed, requests not served (answered with a typed "
@@ -176,49 +274,31 @@ def run_demo(config_path: Path, duration_s: float, out: Print = print) -> dict[s
         for t in threads:
             t.start()
         lifecycle = _LifecycleEvents(client, config.node_specs()[-1].name, start, duration_s, out)
-        try:
-            while True:
-                now = time.monotonic()
-                sending = now - start < duration_s
-                if decoder:
-                    lifecycle.tick(now)
-                for s in streams if sending else ():
-                    while s.rate_hz and s.next_at <= now:
-                        s.next_at = (s.next_at or now) + 1.0 / s.rate_hz
-                        _send(client, s, inputs, pending)
-                    if s.retry_at:
-                        s.retry_at = [t for t in s.retry_at if t > now]
-                    while s.in_flight and s.outstanding + len(s.retry_at) < s.in_flight:
-                        _send(client, s, inputs, pending)
-                if not pending and not sending:
-                    break
-                ready, _ = cf.wait(list(pending), timeout=0.005, return_when=cf.FIRST_COMPLETED)
-                for ref in ready:
-                    stream, sent = pending.pop(ref)
-                    stream.outstanding -= 1
-                    _count(stats[stream.priority], stream, ref.result(), sent, ran_on)
-                if now - last_report >= 2.0:
-                    last_report = now
-                    out(_progress_line(client, now - start, stats))
-            for t in threads:
-                t.join()
-        except KeyboardInterrupt:
-            out("interrupted: stopping the fleet; the report covers what was answered so far")
-            interrupted = True
-            stop.set()
-            for t in threads:  # each ends at its next token (the fleet's stop ends the rest)
-                t.join(1.0)
+        with LoopThread("edgefleet-demo") as traffic:
+            try:
+                _drive(
+                    client, traffic, drivers, tally, lifecycle if decoder else None, duration_s, out
+                )
+                for t in threads:
+                    t.join()
+            except KeyboardInterrupt:
+                out("interrupted: stopping the fleet; the report covers what was answered so far")
+                interrupted = True
+                stop.set()
+                traffic.close(timeout_s=1.0)  # what is in flight ends with the fleet's stop
+                for t in threads:  # each ends at its next token (the fleet's stop ends the rest)
+                    t.join(1.0)
         try:
             totals, router = _fleet_totals(client, timeout_s=2.0 if stop.is_set() else 30.0)
         finally:
             stop.set()  # chats still in a turn end quietly as the fleet goes away
         if interrupted:  # the report first: stopping the fleet comes after it, bounded
-            _report(out, stats, totals, ran_on, config, router, chats)
+            _report(out, tally.stats, totals, tally.ran_on, config, router, chats)
             _bound_the_stop(out)
     if interrupted:
         raise KeyboardInterrupt  # the report is out; the command ends as interrupted
-    _report(out, stats, totals, ran_on, config, router, chats)
-    return stats
+    _report(out, tally.stats, totals, tally.ran_on, config, router, chats)
+    return tally.stats
 
 
 def _report(
@@ -291,19 +371,6 @@ def generation_report(chats: list[ChatStream], totals: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
-def _count(st: ClassStats, stream: Stream, reply: Reply, sent: float, ran_on: Counter[str]) -> None:
-    if reply.error is None:
-        st.latencies.append(time.monotonic() - sent)
-        st.batch_sizes.append(reply.batch_size)
-        st.outcomes["completed"] += 1
-        ran_on[reply.node] += 1
-    else:
-        st.outcomes[type(reply.error).__name__] += 1
-        if isinstance(reply.error, Rejected) and stream.in_flight:
-            # A well-behaved client backs off for the hinted time.
-            stream.retry_at.append(time.monotonic() + reply.error.retry_after_s)
-
-
 def _fleet_totals(
     client: FleetClient, timeout_s: float
 ) -> tuple[dict[str, int], dict[str, int] | None]:
@@ -316,28 +383,9 @@ def _fleet_totals(
     return fleet.totals, fleet.router
 
 
-def _send(
-    client: FleetClient,
-    stream: Stream,
-    inputs: dict[str, dict[str, np.ndarray]],
-    pending: dict[cf.Future[Reply], tuple[Stream, float]],
-) -> None:
-    ref = client.submit(
-        stream.model,
-        inputs[stream.model],
-        priority=stream.priority,
-        deadline_s=stream.deadline_s,
-        key=stream.key,
-    )
-    stream.outstanding += 1
-    pending[ref] = (stream, time.monotonic())
-
-
-def _progress_line(client: FleetClient, elapsed: float, stats: dict[str, ClassStats]) -> str:
+def _progress_line(client: FleetClient, elapsed: float, done: int, refused: int) -> str:
     status = client.status()
     queues = " ".join(f"{n.name}:{n.queue_length}" for n in status.nodes)
-    done = sum(s.outcomes["completed"] for s in stats.values())
-    refused = sum(sum(s.outcomes.values()) - s.outcomes["completed"] for s in stats.values())
     return f"[{elapsed:5.1f}s] completed {done:6d}  not served {refused:5d}  queues {queues}"
 
 
