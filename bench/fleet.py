@@ -105,6 +105,9 @@ CHEAP_COST_MS, DEAR_COST_MS = 2.0, 10.0
 CHEAP_SHARE = 0.5  # of the trace's requests
 PRIORITY_MIX: tuple[tuple[int, float], ...] = ((10, 0.10), (7, 0.20), (3, 0.50), (0, 0.20))
 LOAD = 0.8  # offered load over the measured fleet capacity
+# A replay whose median engine call took this many times the run's median (the machine
+# stalled: every call slowed, whatever placed it) is run once more.
+STALL_RATIO = 1.5
 TRACE_SEED = 20261129
 CHEAP_NODE = "edge-cheap"
 TRACE_NODES: tuple[Mapping[str, Any], ...] = (
@@ -948,6 +951,13 @@ class Replay:
     attempts: int = 1
     capacity: float = math.nan  # the policy's closed-loop throughput on the mix
     rounds: tuple[Replay, ...] = ()  # the replays pooled into this one
+    stalled: int = 0  # replays run once more because the machine stalled
+
+    @property
+    def engine_p50_s(self) -> float:
+        """The median engine time of the calls that answered its completed requests."""
+        done = [s.service_s for s in self.samples if s.error is None]
+        return median(done) if done else math.nan
 
     def round_p99(self, priorities: Sequence[int] | None = None) -> float:
         """The median over the pooled rounds of each round's p99: one round that the
@@ -1101,10 +1111,26 @@ def measure_placement(
                         router = {k: v - before.get(k, 0) for k, v in after.items()}
                         return replace(r, policy=policy, router=router)
 
-                    kept = calm(one, f"(d) {policy} round {i + 1}", attempts=2)
+                    label = f"(d) {policy} round {i + 1}"
+                    kept = calm(one, label, attempts=2)
                     r = replace(
                         kept.value, foreign_cores=kept.foreign_cores, attempts=kept.attempts
                     )
+                    usual = median([x.engine_p50_s for runs in pooled.values() for x in runs])
+                    if i and r.engine_p50_s > STALL_RATIO * usual:
+                        log(
+                            f"  {label}: engine calls took {r.engine_p50_s * 1000:.1f} ms "
+                            f"(median so far {usual * 1000:.1f} ms): the machine stalled, "
+                            "once more"
+                        )
+                        _settle(client)
+                        kept = calm(one, label, attempts=2)
+                        r = replace(
+                            kept.value,
+                            foreign_cores=kept.foreign_cores,
+                            attempts=kept.attempts,
+                            stalled=1,
+                        )
                     pooled[policy].append(r)
                     fg = r.latency_ms([10])
                     log(
@@ -1142,6 +1168,7 @@ def _pool(policy: str, runs: Sequence[Replay], capacity: float) -> Replay:
         max(r.attempts for r in runs),
         capacity,
         tuple(runs),
+        sum(r.stalled for r in runs),
     )
 
 
@@ -1281,7 +1308,12 @@ def _placement_part(
             f"{r.policy} {r.foreign_cores:.2f} cores, {r.attempts}, {r.max_lag_s * 1000:.0f} ms"
             for r in replays
         )
-        + ". A replay disturbed by more than 0.2 cores is run once more on the same fleet.",
+        + ". A replay disturbed by more than 0.2 cores is run once more on the same fleet, "
+        f"and so is one whose median engine call took more than {STALL_RATIO:g}x the "
+        "median of the replays before it (from the second round on: the machine stalled, "
+        "which slows every call whatever placed it; run again: "
+        + ", ".join(f"{r.policy} {r.stalled}" for r in replays)
+        + ").",
     ]
     if not all(t.passed for t in targets):
         notes.append(
