@@ -344,6 +344,12 @@ class FleetClient:
         status: NodeStatus = self._ask_router("set_lifecycle", timeout_s, node, state)
         return status
 
+    def counters(self) -> dict[str, int]:
+        """What this client counted since it was made: requests received, completed,
+        spilled, replaced, shed, and each other outcome (``status().router`` adds up
+        every caller's, for the whole fleet)."""
+        return dict(self._dispatcher.counted())
+
     def status(self, timeout_s: float = CONTROL_TIMEOUT_S) -> FleetStatus:
         """Fresh reports from every reachable node, with the fleet-wide counters (this
         client's included)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import heapq
 import logging
+import math
 import random
 import threading
 import time
@@ -195,17 +196,25 @@ class _Entry:
 
     def view(self, now: float) -> NodeView:
         """The node as placement sees it ``now`` (the same view within VIEW_REUSE_S
-        while nothing changed: placing a request is the hot path)."""
+        while nothing changed, and for as long as nothing changes once the node looks
+        idle: placing a request is the hot path)."""
         if self._view is not None and now - self._view_at < VIEW_REUSE_S:
             return self._view
         b = self.base
         if self._aged is None or now - self._aged_at >= VIEW_REUSE_S:
-            aged = drain(b.work, b.backlog_s, b.running_left_s, now - self.report_at)
-            if b.running is not None and aged[2] > 0:  # the call in progress, until it ends
-                aged[0][b.running[0]] = aged[0].get(b.running[0], 0) + b.running[1]
+            if b.work or b.running_left_s > 0:
+                aged = drain(b.work, b.backlog_s, b.running_left_s, now - self.report_at)
+                if b.running is not None and aged[2] > 0:  # the call in progress, until it ends
+                    aged[0][b.running[0]] = aged[0].get(b.running[0], 0) + b.running[1]
+            else:  # an idle node's report stays idle
+                aged = ({}, {}, 0.0)
             self._aged, self._aged_at = aged, now
         work, backlog, running = self._aged
-        work, backlog = dict(work), dict(backlog)
+        # Idle, and nothing left to age: the view holds until a report, a send or an
+        # answer changes it (most nodes of a large fleet, most of the time).
+        idle = not (work or running > 0 or self.since or self.mine)
+        if self.since or self.mine:  # a view's dicts are its own: the aged ones are kept
+            work, backlog = dict(work), dict(backlog)
         for p, (n, s) in self.since.items():
             work[p] = work.get(p, 0) + round(n)
             backlog[p] = backlog.get(p, 0.0) + s
@@ -214,7 +223,7 @@ class _Entry:
         for p, (n, s) in self.mine.items():
             work[p] = max(work.get(p, 0), round(n))
             backlog[p] = max(backlog.get(p, 0.0), s)
-        self._view_at = now
+        self._view_at = math.inf if idle else now
         self._view = NodeView(
             name=self.spec.name,
             models=self.models,
@@ -319,6 +328,7 @@ class Dispatcher:
         self._sessions: dict[str, set[str]] = {}  # session -> nodes reporting its KV
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
+        self._counted: Counter[str] = Counter()  # everything counted, never handed over
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
         self._shed_elsewhere = 0  # shed requests of other callers still to come back
         self._retries: Executor = executor or ThreadPoolExecutor(
@@ -415,6 +425,11 @@ class Dispatcher:
     def healthy(self) -> dict[str, bool]:
         return {n: e.healthy for n, e in self._nodes.items()}
 
+    def counted(self) -> Counter[str]:
+        """Everything this dispatcher counted since it was made (a copy)."""
+        with self._lock:
+            return Counter(self._counted)
+
     def take_counters(self) -> Counter[str]:
         """What was counted since the last call (for the router's fleet-wide counts)."""
         with self._lock:
@@ -429,6 +444,7 @@ class Dispatcher:
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._pending[key] += n
+            self._counted[key] += n
 
     # ------------------------------------------------------------------- requests
 

@@ -117,6 +117,25 @@ def reported(f, at=None, **queued_rows):
     }
 
 
+def test_an_idle_nodes_view_is_kept_until_a_report_or_a_request_changes_it(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64)
+    d = f.dispatcher
+    d.update(FleetView(reported(f, a={}, b={3: 4})))
+    idle, busy = d.views()
+    time.sleep(0.01)  # past the reuse window of a view that ages
+    again, aged = d.views()
+    assert again is idle and aged is not busy  # only a node with work ages
+    d.update(FleetView(reported(f, a={10: 3}, b={})))  # a report: a view anew
+    (a, _) = d.views()
+    assert a is not idle and a.work == {10: 3}
+    d.update(FleetView(reported(f, a={}, b={})))
+    before = {v.name: v for v in d.views()}
+    reply = d.submit(req(10)).result(30)
+    assert reply.error is None
+    after = {v.name: v for v in d.views()}  # a send and its answer changed its node's
+    assert after[reply.node] is not before[reply.node] and not after[reply.node].work
+
+
 def test_foreground_goes_to_the_node_with_least_higher_priority_work(fleet):
     f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, placement={"picker": "best"})
     # a reports 12 background requests queued (a longer queue), b 5 foreground ones.
@@ -284,6 +303,16 @@ def test_shed_clients_are_told_to_come_back_in_turn(fleet):
     assert hints == sorted(hints) and hints[-1] > hints[0]  # later waiters wait longer
     for r in first:
         r.result(30)
+
+
+def test_a_caller_keeps_its_own_counts_after_handing_them_to_the_router(fleet):
+    f = fleet({"a": {}}, cost_s=0.0)
+    for _ in range(3):
+        assert f.infer(req(10)).error is None
+    assert f.counters()["completed"] == 3  # handed over to the router...
+    assert f.dispatcher.take_counters() == {}
+    counted = f.dispatcher.counted()  # ...and still this caller's own
+    assert counted["received"] == 3 and counted["completed"] == 3
 
 
 def test_shed_requests_come_back_in_turn_across_callers(fleet):
