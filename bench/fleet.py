@@ -1105,9 +1105,9 @@ def measure_placement(
                     _settle(client)
 
                     def one(client: FleetClient = client, policy: str = policy) -> Replay:
-                        before = client.status(GET_TIMEOUT_S).router
+                        before = client.counters()  # this caller's: the replay's own
                         r = replay(client, trace, rate, feeds)
-                        after = client.status(GET_TIMEOUT_S).router
+                        after = client.counters()
                         router = {k: v - before.get(k, 0) for k, v in after.items()}
                         return replace(r, policy=policy, router=router)
 
@@ -1295,7 +1295,8 @@ def _placement_part(
     notes = [
         "Share = the node's share of completed requests; in brackets the completed "
         f"{CHEAP} / {DEAR} requests it served.",
-        "Placement counters over the replays: `spilled` = a node refused and the caller tried "
+        "Placement counters over the replays (the replaying caller's own, "
+        "`FleetClient.counters()`): `spilled` = a node refused and the caller tried "
         "the next; `replaced` = evicted from a node and placed again; `shed` = refused "
         "by placement to keep headroom for urgent work.",
         "Reading p99 of the foreground: the pooled replays hold "
@@ -1549,7 +1550,7 @@ def run(ctx: RunContext) -> Section:
             log("(e) what placement costs per request, tiny model at saturation")
             cost_s = ctx.pick(2.0, 0.8)
             return _cost_part(
-                measure_routing_cost(client, random_inputs(COST_MODEL), cost_s, ctx.count(8, 1)),
+                measure_routing_cost(client, random_inputs(COST_MODEL), cost_s, ctx.count(16, 1)),
                 cost_s,
             )
 
