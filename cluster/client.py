@@ -469,11 +469,12 @@ class TokenStream(Iterator[int]):
 
 class _ViewFeed:
     """Keeps a dispatcher's fleet view fresh: fetches the router's view every
-    ``report_interval_s`` and hands over the counters counted meanwhile (and flushes
-    the dispatcher's metrics and call record as often). A router that does not answer (restarting,
-    say) is asked again with exponential backoff and jitter; meanwhile requests are
-    placed on the last view and the caller's own accounting. The first view is fetched
-    before the client is returned."""
+    ``report_interval_s``, handing over the counters counted meanwhile and the shed
+    requests still to come back (and flushes the dispatcher's metrics and call record
+    as often). A router that does not answer (restarting, say) is asked again with
+    exponential backoff and jitter; meanwhile requests are placed on the last view and
+    the caller's own accounting. The first view is fetched before the client is
+    returned."""
 
     def __init__(
         self, router: ActorHandle, dispatcher: Dispatcher, config: FleetConfig, caller: str

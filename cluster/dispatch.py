@@ -108,10 +108,10 @@ class NodeReport:
 class FleetView:
     """The router's view of its nodes, as callers receive it. ``shed_waiting``: the
     requests the fleet's other callers shed and told to come back later that had not
-    come back yet, as those callers last reported them."""
+    come back yet, as those callers last reported them (None: not part of this view)."""
 
     nodes: Mapping[str, NodeReport]
-    shed_waiting: int = 0
+    shed_waiting: int | None = None
 
 
 @dataclass(frozen=True)
@@ -349,7 +349,8 @@ class Dispatcher:
         with self._lock:
             for name, r in view.nodes.items():
                 self._report(name, r.status, r.healthy, now - r.age_s)
-            self._shed_elsewhere = view.shed_waiting
+            if view.shed_waiting is not None:
+                self._shed_elsewhere = view.shed_waiting
 
     def shed_waiting(self) -> int:
         """Requests this caller shed and told to come back later, not due yet (the

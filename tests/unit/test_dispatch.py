@@ -333,6 +333,7 @@ def test_shed_requests_come_back_in_turn_across_callers(fleet):
         assert other.shed_waiting() == 3
         f.router.fleet_view("other", None, other.shed_waiting())  # its view feed reports them
         f.refresh()
+        f.dispatcher.update(FleetView({}))  # fresh reports without it (status()) keep it
         mine = f.infer(req(3)).error.retry_after_s
         assert mine > hints[-1]  # after the other caller's three, not alongside its first
         f.refresh()
