@@ -213,6 +213,11 @@ class Driver:
         """Start on the running event loop."""
         raise NotImplementedError
 
+    async def run(self) -> Counts:
+        """Start, and wait until the driver ends by itself (or a stop)."""
+        await self.start()
+        return await self.wait()
+
     def _begin(self) -> asyncio.Event:
         if self._stopping is not None:
             raise TrafficError(f"the {self.what} was started already; a driver runs once")
@@ -407,11 +412,6 @@ class ClosedLoop(Driver):
         for _ in range(self._lanes):
             self._spawn(self._lane())
 
-    async def run(self) -> Counts:
-        """Start, and wait until the lanes end (after ``requests`` requests, or a stop)."""
-        await self.start()
-        return await self.wait()
-
     def _next(self) -> bool:
         """Take a request to send; False when the loop has sent all it should."""
         if self._left is None:
@@ -501,11 +501,6 @@ class OpenLoop(Driver):
         """Start sending on the running event loop; the clock's now is time 0."""
         self._begin()
         self._spawn(self._send_all(self._clock()))
-
-    async def run(self) -> Counts:
-        """Start, and wait until every arrival is sent and answered (or a stop)."""
-        await self.start()
-        return await self.wait()
 
     async def _send_all(self, start: float) -> None:
         try:

@@ -16,6 +16,7 @@ from actors.engine import InputInfo, RunAborted, Signature, TensorSpec, check_in
 from actors.node import NodeRuntime
 from cluster.dispatch import Dispatcher, NodeGone, NodeUnavailable
 from cluster.router import Router
+from cluster.traffic import LoopThread
 from edgefleet.config import FleetConfig, ModelConfig, NodeSpec, PreemptionConfig, QueueConfig
 from edgefleet.errors import EngineError
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
@@ -202,9 +203,8 @@ class LocalFleet:
         router_metrics: Any = None,
     ) -> None:
         self.config = config
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
+        self._thread = LoopThread("local-fleet")
+        self.loop = self._thread.loop
         self.handles = {s.name: LocalNode(make_node(s), self.loop) for s in config.node_specs()}
         for h in self.handles.values():
             self.run(h.node.start())
@@ -215,11 +215,11 @@ class LocalFleet:
 
     def run(self, coro: Any, timeout: float = 60) -> Any:
         """Run ``coro`` on the fleet's loop and wait for it."""
-        return self.spawn(coro).result(timeout)
+        return self._thread.run(coro, timeout)
 
     def spawn(self, coro: Any) -> cf.Future[Any]:
         """Start ``coro`` on the fleet's loop; its future."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return self._thread.spawn(coro)
 
     def refresh(self) -> None:
         async def view() -> Any:
@@ -245,8 +245,7 @@ class LocalFleet:
             with contextlib.suppress(Exception):
                 self.run(h.node.stop(), 10)
         self.dispatcher.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        self._thread.close(10)
 
 
 class CallGate:
