@@ -305,13 +305,13 @@ def _fidelity_part(f: Fidelity) -> Part:
         row: list[object] = [priority_name(p), r.count, fmt(r.p50_ms), fmt(r.p99_ms)]
         gap: list[object] = [priority_name(p)]
         for own, held in ((replay1[p].p50_ms, r.p50_ms), (replay1[p].p99_ms, r.p99_ms)):
-            gap.append(f"{fmt((own / held - 1) * 100 if held > 0 else math.nan, 0, signed=True)}%")
+            gap.append(_percent(_off(own, held)))
         for label, figures in sims.items():
             s = figures[p]
             row += [fmt(s.p50_ms), fmt(s.p99_ms)]
             for what, sv, rv in (("p50", s.p50_ms, r.p50_ms), ("p99", s.p99_ms, r.p99_ms)):
-                off = sv / rv - 1 if rv > 0 else math.nan
-                gap.append(f"{fmt(off * 100, 0, signed=True)}%")
+                off = _off(sv, rv)
+                gap.append(_percent(off))
                 if label == RECORDED:
                     targets.append(
                         Target(
@@ -448,6 +448,15 @@ def _fidelity_part(f: Fidelity) -> Part:
         targets,
         notes,
     )
+
+
+def _off(value: float, reference: float) -> float:
+    """``value`` / ``reference`` - 1 (NaN without a reference)."""
+    return value / reference - 1 if reference > 0 else math.nan
+
+
+def _percent(off: float) -> str:
+    return f"{fmt(off * 100, 0, signed=True)}%"
 
 
 def _kind(error: str | None) -> str:
