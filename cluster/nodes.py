@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import ray
@@ -47,17 +48,21 @@ class RayNode:
         actor = self._handle()
         ref = actor.infer.remote(request) if inputs is None else actor.infer.remote(request, inputs)
         out: cf.Future[Reply] = cf.Future()
-
-        def done(f: cf.Future[Reply]) -> None:
-            try:
-                out.set_result(f.result())
-            except ray.exceptions.RayActorError as exc:
-                out.set_exception(self._gone(exc))
-            except BaseException as exc:
-                out.set_exception(exc)
-
-        ref.future().add_done_callback(done)
+        # Ray calls back with the reply or the error stored in its place. The callback
+        # resolves the one future, where ObjectRef.future() would make a second one to
+        # be copied into this (Ray Serve's handles use the same hook).
+        ref._on_completed(partial(self._answered, out))
         return out
+
+    def _answered(self, out: cf.Future[Reply], result: Any) -> None:
+        if isinstance(result, ray.exceptions.RayActorError):
+            out.set_exception(self._gone(result))
+        elif isinstance(result, ray.exceptions.RayTaskError):
+            out.set_exception(result.as_instanceof_cause())
+        elif isinstance(result, BaseException):
+            out.set_exception(result)
+        else:
+            out.set_result(result)
 
     def call(self, request: InferRequest, inputs: Any = None) -> Reply:
         actor = self._handle()

@@ -327,3 +327,34 @@ def test_large_inputs_travel_by_object_reference_and_are_answered(make_fleet):
         assert piped.error is None
         assert sync["scores"].shape == (1, 5)
         np.testing.assert_allclose(sync["scores"], piped.outputs["scores"], rtol=1e-5)
+
+
+@ray.remote
+class _Echo:
+    """A stand-in node actor: answers, raises, or dies when asked."""
+
+    def infer(self, request, inputs=None):
+        if request == "raise":
+            raise ValueError("bad request")
+        if request == "die":
+            import os
+
+            os._exit(1)
+        return f"reply to {request}"
+
+
+def test_node_handle_futures_carry_replies_errors_and_node_loss(ray_session):
+    from cluster.dispatch import NodeGone
+    from cluster.names import NAMESPACE
+    from cluster.nodes import RayNode
+
+    name = f"echo-{time.monotonic_ns()}"
+    actor = _Echo.options(name=name, namespace=NAMESPACE).remote()
+    node = RayNode(name, NAMESPACE)
+    assert node.infer("a").result(timeout=60) == "reply to a"
+    with pytest.raises(ValueError, match="bad request"):  # the actor's own error
+        node.infer("raise").result(timeout=60)
+    with pytest.raises(NodeGone):
+        node.infer("die").result(timeout=60)
+    with pytest.raises(NodeGone):  # asked again: gone at the lookup or at the call
+        node.infer("b").result(timeout=60)
