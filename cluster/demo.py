@@ -1,9 +1,11 @@
 """`edgefleet demo`: a mixed workload on the embedded default fleet, with a report.
 
-Four streams share the fleet: foreground classifications, camera frames with a
-deadline and a dedup key, offline work on a model that cannot batch (Poisson arrivals
-of a ``sim.workload`` workload, sent open loop) and a background flood of batch jobs
-(a closed loop). When the config has a decoder model, a foreground chat (with
+Four streams share the fleet: foreground classifications and offline work on a model
+that cannot batch (Poisson arrivals), camera frames with a deadline and a dedup key (a
+periodic stream: a frame every 1/15 s, a little late at times), all sent open loop at
+the arrivals of seeded ``sim.workload`` workloads, and a background flood of batch jobs
+(a closed loop, as many in flight as offline work may fill of the queues: see
+:func:`batch_jobs_in_flight`). When the config has a decoder model, a foreground chat (with
 sessions) and background summaries run on it too, and halfway through one node is
 told its device went to the background (token budgets shrink) and later back. The
 report shows what the scheduler did for each class.
@@ -13,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import heapq
 import os
 import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -32,21 +35,33 @@ from cluster.traffic import Answer, Backoff, ClosedLoop, Driver, LoopThread, Ope
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import EdgeFleetError
 from edgefleet.modelgen import make_missing_models, random_inputs
-from sim.workload import parse_workload
+from policies.placement import ShedBelowPriority
+from sim.workload import Arrival, parse_workload
 
 Print = Callable[[str], None]
 
-# Open-loop classes of requests, sent at Poisson arrivals; weight: requests/s.
+# Open-loop classes of requests, sent at the arrivals of a seeded ``sim.workload``
+# workload of their process (default poisson); weight: requests/s.
 OPEN_LOOP: tuple[Mapping[str, Any], ...] = (
     {"model": "classifier", "priority": "foreground", "weight": 8},  # a chat UI
-    # camera frames: each has a deadline, and a newer frame replaces a queued older one
-    {"model": "detector", "priority": "inline", "weight": 15, "deadline_ms": 250, "keys": 1},
+    # a camera: a frame every 1/15 s, each with a deadline and the camera's dedup key (a
+    # newer frame replaces a queued older one)
+    {
+        "model": "detector",
+        "priority": "inline",
+        "weight": 15,
+        "deadline_ms": 250,
+        "keys": 1,
+        "process": "periodic",
+    },
     {"model": "stateful", "priority": "offline", "weight": 20},  # an indexer
 )
+PERIODIC = {"jitter": 0.05, "phase": "random"}  # a camera's frames: up to 5 % late
 WORKLOAD_SEED = 0
-# Batch jobs, kept in flight: a refused one is sent again after the reply's retry hint
-# (as given, as a well-behaved client does), an evicted or failed one at once.
-BATCH_JOBS = ("heavy", "background", 160)  # model, priority class, requests in flight
+# Batch jobs, kept in flight (see batch_jobs_in_flight): a refused one is sent again
+# after the reply's retry hint (as given, as a well-behaved client does), an evicted or
+# failed one at once.
+BATCH_JOBS = ("heavy", "background")  # model, priority class
 BATCH_BACKOFF = Backoff(min_retry_s=0.0, max_retry_s=None, error_pause_s=0.0)
 DRAIN_S = 30.0  # at the end, the replies still out may take this long to come
 
@@ -178,40 +193,69 @@ def _traffic(
     """The demo's drivers for the models the fleet serves (the open loop of the
     workload's arrivals, the batch jobs' closed loop), and the tally of their replies."""
     mix = [c for c in OPEN_LOOP if c["model"] in config.models]
-    jobs_model, jobs_class, in_flight = BATCH_JOBS
+    jobs_model, jobs_class = BATCH_JOBS
     jobs = [jobs_model] if jobs_model in config.models else []
     classes = [c["priority"] for c in mix] + [jobs_class] * len(jobs)
     tally = _Tally({config.priorities[c]: c for c in classes})
     inputs = {m: random_inputs(m) for m in {c["model"] for c in mix} | set(jobs)}
     drivers: list[Driver] = []
     if mix and duration_s > 0:
-        workload = parse_workload(
-            {
-                "seed": WORKLOAD_SEED,
-                "duration_s": duration_s,
-                "arrivals": {"process": "poisson", "rate": sum(c["weight"] for c in mix)},
-                "mix": [dict(c) for c in mix],
-            },
-            source="of the demo",
-        )
-        arrivals = workload.arrivals(
-            random.Random(workload.seed),
-            nodes=len(config.node_specs()),
-            priorities=config.priorities,
-        )
+        arrivals = _open_loop_arrivals(mix, config, duration_s)
         drivers.append(OpenLoop(client, arrivals, inputs, on_answer=tally.add))
     for model in jobs:
         batch_jobs = ClosedLoop(
             client,
             model,
             inputs[model],
-            lanes=in_flight,
+            lanes=batch_jobs_in_flight(config, model),
             priority=jobs_class,
             backoff=BATCH_BACKOFF,
             on_answer=partial(tally.add_to, jobs_class),
         )
         drivers.append(batch_jobs)
     return drivers, tally
+
+
+def batch_jobs_in_flight(config: FleetConfig, model: str) -> int:
+    """How many batch jobs the demo keeps in flight: as many as work of the lowest
+    priority may fill of the queues of the nodes serving ``model`` (its shed share,
+    ``router.placement.shed``). The flood alone then keeps those queues just below
+    that line, so offline work is placed between batch jobs and shed only when the
+    two together pass it; a larger flood would hold the queues above the line and
+    shed every offline request."""
+    shed = ShedBelowPriority(config.router.placement.params(config.priorities).shed)
+    share = shed.limit(min(config.priorities.values()))
+    room = sum(s.queue.capacity for s in config.node_specs() if model in s.models)
+    return max(1, int(share * room))
+
+
+def _open_loop_arrivals(
+    mix: Sequence[Mapping[str, Any]], config: FleetConfig, duration_s: float
+) -> Iterator[Arrival]:
+    """The arrivals of the open-loop classes, in time order: one seeded workload per
+    arrival process (its classes' weights its rate), merged."""
+    rng = random.Random(WORKLOAD_SEED)
+    streams = []
+    for process in dict.fromkeys(c.get("process", "poisson") for c in mix):
+        classes = [
+            {k: v for k, v in c.items() if k != "process"}
+            for c in mix
+            if c.get("process", "poisson") == process
+        ]
+        arrivals: dict[str, Any] = {
+            "process": process,
+            "rate": sum(c["weight"] for c in classes),
+        }
+        if process == "periodic":
+            arrivals["periodic"] = PERIODIC
+        workload = parse_workload(
+            {"duration_s": duration_s, "arrivals": arrivals, "mix": classes},
+            source=f"of the demo ({process})",
+        )
+        streams.append(
+            workload.arrivals(rng, nodes=len(config.node_specs()), priorities=config.priorities)
+        )
+    return heapq.merge(*streams, key=lambda a: a.at)
 
 
 def _drive(

@@ -7,7 +7,7 @@ A workload is a YAML file, validated like the fleet config (unknown keys are err
     duration_s: 60               # stop generating at this simulated time ...
     requests: 100000             # ... or after this many arrivals (at least one of the two)
     arrivals:
-      process: poisson           # poisson | bursts | diurnal
+      process: poisson           # poisson | bursts | diurnal | periodic
       rate_per_node: 40          # or rate: requests/s for the whole fleet
     mix:                         # classes of traffic, drawn by weight
       - {model: classifier, priority: foreground, weight: 0.2, deadline_ms: 200}
@@ -27,8 +27,13 @@ comes from a NumPy generator seeded from the ``random.Random`` it is given, so t
 seed gives the same arrivals, and a run bounded sooner (fewer requests, a shorter
 duration) gets a prefix of a longer run's arrivals. Arrivals of the bursts and diurnal
 processes are drawn exactly, by thinning a Poisson process at the peak rate
-(Lewis and Shedler). :meth:`Workload.events` lists node failures, rejoins and lifecycle
-changes up to a horizon.
+(Lewis and Shedler). The periodic process sends each stream at a fixed interval, as
+cameras send frames: a class of the mix is one stream, or one per dedup key with
+``keys: N`` (each stream keeps its key), its rate split evenly between them; each
+stream starts at a random phase within its first interval (``periodic: {phase:
+aligned}``: all at 0), and ``periodic: {jitter: 0.1}`` delays each arrival by up to a
+tenth of the interval, drawn uniformly. :meth:`Workload.events` lists node failures,
+rejoins and lifecycle changes up to a horizon.
 """
 
 from __future__ import annotations
@@ -109,13 +114,34 @@ class DiurnalConfig(_Strict):
     low: float = Field(ge=0, le=1, description="the rate at the trough, as a fraction of rate")
 
 
+class PeriodicConfig(_Strict):
+    """Arrivals at a fixed interval, as a camera sends frames: each class of the mix is
+    one stream, or with ``keys: N`` N streams (one per dedup key, a camera each), and a
+    class's rate is split evenly between its streams. Stream ``i`` sends at
+    ``phase_i + n x interval``, each arrival up to ``jitter x interval`` late."""
+
+    jitter: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="each arrival comes a uniformly drawn 0 to jitter x interval after "
+        "its slot (0: exactly on time); below 1, so a stream's arrivals keep their order",
+    )
+    phase: Literal["random", "aligned"] = Field(
+        "random",
+        description="'random': each stream's first slot drawn uniformly within its first "
+        "interval; 'aligned': every stream's first slot at 0",
+    )
+
+
 class ArrivalsConfig(_Strict):
     """When requests arrive: the process and its rate."""
 
-    process: Literal["poisson", "bursts", "diurnal"] = Field(
+    process: Literal["poisson", "bursts", "diurnal", "periodic"] = Field(
         "poisson",
         description="'poisson': a constant rate; 'bursts': rate x factor during periodic "
-        "bursts (see bursts:); 'diurnal': a sinusoidal cycle (see diurnal:)",
+        "bursts (see bursts:); 'diurnal': a sinusoidal cycle (see diurnal:); 'periodic': "
+        "each stream at a fixed interval (see periodic:)",
     )
     rate: float | None = Field(
         None, gt=0, description="requests/s for the whole fleet (or rate_per_node)"
@@ -125,6 +151,9 @@ class ArrivalsConfig(_Strict):
     )
     bursts: BurstsConfig | None = Field(None, description="process: bursts only")
     diurnal: DiurnalConfig | None = Field(None, description="process: diurnal only")
+    periodic: PeriodicConfig | None = Field(
+        None, description="process: periodic only; default: no jitter, random phases"
+    )
 
 
 class GenerateConfig(_Strict):
@@ -331,8 +360,9 @@ class Workload(_Strict):
                 out.append(("arrivals", "set rate (the fleet's) or rate_per_node"))
             elif a.rate is not None and a.rate_per_node is not None:
                 out.append(("arrivals.rate_per_node", "set only one of rate and rate_per_node"))
-            for name in ("bursts", "diurnal"):
-                if a.process == name and getattr(a, name) is None:
+            for name in ("bursts", "diurnal", "periodic"):
+                required = name != "periodic"  # periodic: its defaults are exact, random phases
+                if a.process == name and getattr(a, name) is None and required:
                     out.append((f"arrivals.{name}", f"required with process: {name}"))
                 elif a.process != name and getattr(a, name) is not None:
                     out.append((f"arrivals.{name}", f"only used with process: {name}"))
@@ -510,6 +540,10 @@ class Workload(_Strict):
             for c, p in zip(self.mix, resolved, strict=True)
         ]
         weights = np.array([c.weight for c in self.mix], dtype=float)
+        if self.arrival_process.process == "periodic":
+            periodic = self.arrival_process.periodic or PeriodicConfig()
+            streams = _streams(gen, periodic, rate * weights / weights.sum(), classes)
+            return _merge(streams, limit=limit, duration_s=self.duration_s)
         peak, accept = _intensity(self.arrival_process, rate)
         return _generate(
             gen,
@@ -638,6 +672,100 @@ def _generate(
                 spec.prompt_tokens,
                 spec.max_new_tokens,
             )
+
+
+class _Stream:
+    """One periodic stream: slot ``n`` at ``(phase + n) x interval``, each arrival up to
+    ``jitter x interval`` after its slot. Its draws (jitter, session) come from its own
+    generator, so they do not depend on the other streams or on where a run stops."""
+
+    def __init__(
+        self,
+        spec: _Class,
+        key: str | None,
+        interval: float,
+        phase: float,
+        jitter: float,
+        gen: np.random.Generator,
+    ) -> None:
+        self.spec, self.key, self.interval = spec, key, interval
+        self._phase, self._jitter, self._gen = phase, jitter, gen
+        self._n = 0
+        self._draws = np.empty((0, 2))
+        self._used = 0
+
+    def next(self) -> tuple[float, str | None]:
+        """The time of the stream's next arrival, and its session."""
+        if self._used == len(self._draws):
+            self._draws, self._used = self._gen.random((_STREAM_CHUNK, 2)), 0
+        late, session = self._draws[self._used]
+        self._used += 1
+        at = (self._phase + self._n) * self.interval + late * self._jitter * self.interval
+        self._n += 1
+        sessions = self.spec.sessions
+        return at, f"s{int(session * sessions)}" if sessions else None
+
+
+_STREAM_CHUNK = 256  # draws per periodic stream and NumPy call
+
+
+def _streams(
+    gen: np.random.Generator,
+    config: PeriodicConfig,
+    class_rates: np.ndarray,
+    classes: Sequence[_Class],
+) -> list[_Stream]:
+    """The periodic streams of the mix: one per class, or one per dedup key of a class
+    with keys, each at the class's rate over its streams (classes of weight 0: none)."""
+    shape: list[tuple[_Class, str | None, float]] = []
+    for spec, class_rate in zip(classes, class_rates.tolist(), strict=True):
+        if class_rate <= 0:
+            continue
+        n = spec.keys or 1
+        for k in range(n):
+            shape.append((spec, f"k{k}" if spec.keys else None, n / class_rate))
+    aligned = config.phase == "aligned"
+    phases = [0.0] * len(shape) if aligned else gen.random(len(shape)).tolist()
+    gens = gen.spawn(len(shape))
+    return [
+        _Stream(spec, key, interval, phase, config.jitter, g)
+        for (spec, key, interval), phase, g in zip(shape, phases, gens, strict=True)
+    ]
+
+
+def _merge(
+    streams: Sequence[_Stream], *, limit: int | None, duration_s: float | None
+) -> Iterator[Arrival]:
+    """The streams' arrivals in time order (a tie: the earlier stream first)."""
+    left = math.inf if limit is None else limit
+    end = math.inf if duration_s is None else duration_s
+    heap: list[tuple[float, int, str | None]] = []
+    for i, stream in enumerate(streams):
+        at, session = stream.next()
+        if at < end:
+            heap.append((at, i, session))
+    heapq.heapify(heap)
+    while heap and left > 0:
+        at, i, session = heap[0]
+        stream = streams[i]
+        spec = stream.spec
+        yield Arrival(
+            at,
+            spec.model,
+            spec.priority,
+            spec.rows,
+            spec.deadline_s,
+            stream.key,
+            session,
+            spec.prompt_tokens,
+            spec.max_new_tokens,
+        )
+        left -= 1
+        nxt, session = stream.next()
+        if nxt < end:
+            heapq.heapreplace(heap, (nxt, i, session))
+        else:
+            heapq.heappop(heap)
 
 
 def _replay(

@@ -79,7 +79,8 @@ BROKEN = [
     ),
     (  # an unknown process
         "duration_s: 5\narrivals:\n  process: waves\n  rate: 5\nmix: [{model: m, priority: 1}]\n",
-        r"arrivals\.process \(line 3\): Input should be 'poisson', 'bursts' or 'diurnal'",
+        r"arrivals\.process \(line 3\): Input should be 'poisson', 'bursts', 'diurnal' "
+        r"or 'periodic'",
     ),
     (  # both rates
         "duration_s: 5\narrivals:\n  rate: 5\n  rate_per_node: 1\nmix: [{model: m, priority: 1}]\n",
