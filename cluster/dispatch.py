@@ -147,6 +147,10 @@ class _Entry:
         self.models = frozenset(spec.models)
         p = spec.preemption
         self.preempt_gap = p.min_priority_gap if p.enabled else None
+        starvation = spec.starvation.params(spec.priorities)
+        self.guaranteed = {
+            q: c for q in range(11) if (c := starvation.class_of(q)) in starvation.bounds
+        }
         self.healthy = True  # until the router or a call says otherwise
         self.lost_at: float | None = None
         self.report_at = float("-inf")  # when the report was taken, on this caller's clock
@@ -240,6 +244,7 @@ class _Entry:
             sessions=b.sessions,
             preempt_gap=self.preempt_gap,
             busy=b.busy,
+            guaranteed=self.guaranteed,
         )
         return self._view
 

@@ -38,9 +38,18 @@ class NodeView:
     sessions: frozenset[str] = frozenset()  # sessions whose state the node holds
     preempt_gap: int | None = 5  # priority gap that preempts a running call; None: never
     busy: Mapping[int, float] = field(default_factory=dict)  # share of engine time by priority
+    # priority -> its class, for the classes the node guarantees a share of engine time
+    # or a longest wait (starvation bounds)
+    guaranteed: Mapping[int, int] = field(default_factory=dict)
 
     def work_at_or_above(self, priority: int) -> int:
         return sum(n for p, n in self.work.items() if p >= priority)
+
+    def holds_class_of(self, priority: int) -> bool:
+        """The node holds work of ``priority``'s guaranteed class (queued or running)."""
+        cls = self.guaranteed[priority]
+        guaranteed = self.guaranteed
+        return any(n > 0 and guaranteed.get(p) == cls for p, n in self.work.items())
 
     def backlog_at_or_above(self, priority: int) -> float:
         return sum(s for p, s in self.backlog_s.items() if p >= priority)

@@ -28,6 +28,12 @@ class ShedBelowPriority:
     ``limits`` maps a priority to the largest occupancy (0-1] work of that priority or
     lower may fill; e.g. {3: 0.75, 0: 0.5}: background may fill three quarters of a
     queue and offline half, and foreground all of it.
+
+    A class the node guarantees a share of engine time or a longest wait (starvation
+    bounds) gets that only while some of its work is there: a request of such a class
+    may always go to a node that holds none, past the limit. Otherwise a flood of higher
+    work that keeps the queues above the class's limit would shed all of it at the
+    callers, and the node's guarantee would never apply.
     """
 
     def __init__(self, limits: Mapping[int, float]) -> None:
@@ -44,4 +50,6 @@ class ShedBelowPriority:
         if limit >= 1.0:  # no headroom to keep: the node itself decides on admission
             return True
         after = (sum(node.work.values()) + 1) / max(1, node.capacity)
-        return after <= limit
+        if after <= limit:
+            return True
+        return request.priority in node.guaranteed and not node.holds_class_of(request.priority)

@@ -350,7 +350,7 @@ def test_node_handle_futures_carry_replies_errors_and_node_loss(ray_session):
 
     name = f"echo-{time.monotonic_ns()}"
     actor = _Echo.options(name=name, namespace=NAMESPACE).remote()
-    node = RayNode(name, NAMESPACE)
+    node = RayNode(name, NAMESPACE, actor)
     assert node.infer("a").result(timeout=60) == "reply to a"
     with pytest.raises(ValueError, match="bad request"):  # the actor's own error
         node.infer("raise").result(timeout=60)

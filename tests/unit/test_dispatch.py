@@ -206,6 +206,28 @@ def test_background_is_shed_before_foreground(fleet):
         assert r.result(30).error is None
 
 
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_guaranteed_class_is_not_shed_from_a_node_holding_none_of_it(fleet, bound):
+    starvation = {"starvation": {"classes": {"offline": {"max_wait_ms": 100}}}}
+    f = fleet(
+        {"a": starvation if bound else {}},
+        cost_s=0.2,
+        capacity=4,
+        shed={"background": 0.75, "offline": 0.5},
+    )
+    flood = [f.dispatcher.submit(req(3)) for _ in range(3)]  # past offline's half
+    first = f.dispatcher.submit(req(0))
+    second = f.infer(req(0))
+    assert isinstance(second.error, Rejected) and "shed" in str(second.error)
+    if bound:  # one offline request at a time reaches the node, which serves it in time
+        assert first.result(30).error is None
+        assert f.counters()["shed"] == 1
+    else:  # no guarantee: offline is shed while the queue is past its share
+        assert isinstance(first.result(30).error, Rejected)
+        assert f.counters()["shed"] == 2
+    assert all(r.result(30).error is None for r in flood)
+
+
 def test_evicted_request_is_placed_again_on_another_node(fleet):
     f = fleet({"a": {"queue": {"capacity": 1}}, "b": {}}, cost_s=0.2, shed={})
     running = f.spawn(f.node("a").infer(req(10)))  # a busy...

@@ -23,6 +23,7 @@ from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin
 from policies.placement.scorers import ExpectedCompletion, ModelLoad, SessionAffinity
 
 FG, BG, OFF = 10, 3, 0
+OFFLINE_CLASS = {0: 0, 1: 0, 2: 0}  # guaranteed: priority -> its class
 
 
 def node(name, work=None, **kw):
@@ -143,6 +144,27 @@ def test_session_affinity_table(sessions, session, expected):
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 2}, capacity=4), OFF, False),
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), FG, True),
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), 5, True),
+        # a class with a starvation bound on the node (offline: priorities 0-2) may always
+        # send one request past its limit to a node that holds none of it...
+        (
+            ShedBelowPriority({3: 0.75, 0: 0.5}),
+            node("a", {BG: 3}, capacity=4, guaranteed=OFFLINE_CLASS),
+            OFF,
+            True,
+        ),
+        (
+            ShedBelowPriority({3: 0.75, 0: 0.5}),
+            node("a", {BG: 2, 1: 1}, capacity=4, guaranteed=OFFLINE_CLASS),
+            OFF,
+            False,
+        ),
+        # ...and only that class
+        (
+            ShedBelowPriority({3: 0.75, 0: 0.5}),
+            node("a", {BG: 3}, capacity=4, guaranteed=OFFLINE_CLASS),
+            BG,
+            False,
+        ),
         # no limit for foreground: even a node the router counts as full is left to decide
         (ShedBelowPriority({3: 0.75}), node("a", {FG: 9}, capacity=4), FG, True),
     ],
