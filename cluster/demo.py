@@ -221,8 +221,9 @@ def batch_jobs_in_flight(config: FleetConfig, model: str) -> int:
     priority may fill of the queues of the nodes serving ``model`` (its shed share,
     ``router.placement.shed``). The flood alone then keeps those queues just below
     that line, so offline work is placed between batch jobs and shed only when the
-    two together pass it; a larger flood would hold the queues above the line and
-    shed every offline request."""
+    two together pass it; a larger flood would hold the queues above the line, where
+    only the one offline request at a time that a starvation bound lets past it reaches
+    each node."""
     shed = ShedBelowPriority(config.router.placement.params(config.priorities).shed)
     share = shed.limit(min(config.priorities.values()))
     room = sum(s.queue.capacity for s in config.node_specs() if model in s.models)
