@@ -66,7 +66,7 @@ from bench.common import (
     reply_of,
     slow_feed,
 )
-from bench.priority_latency import FLOOD_BACKOFF, ForegroundRun, foreground
+from bench.priority_latency import FLOOD_BACKOFF, FOREGROUND_COLUMNS, ForegroundRun, foreground
 from cluster.client import FleetClient
 from cluster.traffic import ClosedLoop, Counts
 from edgefleet.config import FleetConfig
@@ -742,39 +742,10 @@ def _flood_part(
     }
     for f in (alone, edge, split, fifo):
         r = f.run
-        lat = r.latency_ms
-        flood = r.flood
-        rows.append(
-            [
-                labels.get(r.config, r.config),
-                lat.n,
-                fmt(lat.p50, 1),
-                fmt(lat.p99, 1),
-                fmt(lat.max, 1),
-                fmt(median([q * 1000 for q in r.queue_s]), 1),
-                fmt(median([s * 1000 for s in r.service_s]), 1),
-                r.refused,
-                "-" if flood is None else fmt(r.bg_rate, 1),
-                "-" if flood is None else r.counters.get("preempted", 0),
-                "-" if flood is None else f"{flood.rejected} / {flood.evicted}",
-                "-" if flood is None else " / ".join(str(q) for q in f.queues),
-            ]
-        )
+        queues = "-" if r.flood is None else " / ".join(str(q) for q in f.queues)
+        rows.append([*r.row(labels.get(r.config, r.config)), queues])
     table = md_table(
-        [
-            "configuration",
-            "fg requests",
-            "p50 ms",
-            "p99 ms",
-            "max ms",
-            "fg queue p50 ms",
-            "fg service p50 ms",
-            "fg refused",
-            "bg done/s",
-            "bg preempted",
-            "bg refused / evicted",
-            "queues at end",
-        ],
+        [*FOREGROUND_COLUMNS, "queues at end"],
         rows,
     )
     edge_p99 = edge.run.latency_ms.p99

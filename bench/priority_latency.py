@@ -91,6 +91,39 @@ class ForegroundRun:
     def latency_ms(self) -> Summary:
         return Summary.of([x * 1000 for x in self.latencies_s])
 
+    def row(self, label: str) -> list[object]:
+        """The run's line of a table with the :data:`FOREGROUND_COLUMNS`."""
+        lat = self.latency_ms
+        flood = self.flood
+        return [
+            label,
+            lat.n,
+            fmt(lat.p50, 1),
+            fmt(lat.p99, 1),
+            fmt(lat.max, 1),
+            fmt(median([q * 1000 for q in self.queue_s]), 1),
+            fmt(median([s * 1000 for s in self.service_s]), 1),
+            self.refused,
+            "-" if flood is None else fmt(self.bg_rate, 1),
+            "-" if flood is None else self.counters.get("preempted", 0),
+            "-" if flood is None else f"{flood.rejected} / {flood.evicted}",
+        ]
+
+
+FOREGROUND_COLUMNS = [
+    "configuration",
+    "fg requests",
+    "p50 ms",
+    "p99 ms",
+    "max ms",
+    "fg queue p50 ms",
+    "fg service p50 ms",
+    "fg refused",
+    "bg done/s",
+    "bg preempted",
+    "bg rejected / evicted",
+]
+
 
 def _flood(
     route: Route,
@@ -289,41 +322,7 @@ def _section(
 ) -> Section:
     service_ms = median(list(alone.service_s)) * 1000
     bound = 1.5 * alone.latency_ms.p99 + service_ms
-    rows = []
-    for r in (alone, edge, fifo):
-        lat = r.latency_ms
-        flood = r.flood
-        rows.append(
-            [
-                r.config,
-                lat.n,
-                fmt(lat.p50, 1),
-                fmt(lat.p99, 1),
-                fmt(lat.max, 1),
-                fmt(median([q * 1000 for q in r.queue_s]), 1),
-                fmt(median([s * 1000 for s in r.service_s]), 1),
-                r.refused,
-                "-" if flood is None else fmt(r.bg_rate, 1),
-                "-" if flood is None else r.counters.get("preempted", 0),
-                "-" if flood is None else f"{flood.rejected} / {flood.evicted}",
-            ]
-        )
-    table = md_table(
-        [
-            "configuration",
-            "fg requests",
-            "p50 ms",
-            "p99 ms",
-            "max ms",
-            "fg queue p50 ms",
-            "fg service p50 ms",
-            "fg refused",
-            "bg done/s",
-            "bg preempted",
-            "bg rejected / evicted",
-        ],
-        rows,
-    )
+    table = md_table(FOREGROUND_COLUMNS, [r.row(r.config) for r in (alone, edge, fifo)])
     edge_p99 = edge.latency_ms.p99
     targets = [
         Target(
