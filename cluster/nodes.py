@@ -50,11 +50,13 @@ class RayNode:
         out: cf.Future[Reply] = cf.Future()
         # Ray calls back with the reply or the error stored in its place. The callback
         # resolves the one future, where ObjectRef.future() would make a second one to
-        # be copied into this (Ray Serve's handles use the same hook).
-        ref._on_completed(partial(self._answered, out))
+        # be copied into this (Ray Serve's handles use the same hook). It holds the
+        # reference until then: Ray releases the call's objects (its reply, and inputs
+        # put in the object store) once no reference to them is left.
+        ref._on_completed(partial(self._answered, out, ref))
         return out
 
-    def _answered(self, out: cf.Future[Reply], result: Any) -> None:
+    def _answered(self, out: cf.Future[Reply], ref: ray.ObjectRef, result: Any) -> None:
         if isinstance(result, ray.exceptions.RayActorError):
             out.set_exception(self._gone(result))
         elif isinstance(result, ray.exceptions.RayTaskError):
