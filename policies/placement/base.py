@@ -101,17 +101,19 @@ class Placement:
         self, nodes: Sequence[NodeView], request: PlacementRequest, rng: random.Random
     ) -> list[NodeView]:
         """Candidates for ``request`` in the order they should be tried."""
-        # Plain loops, no generators: this runs for every request a caller places.
+        # Plain loops, no generators: this runs for every request a caller places. The
+        # plugins' methods are looked up once per request, not once per candidate.
         scored: list[tuple[NodeView, float]] = []
-        filters, scorers = self.filters, self.scorers
+        keeps = [f.keep for f in self.filters]
+        costs = [(scorer.cost, weight) for scorer, weight in self.scorers]
         for node in nodes:
-            for f in filters:
-                if not f.keep(node, request):
+            for keep in keeps:
+                if not keep(node, request):
                     break
             else:
                 cost = 0.0
-                for scorer, weight in scorers:
-                    cost += weight * scorer.cost(node, request)
+                for scorer_cost, weight in costs:
+                    cost += weight * scorer_cost(node, request)
                 scored.append((node, cost))
         return self.picker.order(scored, rng)
 

@@ -46,7 +46,7 @@ class ShedBelowPriority:
         return self._by_priority.get(priority, 1.0)
 
     def keep(self, node: NodeView, request: PlacementRequest) -> bool:
-        limit = self.limit(request.priority)
+        limit = self._by_priority.get(request.priority, 1.0)  # self.limit(), without the call
         if limit >= 1.0:  # no headroom to keep: the node itself decides on admission
             return True
         after = (sum(node.work.values()) + 1) / max(1, node.capacity)

@@ -48,7 +48,10 @@ class ExpectedCompletion:
             blocking = 0.0  # what runs is known: no guess at what may be running
             if gap is not None and q - node.running_priority >= gap:
                 running = 0.0  # this request preempts it
-        own = request.rows * row_cost(node, request.model)
+        model = request.model
+        # row_cost(), without the call for the usual case of a node that reported one
+        per_row = node.row_cost_s[model] if model in node.row_cost_s else row_cost(node, model)
+        own = request.rows * per_row
         rho = 0.0
         for p, share in node.busy.items():
             if p > q:
