@@ -143,6 +143,7 @@ class _Entry:
 
     def __init__(self, spec: NodeSpec, handle: NodeHandle) -> None:
         self.spec = spec
+        self.name = spec.name
         self.handle = handle
         self.models = frozenset(spec.models)
         p = spec.preemption
@@ -229,7 +230,7 @@ class _Entry:
             backlog[p] = max(backlog.get(p, 0.0), s)
         self._view_at = math.inf if idle else now
         self._view = NodeView(
-            name=self.spec.name,
+            name=self.name,
             models=self.models,
             loaded=b.loaded,
             healthy=self.healthy,
@@ -620,12 +621,16 @@ class Dispatcher:
         serving = self._serving.get(request.model, ())
         k = self._candidates
         if len(serving) <= k + len(tried):
-            return [e for e in serving if e.spec.name not in tried]
-        picked = [e for e in self._rng.sample(serving, k + len(tried)) if e.spec.name not in tried]
-        del picked[k:]
+            return [e for e in serving if e.name not in tried]
+        picked = self._rng.sample(serving, k + len(tried))
+        if tried:
+            picked = [e for e in picked if e.name not in tried]
+            del picked[k:]
         if request.session is not None:
-            names = {e.spec.name for e in picked}
-            for name in self._sessions.get(request.session, ()):
+            names = {e.name for e in picked}
+            # in name order: a set's order changes with the process (string hashing),
+            # and the picker may choose by position
+            for name in sorted(self._sessions.get(request.session, ())):
                 if name not in names and name not in tried:
                     picked.append(self._nodes[name])
         return picked
@@ -660,7 +665,7 @@ class Dispatcher:
                 request_id=request.id,
             )
         serving = [e for e in self._nodes.values() if request.model in e.models]
-        healthy = [e for e in serving if e.healthy and e.spec.name not in tried]
+        healthy = [e for e in serving if e.healthy and e.name not in tried]
         if not healthy:
             return NodeLost(
                 f"no healthy node serves model {request.model!r} right now",
@@ -744,7 +749,7 @@ class _Attempt:
         if self.request.at_most_once:
             return None
         now = self.d._clock.now()
-        name = entry.spec.name
+        name = entry.name
         if self.unreachable is None or self.unreachable[0] != name:
             self.unreachable = (name, now, 0)
         _, since, tries = self.unreachable
@@ -764,7 +769,7 @@ class _Attempt:
         if r.at_most_once and sent:
             return self.fail(
                 NodeLost(
-                    f"node {entry.spec.name} was lost while it held the request, which may "
+                    f"node {entry.name} was lost while it held the request, which may "
                     "have run there; an at_most_once request is not sent again",
                     request_id=r.id,
                 )
@@ -786,8 +791,8 @@ class _Attempt:
         self.release(entry)
         self.attempts += 1
         if answer is None:  # cannot happen with a live node: its stream ends with one
-            err = NodeLost(f"node {entry.spec.name} ended the stream without a result")
-            answer = GenerationResult(self.request.id, entry.spec.name, error=err)
+            err = NodeLost(f"node {entry.name} ended the stream without a result")
+            answer = GenerationResult(self.request.id, entry.name, error=err)
         if not self.tokens:
             if isinstance(answer.error, Rejected):
                 self.refusals.append(answer.error)
@@ -833,7 +838,7 @@ class _Attempt:
         """The caller stopped reading the generation before its end: it gets no answer,
         and its line in the call record says cancelled."""
         self.release(entry)
-        self.record("cancelled", self.d._clock.now() - self.started, entry.spec.name)
+        self.record("cancelled", self.d._clock.now() - self.started, entry.name)
 
     def record(
         self, outcome: str, latency_s: float, node: str, answer: Final | None = None

@@ -440,3 +440,28 @@ def test_a_node_out_of_reach_for_too_long_is_given_up_for_another(fleet):
     f.handles["a"].unreachable = 10_000  # never answers within router.lost_after_s
     reply = f.infer(req(10))
     assert reply.error is None and reply.node == "b"
+
+
+def test_the_nodes_holding_a_session_are_weighed_in_name_order(fleet):
+    # The picker may choose by position: an order that changed with the process (a
+    # set's, by string hashing) made seeded simulations differ from run to run.
+    names = [f"n{i:02d}" for i in range(16)]
+    f = fleet({n: {} for n in names}, placement={"candidates": 2})
+    idle = f.node("n00").status()
+    holders = set(names[1::2])
+    f.dispatcher.update(
+        FleetView(
+            {
+                n: NodeReport(
+                    replace(idle, name=n, sessions=("s",) if n in holders else ()), True, 0.0
+                )
+                for n in names
+            }
+        )
+    )
+    considered = [
+        e.spec.name for e in f.dispatcher._considered(PlacementRequest("m", 10, session="s"), set())
+    ]
+    sampled, added = considered[:2], considered[2:]
+    assert added == sorted(added)
+    assert set(added) == holders - set(sampled)
