@@ -137,11 +137,13 @@ class Fidelity:
         return self.rounds[1:]
 
 
-WARMUP, OBSERVED, RECORDED = (
+WARMUP, OBSERVED, IN_TIME, RECORDED = (
     "warm-up costs, shared cores",
     "costs observed in the run",
+    "recorded run, in time",
     "recorded run",
 )
+IN_TIME_WINDOW_S = 0.25  # in time: a call draws among those recorded this close to it
 
 
 def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidelity:
@@ -215,6 +217,12 @@ def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidel
     sims = {
         WARMUP: simulate(config, on_host, costs=warmup, network=network),
         OBSERVED: simulate(config, apart, costs=observed, network=network),
+        IN_TIME: simulate(
+            config,
+            apart,
+            costs=recorded_costs(times, warmup, window_s=IN_TIME_WINDOW_S),
+            network=network,
+        ),
         RECORDED: simulate(config, apart, costs=recorded, network=network),
     }
     return Fidelity(
@@ -324,7 +332,12 @@ def _fidelity_part(f: Fidelity) -> Part:
                     )
         rows.append(row)
         gaps.append(gap)
-    short = {WARMUP: "warm-up, shared", OBSERVED: "observed costs", RECORDED: "recorded run"}
+    short = {
+        WARMUP: "warm-up, shared",
+        OBSERVED: "observed costs",
+        IN_TIME: "recorded, in time",
+        RECORDED: "recorded run",
+    }
     table = md_table(
         [
             "class",
@@ -406,19 +419,23 @@ def _fidelity_part(f: Fidelity) -> Part:
         f"fleet {rounds} times, its caller keeping a call record (`router.record_dir`). "
         "The first replay is the recorded run: everything the simulator is given that "
         "was measured in a run comes from it alone, and the simulator is compared with "
-        f"the other {held} replays pooled (held out). Three simulated variants: "
+        f"the other {held} replays pooled (held out). Four simulated variants: "
         "**recorded run** (the acceptance figures): each engine call takes the engine "
         "time of one of the recorded run's calls of its model and batch size, drawn at "
         "random (`service_ms` of its call record, `--costs` / `costs_from:` of "
         f"`edgefleet simulate`; {f.recorded_lines} lines), the nodes reporting the "
         "warm-up tables as the real ones do, each node a device of its own (the recorded "
-        "times carry the machine's contention already); **warm-up, shared**: the cost "
+        "times carry the machine's contention already); **recorded, in time**: the same, "
+        "each call drawn among the recorded calls that started within "
+        f"{IN_TIME_WINDOW_S * 1000:.0f} ms of its own time into the replay (the recorded "
+        "run's slow stretches come back together, as in `ModelCost.window_s`); "
+        "**warm-up, shared**: the cost "
         "tables the nodes measured at warm-up, the 4 simulated nodes sharing one machine "
         "as the real ones do here, its cores fitted so that engine calls take "
         f"{f.stretch:.2f}x their tables on average as they did in the recorded run "
         f"(`shared_cores: {f.cores:.2f}`); **observed costs**: those tables scaled to the "
         "median engine time of the recorded run's replies, each node a device of its own. "
-        f"The simulated network, the same for all three: a request reaches its node after "
+        f"The simulated network, the same for all four: a request reaches its node after "
         f"{f.hop_ms:.2f} ms (half the median time the recorded run's replies spent outside "
         "their node) and each answer comes back after a time outside the node drawn from "
         "those the recorded run's replies measured (the caller's own work and Ray's "

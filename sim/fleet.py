@@ -12,6 +12,7 @@ them. Only the driving differs: events on a heap instead of Ray calls and thread
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import heapq
 import itertools
@@ -113,27 +114,43 @@ class ModelCost:
     ``samples_ms``, when given, are engine times of calls a live fleet ran (ms, by
     batch size, as a call record has them): each call then takes one of them drawn at
     random (:meth:`draw_s`), the spread and tail of the recorded run included, where
-    ``call_ms`` stays the table nodes report and price calls by."""
+    ``call_ms`` stays the table nodes report and price calls by. With ``window_s`` and
+    ``samples_at_s`` (when each recorded call started, seconds into the recorded run,
+    ascending) a call draws among the calls recorded within ``window_s`` of its own
+    time into the run (the recorded run repeating when the simulation is longer), so
+    the stretches in which the recorded machine ran slow come back together instead of
+    spread over the run."""
 
     call_ms: Mapping[int, float] = field(default_factory=dict)
     prefill_ms_per_token: float = 0.0
     step_ms: Mapping[int, float] = field(default_factory=dict)
     samples_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    samples_at_s: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    window_s: float = 0.0
 
     def call_s(self, rows: int) -> float:
         return _interpolate(self.call_ms, rows) / 1000.0
 
-    def draw_s(self, rows: int, rng: random.Random) -> float:
-        """Engine seconds of one call of ``rows``: a recorded call of that batch size
-        drawn uniformly from ``rng``; of the nearest recorded size (the smaller at a
-        tie) scaled by the ratio of the two sizes' ``call_ms`` when none was recorded;
-        the table's (:meth:`call_s`, no draw) without recorded calls."""
+    def draw_s(self, rows: int, rng: random.Random, now: float = 0.0) -> float:
+        """Engine seconds of one call of ``rows`` starting ``now``: a recorded call of
+        that batch size drawn uniformly from ``rng`` (within ``window_s`` of ``now``
+        when in time, any when none was recorded there); of the nearest recorded size
+        (the smaller at a tie) scaled by the ratio of the two sizes' ``call_ms`` when
+        none was recorded; the table's (:meth:`call_s`, no draw) without recorded calls."""
         if not self.samples_ms:
             return self.call_s(rows)
         size = rows
         if size not in self.samples_ms:
             size = min(self.samples_ms, key=lambda n: (abs(n - rows), n))
-        drawn = rng.choice(self.samples_ms[size])
+        samples = self.samples_ms[size]
+        starts = self.samples_at_s.get(size) if self.window_s > 0 else None
+        if starts:
+            t = now % starts[-1] if starts[-1] > 0 else now
+            lo = bisect.bisect_left(starts, t - self.window_s)
+            hi = bisect.bisect_right(starts, t + self.window_s)
+            drawn = samples[lo + int(rng.random() * (hi - lo))] if hi > lo else rng.choice(samples)
+        else:
+            drawn = rng.choice(samples)
         if size != rows:
             base = _interpolate(self.call_ms, size)
             drawn *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
@@ -402,7 +419,8 @@ class SimNode:
             call.steps_from = self.loop.t + prefill / self._speed()
             self._next_finish(call)
         else:
-            seconds = self._costs[plan.model].draw_s(plan.rows, self._rng) / self.speed
+            cost = self._costs[plan.model]
+            seconds = cost.draw_s(plan.rows, self._rng, self.loop.t) / self.speed
             if self.host is not None:
                 call.left_s = seconds
                 self.host.start(self, call)  # schedules the end

@@ -111,19 +111,28 @@ def costs_from_status(path: str | Path) -> dict[str, ModelCost]:
 
 
 def recorded_costs(
-    times: EngineTimes, tables: Mapping[str, ModelCost] | None = None
+    times: EngineTimes, tables: Mapping[str, ModelCost] | None = None, window_s: float = 0.0
 ) -> dict[str, ModelCost]:
     """``tables`` with the engine times a call record gave (:func:`read_engine_times`)
-    to draw each call's from: a model of ``times`` keeps its table (what its nodes report
-    and price calls by, and scale the recorded times by between batch sizes) or, without
-    one, gets the median recorded per batch size as its table. The models of ``tables``
-    without recorded calls keep their tables alone."""
+    to draw each call's from (with ``window_s``: from those recorded within that many
+    seconds of the call's own time into the run, see :class:`ModelCost`): a model of
+    ``times`` keeps its table (what its nodes report and price calls by, and scale the
+    recorded times by between batch sizes) or, without one, gets the median recorded
+    per batch size as its table. The models of ``tables`` without recorded calls keep
+    their tables alone."""
     out = dict(tables or {})
     for model, by_size in times.items():
         cost = out.get(model, ModelCost())
-        samples = {n: tuple(ms) for n, ms in sorted(by_size.items()) if ms}
+        calls = {n: c for n, c in sorted(by_size.items()) if c}
+        samples = {n: tuple(ms for _, ms in c) for n, c in calls.items()}
         table = cost.call_ms or {n: statistics.median(ms) for n, ms in samples.items()}
-        out[model] = replace(cost, call_ms=table, samples_ms=samples)
+        out[model] = replace(
+            cost,
+            call_ms=table,
+            samples_ms=samples,
+            samples_at_s={n: tuple(at for at, _ in c) for n, c in calls.items()},
+            window_s=window_s,
+        )
     return out
 
 

@@ -63,8 +63,9 @@ from edgefleet.errors import ConfigError
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
 
 _CHUNK = 16_384  # candidate arrivals drawn per NumPy call
-# recorded engine ms per call: model -> batch size -> the calls' times
-EngineTimes = dict[str, dict[int, list[float]]]
+# recorded calls: model -> batch size -> (when the call started, s after the record's
+# first arrival; its engine ms), in the order they started
+EngineTimes = dict[str, dict[int, list[tuple[float, float]]]]
 _DEFER = "defer_cross_checks"  # validation context: parse_workload reports them with lines
 
 
@@ -914,9 +915,10 @@ def read_trace(path: str | Path) -> list[Arrival]:
 
 
 def read_engine_times(path: str | Path) -> EngineTimes:
-    """Engine time of the calls a call record's completed inferences ran in: ms by model
-    and batch size (``service_ms`` and ``batch`` of each line, see ``cluster/record.py``),
-    a call of ``n`` requests appearing once for each of them.
+    """Engine time of the calls a call record's completed inferences ran in, by model and
+    batch size (``service_ms`` and ``batch`` of each line, see ``cluster/record.py``),
+    each with when it started (``at`` plus ``queue_ms``, seconds after the record's first
+    arrival), in that order; a call of ``n`` requests appears once for each of them.
 
     ``path`` is a file or a folder of ``*.jsonl`` files, read as :func:`read_trace` reads
     them, each line checked as a trace line is. Lines without the figures (no node
@@ -926,11 +928,13 @@ def read_engine_times(path: str | Path) -> EngineTimes:
     """
     path = Path(path)
     out: EngineTimes = {}
+    first = math.inf
     for file in _jsonl_files(path, "call record"):
         for number, obj in _objects(file, "call record"):
             problem = _engine_problem(obj)
             if problem is not None:
                 raise ConfigError(f"{file}:{number}: {problem}")
+            first = min(first, obj["at"])
             service, batch = obj.get("service_ms"), obj.get("batch")
             if (
                 obj.get("outcome") == "completed"
@@ -940,7 +944,12 @@ def read_engine_times(path: str | Path) -> EngineTimes:
                 and batch is not None
                 and batch >= 1
             ):
-                out.setdefault(obj["model"], {}).setdefault(batch, []).append(float(service))
+                started = obj["at"] + (obj.get("queue_ms") or 0.0) / 1000.0
+                calls = out.setdefault(obj["model"], {}).setdefault(batch, [])
+                calls.append((started, float(service)))
+    for by_size in out.values():
+        for size, calls in by_size.items():
+            by_size[size] = sorted((at - first, ms) for at, ms in calls)
     if not out:
         raise ConfigError(
             f"{path}: no engine times in this call record: no line of a completed inference "

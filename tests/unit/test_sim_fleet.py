@@ -673,6 +673,22 @@ def test_a_call_takes_a_recorded_engine_time_of_its_batch_size():
     assert [cost.draw_s(1, random.Random(2)) for _ in range(300)] != ones
 
 
+def test_in_time_a_call_draws_among_the_calls_recorded_near_its_time_into_the_run():
+    # the recorded machine ran slow from 1 s to 2 s into the run
+    starts = tuple(i * 0.1 for i in range(30))
+    ms = tuple(50.0 if 1.0 <= at < 2.0 else 5.0 for at in starts)
+    cost = ModelCost({1: 5.0}, samples_ms={1: ms}, samples_at_s={1: starts}, window_s=0.25)
+    rng = random.Random(1)
+    assert {cost.draw_s(1, rng, 0.5) for _ in range(200)} == {0.005}
+    assert {cost.draw_s(1, rng, 1.5) for _ in range(200)} == {0.05}
+    assert {cost.draw_s(1, rng, 1.0) for _ in range(200)} == {0.005, 0.05}  # the edge
+    # later than the recorded run: it repeats (2.9 s long)
+    assert {cost.draw_s(1, rng, 2.9 + 1.5) for _ in range(200)} == {0.05}
+    # without a window: any recorded call, wherever in the run
+    anywhere = dataclasses.replace(cost, window_s=0.0)
+    assert {anywhere.draw_s(1, rng, 0.5) for _ in range(400)} == {0.005, 0.05}
+
+
 def test_a_size_not_recorded_scales_the_nearest_by_the_cost_table():
     cost = ModelCost({1: 10.0, 4: 20.0}, samples_ms={1: (5.0,), 4: (30.0,)})
     rng = random.Random(1)
@@ -687,7 +703,11 @@ def test_a_size_not_recorded_scales_the_nearest_by_the_cost_table():
 
 def test_a_model_without_recorded_calls_keeps_its_table_and_draws_nothing():
     costs = recorded_costs(
-        {"classifier": {1: [3.0, 5.0], 8: [9.0]}, "new": {1: [2.0, 4.0, 9.0]}}, FLEET_COSTS
+        {
+            "classifier": {1: [(0.0, 3.0), (0.1, 5.0)], 8: [(0.2, 9.0)]},
+            "new": {1: [(0.0, 2.0), (0.1, 4.0), (0.2, 9.0)]},
+        },
+        FLEET_COSTS,
     )
     heavy = costs["heavy"]
     assert heavy == FLEET_COSTS["heavy"] and not heavy.samples_ms

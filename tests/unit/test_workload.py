@@ -442,6 +442,21 @@ def test_a_workload_replays_its_trace(tmp_path):
 # -- engine times from a call record ---------------------------------------------------
 
 
+def engine_ms(times):
+    """Recorded engine times without when each call started."""
+    return {m: {n: [ms for _, ms in c] for n, c in by.items()} for m, by in times.items()}
+
+
+def test_recorded_calls_are_in_the_order_they_started(tmp_path):
+    lines = [
+        call_line(at=10.0, service_ms=1.0, queue_ms=30.0),  # started at 10.03
+        call_line(at=10.01, service_ms=2.0, queue_ms=0.0),
+        call_line(at=9.0, service_ms=3.0, queue_ms=None),
+    ]
+    times = read_engine_times(write(tmp_path, "".join(lines), "calls.jsonl"))
+    assert times["m"][1] == [(0.0, 3.0), (pytest.approx(1.01), 2.0), (pytest.approx(1.03), 1.0)]
+
+
 def call_line(**fields: object) -> str:
     """A call record's line: a completed batch-1 inference of m unless ``fields`` say."""
     line: dict[str, object] = {
@@ -476,8 +491,12 @@ def test_engine_times_come_from_completed_inferences_of_a_call_record(tmp_path):
         "calls/calls-a.jsonl",
     )
     write(tmp_path, call_line(service_ms=5.0), "calls/calls-b.jsonl")
-    expected = {"m": {1: [4.0, 6.0, 5.0], 4: [9.5]}, "n": {1: [2.0]}}
-    assert read_engine_times(tmp_path / "calls") == expected
+    expected = {"m": {1: [4.0, 5.0, 6.0], 4: [9.5]}, "n": {1: [2.0]}}
+    times = read_engine_times(tmp_path / "calls")
+    assert engine_ms(times) == expected
+    # each call started queue_ms after its arrival, 1 s into the record (the old line)
+    starts = [at for by_size in times.values() for calls in by_size.values() for at, _ in calls]
+    assert starts == [pytest.approx(0.0005)] * 5
     # a workload names the record relative to its own folder
     path = write(
         tmp_path,
@@ -485,7 +504,7 @@ def test_engine_times_come_from_completed_inferences_of_a_call_record(tmp_path):
     )
     w = load_workload(path)
     assert w.costs_from == tmp_path / "calls"
-    assert w.engine_times() == expected
+    assert engine_ms(w.engine_times()) == expected
     assert workload().engine_times() == {}
 
 
