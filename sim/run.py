@@ -52,6 +52,10 @@ DRAIN_LIMIT_S = 600.0  # simulated seconds after the last arrival before giving 
 # exist when it starts (the fleet) are left out of the scans. Collection has no part in
 # what is simulated: only the CPU time changes.
 YOUNG_OBJECTS = 500_000
+# A call drawing a recorded engine time draws among the calls recorded within this
+# many seconds of its own time into the run: the recorded machine's slow stretches
+# then come back together, as queues build behind them (see ModelCost).
+RECORDED_WINDOW_S = 0.25
 _OUTCOME = {
     Rejected: "rejected",
     Evicted: "evicted",
@@ -111,15 +115,16 @@ def costs_from_status(path: str | Path) -> dict[str, ModelCost]:
 
 
 def recorded_costs(
-    times: EngineTimes, tables: Mapping[str, ModelCost] | None = None, window_s: float = 0.0
+    times: EngineTimes,
+    tables: Mapping[str, ModelCost] | None = None,
+    window_s: float = RECORDED_WINDOW_S,
 ) -> dict[str, ModelCost]:
     """``tables`` with the engine times a call record gave (:func:`read_engine_times`)
-    to draw each call's from (with ``window_s``: from those recorded within that many
-    seconds of the call's own time into the run, see :class:`ModelCost`): a model of
-    ``times`` keeps its table (what its nodes report and price calls by, and scale the
-    recorded times by between batch sizes) or, without one, gets the median recorded
-    per batch size as its table. The models of ``tables`` without recorded calls keep
-    their tables alone."""
+    to draw each call's from: those recorded within ``window_s`` of the call's own time
+    into the run (0: any, see :class:`ModelCost`). A model of ``times`` keeps its table
+    (what its nodes report and price calls by, and scale the recorded times by between
+    batch sizes) or, without one, gets the median recorded per batch size as its table.
+    The models of ``tables`` without recorded calls keep their tables alone."""
     out = dict(tables or {})
     for model, by_size in times.items():
         cost = out.get(model, ModelCost())
