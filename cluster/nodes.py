@@ -57,6 +57,8 @@ class RayNode:
         return out
 
     def _answered(self, out: cf.Future[Reply], ref: ray.ObjectRef, result: Any) -> None:
+        """Ray's callback: ``result`` is the reply or the error stored in its place
+        (``ref``, unused, is what keeps the call's objects alive until now)."""
         if isinstance(result, ray.exceptions.RayActorError):
             out.set_exception(self._gone(result))
         elif isinstance(result, ray.exceptions.RayTaskError):
