@@ -595,6 +595,19 @@ class _Class:
     prompt_tokens: int
     max_new_tokens: int
 
+    def arrival(self, at: float, key: str | None, session: str | None) -> Arrival:
+        return Arrival(
+            at,
+            self.model,
+            self.priority,
+            self.rows,
+            self.deadline_s,
+            key,
+            session,
+            self.prompt_tokens,
+            self.max_new_tokens,
+        )
+
 
 _Accept = Callable[[np.ndarray], np.ndarray] | None
 
@@ -662,16 +675,8 @@ def _generate(
             times.tolist(), which.tolist(), key.tolist(), session.tolist(), strict=True
         ):
             spec = classes[c]
-            yield Arrival(
-                at,
-                spec.model,
-                spec.priority,
-                spec.rows,
-                spec.deadline_s,
-                f"k{k}" if spec.keys else None,
-                f"s{s}" if spec.sessions else None,
-                spec.prompt_tokens,
-                spec.max_new_tokens,
+            yield spec.arrival(
+                at, f"k{k}" if spec.keys else None, f"s{s}" if spec.sessions else None
             )
 
 
@@ -749,18 +754,7 @@ def _merge(
     while heap and left > 0:
         at, i, session = heap[0]
         stream = streams[i]
-        spec = stream.spec
-        yield Arrival(
-            at,
-            spec.model,
-            spec.priority,
-            spec.rows,
-            spec.deadline_s,
-            stream.key,
-            session,
-            spec.prompt_tokens,
-            spec.max_new_tokens,
-        )
+        yield stream.spec.arrival(at, stream.key, session)
         left -= 1
         nxt, session = stream.next()
         if nxt < end:
