@@ -148,10 +148,7 @@ class _Entry:
         self.models = frozenset(spec.models)
         p = spec.preemption
         self.preempt_gap = p.min_priority_gap if p.enabled else None
-        starvation = spec.starvation.params(spec.priorities)
-        self.guaranteed = {
-            q: c for q in range(11) if (c := starvation.class_of(q)) in starvation.bounds
-        }
+        self.guaranteed = spec.starvation.params(spec.priorities).guaranteed()
         self.healthy = True  # until the router or a call says otherwise
         self.lost_at: float | None = None
         self.report_at = float("-inf")  # when the report was taken, on this caller's clock

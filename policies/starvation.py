@@ -43,6 +43,10 @@ class StarvationParams:
     def is_protected(self, priority: int) -> bool:
         return self.class_of(priority) in self.protected
 
+    def guaranteed(self) -> dict[int, int]:
+        """Priority (0-10) -> its class, for the priorities whose class has a bound."""
+        return {p: c for p in range(11) if (c := self.class_of(p)) in self.bounds}
+
 
 # A request is promoted while its class's maximum wait is still this many engine calls
 # away. Promotion happens at a call boundary, up to one call late; then one protected

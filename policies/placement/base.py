@@ -47,8 +47,8 @@ class NodeView:
 
     def holds_class_of(self, priority: int) -> bool:
         """The node holds work of ``priority``'s guaranteed class (queued or running)."""
-        cls = self.guaranteed[priority]
         guaranteed = self.guaranteed
+        cls = guaranteed[priority]
         return any(n > 0 and guaranteed.get(p) == cls for p, n in self.work.items())
 
     def backlog_at_or_above(self, priority: int) -> float:

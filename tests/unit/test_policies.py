@@ -451,3 +451,10 @@ def test_kv_release_skips_trims_that_free_nothing():
     caches = [_cache("full-prefix", 50, keep=50), _cache("other", 50, keep=10, seq=1)]
     assert plan_kv_release(caches, 70) == [("other", KVAction.TRIM)]
     assert plan_kv_release(caches, 55) == [("other", KVAction.TRIM), ("other", KVAction.DROP)]
+
+
+def test_the_guaranteed_priorities_are_those_of_the_bounded_classes():
+    assert OFF_SHARE.guaranteed() == {0: 0, 1: 0, 2: 0}
+    inline = StarvationParams({7: ClassBound(max_wait_s=1.0)})
+    assert inline.guaranteed() == {7: 7, 8: 7, 9: 7}
+    assert StarvationParams().guaranteed() == {}
