@@ -469,12 +469,12 @@ class TokenStream(Iterator[int]):
 
 class _ViewFeed:
     """Keeps a dispatcher's fleet view fresh: fetches the router's view every
-    ``report_interval_s``, handing over the counters counted meanwhile and the shed
-    requests still to come back (and flushes the dispatcher's metrics and call record
-    as often). A router that does not answer (restarting, say) is asked again with
-    exponential backoff and jitter; meanwhile requests are placed on the last view and
-    the caller's own accounting. The first view is fetched before the client is
-    returned."""
+    ``report_interval_s``, handing over the counters counted meanwhile, the shed
+    requests still to come back and the requests placed, by priority (and flushes the
+    dispatcher's metrics and call record as often). A router that does not answer
+    (restarting, say) is asked again with exponential backoff and jitter; meanwhile
+    requests are placed on the last view and the caller's own accounting. The first
+    view is fetched before the client is returned."""
 
     def __init__(
         self, router: ActorHandle, dispatcher: Dispatcher, config: FleetConfig, caller: str
@@ -493,8 +493,11 @@ class _ViewFeed:
     def _fetch(self, last: bool = False) -> None:
         counters = self._dispatcher.take_counters()
         waiting = 0 if last else self._dispatcher.shed_waiting()  # closing: none come back
+        placed = self._dispatcher.take_placed()
         try:
-            ref = self._router.fleet_view.remote(self._caller, dict(counters), waiting)
+            ref = self._router.fleet_view.remote(
+                self._caller, dict(counters), waiting, {} if last else placed
+            )
             (view,) = _get([ref], self._timeout, "fleet view")
         except BaseException:
             self._dispatcher.give_back(counters)

@@ -106,12 +106,14 @@ class NodeReport:
 
 @dataclass(frozen=True)
 class FleetView:
-    """The router's view of its nodes, as callers receive it. ``shed_waiting``: the
-    requests the fleet's other callers shed and told to come back later that had not
-    come back yet, as those callers last reported them (None: not part of this view)."""
+    """The router's view of its nodes, as callers receive it. What the fleet's other
+    callers last reported (None: not part of this view): ``shed_waiting``, the requests
+    they shed and told to come back later that had not come back yet; ``placed``, the
+    requests they placed in their last report interval, by priority."""
 
     nodes: Mapping[str, NodeReport]
     shed_waiting: int | None = None
+    placed: Mapping[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -334,6 +336,12 @@ class Dispatcher:
         self._counted: Counter[str] = Counter()  # everything counted, never handed over
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
         self._shed_elsewhere = 0  # shed requests of other callers still to come back
+        # Placements by priority: this caller's since it last reported them, its own in
+        # the interval it reported last, and the other callers' in theirs.
+        self._placed: Counter[int] = Counter()
+        self._placed_last: Mapping[int, int] = {}
+        self._placed_elsewhere: Mapping[int, int] = {}
+        self._crowds: dict[int, float] = {}  # priority -> crowd, until the counts change
         self._retries: Executor = executor or ThreadPoolExecutor(
             1, thread_name_prefix="edgefleet-dispatch"
         )
@@ -354,6 +362,9 @@ class Dispatcher:
                 self._report(name, r.status, r.healthy, now - r.age_s)
             if view.shed_waiting is not None:
                 self._shed_elsewhere = view.shed_waiting
+            if view.placed is not None:
+                self._placed_elsewhere = view.placed
+                self._crowds = {}
 
     def shed_waiting(self) -> int:
         """Requests this caller shed and told to come back later, not due yet (the
@@ -368,6 +379,37 @@ class Dispatcher:
         :attr:`FleetView.shed_waiting` carries)."""
         with self._lock:
             self._shed_elsewhere = waiting
+
+    def take_placed(self) -> dict[int, int]:
+        """The requests this caller placed since the last call, by priority (for the
+        router, which hands every caller the sum of the others': :meth:`others_placed`)."""
+        with self._lock:
+            placed, self._placed = dict(self._placed), Counter()
+            self._placed_last = placed
+            self._crowds = {}
+            return placed
+
+    def others_placed(self, placed: Mapping[int, int]) -> None:
+        """The requests the fleet's other callers placed in their last report interval,
+        by priority (what :attr:`FleetView.placed` carries)."""
+        with self._lock:
+            self._placed_elsewhere = placed
+            self._crowds = {}
+
+    def crowd(self, priority: int) -> float:
+        """The share of the recent placements at ``priority`` or above that the fleet's
+        other callers made (0 when this caller is alone): the more of them, the less
+        this caller's view knows of what was sent since a report."""
+        with self._lock:
+            return self._crowd(priority)
+
+    def _crowd(self, priority: int) -> float:
+        crowd = self._crowds.get(priority)
+        if crowd is None:
+            others = sum(n for p, n in self._placed_elsewhere.items() if p >= priority)
+            mine = sum(n for p, n in self._placed_last.items() if p >= priority)
+            crowd = self._crowds[priority] = others / (others + mine) if others else 0.0
+        return crowd
 
     def report(self, name: str, status: NodeStatus | None, healthy: bool, taken_at: float) -> None:
         """One node's report, taken at ``taken_at`` on this dispatcher's clock."""
@@ -424,7 +466,8 @@ class Dispatcher:
         now = self._clock.now()
         with self._lock:
             views = [e.view(now) for e in self._nodes.values()]
-            return [v.name for v in self._placement.rank(views, request, self._rng)]
+            ranked = self._placement.rank(views, request, self._rng, self._crowd(request.priority))
+            return [v.name for v in ranked]
 
     def healthy(self) -> dict[str, bool]:
         return {n: e.healthy for n, e in self._nodes.items()}
@@ -601,9 +644,11 @@ class Dispatcher:
         now = self._clock.now()
         with self._lock:
             views = [e.view(now) for e in self._considered(request, tried)]
-            ranked = self._placement.rank(views, request, self._rng)
+            crowd = self._crowd(request.priority)
+            ranked = self._placement.rank(views, request, self._rng, crowd)
             if not ranked:
                 return None
+            self._placed[request.priority] += 1
             best = ranked[0]
             tried.add(best.name)
             entry = self._nodes[best.name]

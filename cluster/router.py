@@ -30,7 +30,7 @@ from edgefleet.messages import NodeStatus
 log = logging.getLogger(__name__)
 
 CALLER_SEEN_S = 10.0  # a caller that asked for the view this recently is counted active
-SHED_REPORTS_KEPT = 4  # a caller's shed waiters count for this many report intervals
+CALLER_REPORTS_KEPT = 4  # what a caller reports counts for this many report intervals
 NODE_START_TIMEOUT_S = 300.0  # a node restarted by Ray loads and measures its models
 
 
@@ -88,6 +88,7 @@ class Router:
         self._counters: Counter[str] = Counter()
         self._callers: dict[str, float] = {}  # caller id -> when it last fetched the view
         self._shed_waiting: dict[str, int] = {}  # caller id -> its shed requests still out
+        self._placed: dict[str, Mapping[int, int]] = {}  # caller id -> its last placements
         self._watchers: dict[str, asyncio.Task[None]] = {}  # one polling task per node
         self._starting: dict[str, asyncio.Task[NodeStatus]] = {}  # nodes being started
         self._stopping = False
@@ -202,30 +203,37 @@ class Router:
     # ------------------------------------------------------------------- callers
 
     def fleet_view(
-        self, caller: str = "", counters: Mapping[str, int] | None = None, shed_waiting: int = 0
+        self,
+        caller: str = "",
+        counters: Mapping[str, int] | None = None,
+        shed_waiting: int = 0,
+        placed: Mapping[int, int] | None = None,
     ) -> FleetView:
         """The latest report and health of every node, for a caller that places
         requests; ``counters`` are what that caller counted since it last asked,
-        ``shed_waiting`` the requests it shed that are still to come back (the view
-        carries the other callers' sum, so shed requests come back in turn fleet-wide)."""
+        ``shed_waiting`` the requests it shed that are still to come back and ``placed``
+        the requests it placed since it last asked, by priority. The view carries the
+        other callers' sums: shed requests come back in turn fleet-wide, and a caller
+        among many widens its choice of near-best nodes."""
         now = self._clock.now()
         if caller:
             self._callers[caller] = now
             self._shed_waiting[caller] = shed_waiting
+            self._placed[caller] = placed or {}
         if counters:
             self._counters.update(counters)
-        fresh = SHED_REPORTS_KEPT * self.config.router.report_interval_s
-        elsewhere = sum(
-            n
-            for c, n in self._shed_waiting.items()
-            if c != caller and now - self._callers[c] <= fresh
-        )
+        fresh = CALLER_REPORTS_KEPT * self.config.router.report_interval_s
+        others = [c for c, t in self._callers.items() if c != caller and now - t <= fresh]
+        elsewhere: Counter[int] = Counter()
+        for c in others:
+            elsewhere.update(self._placed.get(c, {}))
         return FleetView(
             {
                 name: NodeReport(e.report, e.healthy, now - e.reported_at if e.report else 0.0)
                 for name, e in self._nodes.items()
             },
-            elsewhere,
+            sum(self._shed_waiting.get(c, 0) for c in others),
+            dict(elsewhere),
         )
 
     async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
@@ -290,10 +298,14 @@ class RouterActor:
         return self._router.config
 
     async def fleet_view(
-        self, caller: str = "", counters: Mapping[str, int] | None = None, shed_waiting: int = 0
+        self,
+        caller: str = "",
+        counters: Mapping[str, int] | None = None,
+        shed_waiting: int = 0,
+        placed: Mapping[int, int] | None = None,
     ) -> FleetView:
         await self._router.start()  # after a restart of the router itself
-        return self._router.fleet_view(caller, counters, shed_waiting)
+        return self._router.fleet_view(caller, counters, shed_waiting, placed)
 
     async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
         await self._router.start()

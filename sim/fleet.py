@@ -18,7 +18,7 @@ import heapq
 import itertools
 import math
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -781,28 +781,39 @@ class SimFleet:
 
     def _poll(self) -> None:
         """Every report interval: nodes that changed report (what the router polls),
-        and the reports reach the callers ``report_delay_s`` later, with the other
-        callers' shed requests still to come back (what the router's view carries)."""
+        and the reports reach the callers ``report_delay_s`` later, with what the other
+        callers reported (what the router's view carries): their shed requests still to
+        come back and the requests they placed, by priority."""
         now = self.loop.t
         reports = []
         for i, node in enumerate(self.nodes):
             if node.last_change >= self._reported[i] - BUSY_WINDOW_S:
                 reports.append((node.spec.name, node.status(now), node.alive))
                 self._reported[i] = now
-        waiting = [d.shed_waiting() for d in self.dispatchers] if len(self.dispatchers) > 1 else []
-        if reports or waiting:
-            self.loop.at(now + self.network.report_delay_s, self._deliver, reports, now, waiting)
+        callers: list[tuple[int, dict[int, int]]] = []
+        if len(self.dispatchers) > 1:
+            callers = [(d.shed_waiting(), d.take_placed()) for d in self.dispatchers]
+        if reports or callers:
+            self.loop.at(now + self.network.report_delay_s, self._deliver, reports, now, callers)
         self.loop.at(now + self.interval, self._poll)
 
     def _deliver(
-        self, reports: list[tuple[str, NodeStatus, bool]], taken: float, waiting: list[int]
+        self,
+        reports: list[tuple[str, NodeStatus, bool]],
+        taken: float,
+        callers: list[tuple[int, dict[int, int]]],
     ) -> None:
-        total = sum(waiting)
+        waiting = sum(w for w, _ in callers)
+        placed: Counter[int] = Counter()
+        for _, p in callers:
+            placed.update(p)
         for i, d in enumerate(self.dispatchers):
             for name, status, alive in reports:
                 d.report(name, status, alive, taken)
-            if waiting:
-                d.others_shed(total - waiting[i])
+            if callers:
+                mine_waiting, mine_placed = callers[i]
+                d.others_shed(waiting - mine_waiting)
+                d.others_placed(dict(placed - Counter(mine_placed)))
 
     # -------------------------------------------------------------- fleet events
 

@@ -225,7 +225,9 @@ class LocalFleet:
         async def view() -> Any:
             await self.router.status()  # polls every node now
             d = self.dispatcher
-            return self.router.fleet_view("test", d.take_counters(), d.shed_waiting())
+            return self.router.fleet_view(
+                "test", d.take_counters(), d.shed_waiting(), d.take_placed()
+            )
 
         self.dispatcher.update(self.run(view()))
 

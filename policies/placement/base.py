@@ -84,8 +84,12 @@ class Scorer(Protocol):
 
 
 class Picker(Protocol):
-    def order(self, scored: Sequence[tuple[NodeView, float]], rng: random.Random) -> list[NodeView]:
-        """Order candidates for trying, best first. MUST return each candidate once."""
+    def order(
+        self, scored: Sequence[tuple[NodeView, float]], rng: random.Random, crowd: float = 0.0
+    ) -> list[NodeView]:
+        """Order candidates for trying, best first. MUST return each candidate once.
+        ``crowd``: the share (0-1) of the recent placements competing with this request
+        (its priority or above) made by the fleet's other callers."""
         ...
 
 
@@ -98,9 +102,14 @@ class Placement:
     picker: Picker
 
     def rank(
-        self, nodes: Sequence[NodeView], request: PlacementRequest, rng: random.Random
+        self,
+        nodes: Sequence[NodeView],
+        request: PlacementRequest,
+        rng: random.Random,
+        crowd: float = 0.0,
     ) -> list[NodeView]:
-        """Candidates for ``request`` in the order they should be tried."""
+        """Candidates for ``request`` in the order they should be tried (``crowd``: see
+        :meth:`Picker.order`)."""
         # Plain loops, no generators: this runs for every request a caller places. The
         # plugins' methods are looked up once per request, not once per candidate.
         scored: list[tuple[NodeView, float]] = []
@@ -115,7 +124,7 @@ class Placement:
                 for scorer_cost, weight in costs:
                     cost += weight * scorer_cost(node, request)
                 scored.append((node, cost))
-        return self.picker.order(scored, rng)
+        return self.picker.order(scored, rng, crowd)
 
 
 def row_cost(node: NodeView, model: str) -> float:

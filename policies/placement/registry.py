@@ -51,6 +51,13 @@ class PipelineParams(BaseModel):
     )
     tie_s: float = Field(0.001, ge=0, description="near_best: nodes this close to the best tie")
     tie_ratio: float = Field(0.05, ge=0, description="near_best: ...or this share of the best")
+    crowd_ratio: float = Field(
+        0.3,
+        ge=0,
+        description="near_best: the share of the best added to the band when other callers "
+        "made all the recent placements at the request's priority or above (in proportion "
+        "to their share)",
+    )
     affinity_penalty_s: float = Field(
         0.5, ge=0, description="session_affinity: cost of moving a session from its KV cache"
     )
@@ -94,7 +101,7 @@ SCORERS: Mapping[str, Callable[[PlacementParams], Scorer]] = {
 
 PICKERS: Mapping[str, Callable[[PlacementParams], Picker]] = {
     "best": lambda p: Best(),
-    "near_best": lambda p: NearBest(p.tie_s, p.tie_ratio),
+    "near_best": lambda p: NearBest(p.tie_s, p.tie_ratio, p.crowd_ratio),
     "power_of_two": lambda p: PowerOfTwo(),
     "round_robin": lambda p: RoundRobin(),
     "random": lambda p: Uniform(),

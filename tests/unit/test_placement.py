@@ -200,6 +200,20 @@ def test_near_best_picks_at_random_within_the_tie_band_only():
     assert names(NearBest(tie_s=0.0, tie_ratio=0.0).order(scored, random.Random(0)))[0] == "a"
 
 
+def test_near_best_widens_its_band_with_the_share_of_placements_made_elsewhere():
+    scored = [(node("a"), 0.010), (node("b"), 0.012), (node("c"), 0.013), (node("d"), 0.05)]
+    picker = NearBest(tie_s=0.0, tie_ratio=0.05, crowd_ratio=0.3)
+
+    def firsts(crowd: float) -> Counter[str]:
+        return Counter(picker.order(scored, random.Random(i), crowd)[0].name for i in range(300))
+
+    assert firsts(0.0) == {"a": 300}  # alone: within 5 % of the best only
+    half = firsts(0.5)  # a band of 5 + 15 % of the best
+    assert set(half) == {"a", "b"} and min(half.values()) > 100
+    crowded = firsts(1.0)  # 5 + 30 %
+    assert set(crowded) == {"a", "b", "c"} and min(crowded.values()) > 60
+
+
 @pytest.mark.parametrize(
     ("elapsed", "work", "backlog", "running", "expected"),
     [

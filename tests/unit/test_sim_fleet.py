@@ -923,3 +923,25 @@ def test_a_session_reaches_the_node_holding_it_whether_or_not_it_was_drawn(monke
         assert calls.node(f"g{k}") == fleet.nodes[i].spec.name, session
     # 8 drawn at random, plus the holder when the draw missed it (most of the time)
     assert set(weighed.per_placement) <= {8, 9} and weighed.per_placement.count(9) > 10
+
+
+def test_simulated_callers_learn_the_placements_the_others_made():
+    """What the router's view carries in a live fleet: each caller hears, with the next
+    reports, what the other callers placed."""
+    fleet = SimFleet(local_config(), FLEET_COSTS, callers=2, seed=1)
+    for i in range(4):
+        fleet.loop.at(0.01, fleet.submit, infer(f"fg{i}", "heavy", FG), 0)
+    fleet.loop.at(0.01, fleet.submit, infer("bg", "heavy", BG), 1)
+    first, second = fleet.dispatchers
+    heard: list[tuple[float, ...]] = []
+
+    def hear() -> None:
+        heard.append((second.crowd(FG), first.crowd(FG), first.crowd(BG)))
+
+    fleet.loop.at(fleet.interval + fleet.network.report_delay_s + 0.001, hear)
+    fleet.loop.at(2 * fleet.interval + fleet.network.report_delay_s + 0.001, hear)
+    fleet.loop.run(until=lambda: len(heard) == 2)
+    # the second caller placed foreground none of; the first, one of five at or above
+    # background
+    assert heard[0] == (1.0, 0.0, pytest.approx(1 / 5))
+    assert heard[1] == (0.0, 0.0, 0.0)  # the interval after: nobody placed anything
