@@ -11,8 +11,9 @@ Five parts, each measured side by side in one run on one embedded Ray:
 (b) The latency placement adds: sequential, unloaded requests (a ~1 ms model) placed
     by the client and straight to the node it chose last, interleaved.
 (c) Foreground p99 across a 3-node fleet (a ~20 ms model, queue capacity 64) under a
-    background flood (from one caller, then split over two), against foreground alone
-    and against a FIFO fleet (``order: fifo``, no shedding, round-robin placement).
+    background flood (from one caller, and split over two), against foreground alone
+    (the three in interleaved rounds, pooled) and against a FIFO fleet (``order: fifo``,
+    no shedding, round-robin placement).
 (d) The placement policies on one seeded open-loop trace (mixed priorities, a cheap
     and a dear model, 4 nodes, one serving only the cheap model), replayed on one
     fleet by one caller per policy, in interleaved rounds, at about 80% of the
@@ -684,34 +685,63 @@ def background_limit(config: FleetConfig) -> float:
     )
 
 
+def _pool_floods(runs: Sequence[FleetFlood]) -> FleetFlood:
+    """One configuration's rounds as one: every foreground sample, the counts added, the
+    worst disturbance."""
+    first = runs[0]
+    fg = [f.run for f in runs]
+    floods = [r.flood for r in fg if r.flood is not None]
+    seconds = sum(f.seconds for f in runs)
+    bg_done = sum(r.bg_rate * f.seconds for r, f in zip(fg, runs, strict=True))
+    run = replace(
+        first.run,
+        latencies_s=tuple(x for r in fg for x in r.latencies_s),
+        service_s=tuple(x for r in fg for x in r.service_s),
+        queue_s=tuple(x for r in fg for x in r.queue_s),
+        refused=sum(r.refused for r in fg),
+        errors=sum(r.errors for r in fg),
+        flood=Counts.total(floods) if floods else None,
+        bg_rate=bg_done / seconds if floods else float("nan"),
+        counters=dict(sum((Counter(r.counters) for r in fg), Counter())),
+    )
+    return FleetFlood(
+        run,
+        dict(sum((Counter(f.router) for f in runs), Counter())),
+        runs[-1].queues,
+        seconds,
+        max(f.foreign_cores for f in runs),
+        sum(f.attempts for f in runs),
+    )
+
+
 def measure_flood(
     ctx: RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
 ) -> tuple[FleetFlood, FleetFlood, FleetFlood, FleetFlood]:
+    """Foreground alone, under a flood from one caller and from ``FLOOD_CALLERS``, in
+    interleaved rounds whose samples are pooled (a p99 of one round's 120 requests is
+    its second slowest, which moves with the machine); FIFO once."""
     feed = slow_feed(model.width)
     n_fg = ctx.count(120, 8)  # enough that p99 is not just the slowest one
     n_fifo = ctx.count(10, 2)
+    rounds = ctx.count(3, 1)
     bg_limit = background_limit(prio)
     with deployed(prio) as client:
         for _ in range(5):
             reply_of(client.submit(FLOOD_MODEL, feed))
-        log("(c) foreground alone, through the router")
-        alone = _kept(calm(lambda: _alone(client, feed, n_fg), "(c) alone", attempts=2))
-        log("(c) edgefleet fleet under a background flood")
-        edge = _kept(
-            calm(
-                lambda: _fleet_flooded(client, feed, n_fg, "edgefleet", bg_limit),
-                "(c) edgefleet",
-                attempts=2,
-            )
-        )
-        log(f"(c) edgefleet fleet under the same flood from {FLOOD_CALLERS} callers")
-        split = _kept(
-            calm(
-                lambda: _fleet_flooded(client, feed, n_fg, SPLIT, bg_limit, callers=FLOOD_CALLERS),
-                "(c) edgefleet, callers",
-                attempts=2,
-            )
-        )
+        measures: dict[str, Callable[[], FleetFlood]] = {
+            "alone": lambda: _alone(client, feed, n_fg),
+            "edgefleet": lambda: _fleet_flooded(client, feed, n_fg, "edgefleet", bg_limit),
+            SPLIT: lambda: _fleet_flooded(
+                client, feed, n_fg, SPLIT, bg_limit, callers=FLOOD_CALLERS
+            ),
+        }
+        runs: dict[str, list[FleetFlood]] = {name: [] for name in measures}
+        names = list(measures)
+        for i in range(rounds):
+            for name in names[i % 3 :] + names[: i % 3]:
+                log(f"(c) round {i + 1}/{rounds}: {name}")
+                runs[name].append(_kept(calm(measures[name], f"(c) {name}", attempts=2)))
+    alone, edge, split = (_pool_floods(runs[name]) for name in names)
     with deployed(fifo) as client:
         for _ in range(5):
             reply_of(client.submit(FLOOD_MODEL, feed))
@@ -792,7 +822,9 @@ def _flood_part(
         "(the edgefleet fleet, no flood); edgefleet (priority order, preemption on with "
         "gap 5, the default placement expected_completion and default shedding: "
         f"background may fill {bg_limit:.0%} of a queue); FIFO (`node_defaults.order: "
-        "fifo`, `router.placement.shed: {}`, placement round_robin)."
+        "fifo`, `router.placement.shed: {}`, placement round_robin). Alone, edgefleet "
+        f"and the flood from {FLOOD_CALLERS} callers run in interleaved rounds (the order "
+        "rotating), each configuration's samples and counts pooled; FIFO once."
     )
     notes = [
         f"Bound used for the first target: 1.5 x {alone.run.latency_ms.p99:.1f} ms + "
@@ -825,7 +857,8 @@ def _flood_part(
             f"{f.run.config} {f.foreign_cores:.2f} cores, {f.attempts}"
             for f in (alone, *flood_cfgs)
         )
-        + ". Alone and edgefleet: up to 2 attempts; FIFO: once, its margin is wide.",
+        + ". Every round of alone and edgefleet: up to 2 attempts; FIFO: once, its margin "
+        "is wide.",
     ]
     slowest = sorted(
         zip(edge.run.latencies_s, edge.run.queue_s, edge.run.service_s, strict=True),
