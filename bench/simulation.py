@@ -728,7 +728,7 @@ def _why_all_p99(nodes: int, scenario: str, mine: list[Any], winner: list[Any]) 
             f"{head} Every class above {worse[0]} has the lower p99 under the default "
             f"({', '.join(better)}): it places each request where it would finish soonest "
             "at its own priority (the delay it adds to lower work it overtakes counts at "
-            "`lower_share`, a quarter), and "
+            f"`lower_share` = {table_config().router.placement.lower_share:g} of it), and "
             f"{' and '.join(worse)} work waits the longer; the all-priorities p99 is the "
             "tail of that lowest work."
         )
