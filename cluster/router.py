@@ -223,6 +223,11 @@ class Router:
         if counters:
             self._counters.update(counters)
         fresh = CALLER_REPORTS_KEPT * self.config.router.report_interval_s
+        gone = [c for c, t in self._callers.items() if now - t > max(fresh, CALLER_SEEN_S)]
+        for c in gone:  # a caller that stopped asking (closed, or its process ended)
+            del self._callers[c]
+            self._shed_waiting.pop(c, None)
+            self._placed.pop(c, None)
         others = [c for c, t in self._callers.items() if c != caller and now - t <= fresh]
         elsewhere: Counter[int] = Counter()
         for c in others:

@@ -14,6 +14,8 @@ import pytest
 
 from actors.node import NodeRuntime
 from cluster.dispatch import Dispatcher, FleetView, NodeReport
+from cluster.router import CALLER_SEEN_S, Router
+from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.errors import Cancelled, Evicted, ModelNotFound, NodeLost, Rejected
 from edgefleet.request import InferRequest
@@ -417,6 +419,19 @@ def test_the_router_hands_each_caller_the_placements_the_others_made(fleet):
     assert f.router.fleet_view("test", None, 0, {}).placed == {10: 5}  # not its own
     time.sleep(0.25)  # past 4 report intervals: the other caller's reports are stale
     assert f.router.fleet_view("test", None, 0, {}).placed == {}
+
+
+def test_the_router_forgets_callers_that_stopped_asking():
+    clock = FakeClock()
+    router = Router(make_config({"a": {}}), {"a": object()}, clock=clock)  # type: ignore[dict-item]
+    for i in range(100):  # short-lived clients: one view each
+        router.fleet_view(f"c{i}", None, 1, {10: 1})
+    assert router.fleet_view("c0", None, 1, {}).placed == {10: 99}
+    clock.advance(CALLER_SEEN_S + 1)
+    view = router.fleet_view("late", None, 0, {})
+    assert view.shed_waiting == 0 and view.placed == {}
+    assert router.status_now().callers == 1
+    assert len(router._callers) == len(router._shed_waiting) == len(router._placed) == 1
 
 
 def test_a_caller_among_busy_callers_spreads_over_more_near_best_nodes(fleet):
