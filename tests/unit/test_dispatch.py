@@ -409,16 +409,23 @@ def test_four_callers_on_one_stale_view_do_not_herd(fleet, picker, herd):
         d.close()
 
 
-def test_the_router_hands_each_caller_the_placements_the_others_made(fleet):
+def test_a_caller_counts_its_placements_by_priority_until_it_hands_them_over(fleet):
     f = fleet({"a": {}}, cost_s=0.0)
     for priority in (10, 10, 10, 3):
         assert f.infer(req(priority)).error is None
-    f.refresh()  # the caller "test" hands its placements over...
-    assert f.dispatcher.take_placed() == {}  # ...and counts from zero again
-    assert f.router.fleet_view("other", None, 0, {10: 5}).placed == {10: 3, 3: 1}
-    assert f.router.fleet_view("test", None, 0, {}).placed == {10: 5}  # not its own
-    time.sleep(0.25)  # past 4 report intervals: the other caller's reports are stale
-    assert f.router.fleet_view("test", None, 0, {}).placed == {}
+    assert f.dispatcher.take_placed() == {10: 3, 3: 1}
+    assert f.dispatcher.take_placed() == {}  # handed over: counted from zero again
+
+
+def test_the_router_hands_each_caller_the_placements_the_others_made():
+    clock = FakeClock()
+    config = make_config({"a": {}})  # reports every 0.05 s: callers count for 0.2 s
+    router = Router(config, {"a": object()}, clock=clock)  # type: ignore[dict-item]
+    router.fleet_view("one", None, 0, {10: 3, 3: 1})
+    assert router.fleet_view("two", None, 0, {10: 5}).placed == {10: 3, 3: 1}
+    assert router.fleet_view("one", None, 0, {}).placed == {10: 5}  # not its own
+    clock.advance(0.25)  # "two" has not asked for 4 report intervals: stale
+    assert router.fleet_view("one", None, 0, {}).placed == {}
 
 
 def test_the_router_forgets_callers_that_stopped_asking():
@@ -438,24 +445,26 @@ def test_a_caller_among_busy_callers_spreads_over_more_near_best_nodes(fleet):
     """Alone, a caller sends foreground to the best node. When the fleet's other callers
     made the recent foreground placements (sends its view cannot hold), it picks among
     the nodes near the best. Their background placements, which foreground overtakes,
-    change nothing."""
+    change nothing. (A clock that stands still: the reports do not age.)"""
     f = fleet({"a": {}, "b": {}, "c": {}}, capacity=64)
-    f.dispatcher.update(FleetView(reported(f, a={10: 10}, b={10: 12}, c={10: 30})))
+    d = Dispatcher(f.config, f.handles, clock=FakeClock(), rng=random.Random(0))
+    d.update(FleetView(reported(f, a={10: 10}, b={10: 12}, c={10: 30})))
 
     def firsts() -> Counter[str]:
-        return Counter(f.dispatcher.rank(PlacementRequest("m", 10))[0] for _ in range(200))
+        return Counter(d.rank(PlacementRequest("m", 10))[0] for _ in range(200))
 
     assert firsts() == {"a": 200}
-    f.dispatcher.update(FleetView({}, placed={3: 500}))
+    d.update(FleetView({}, placed={3: 500}))
     assert firsts() == {"a": 200}
-    f.dispatcher.update(FleetView({}, placed={10: 9, 3: 500}))
+    d.update(FleetView({}, placed={10: 9, 3: 500}))
     spread = firsts()
     assert set(spread) == {"a", "b"} and min(spread.values()) > 50, spread
     for _ in range(81):  # this caller placing most foreground itself narrows it again
-        assert f.dispatcher.submit(req(10)).result(30).error is None
-    assert f.dispatcher.take_placed() == {10: 81}
-    assert f.dispatcher.crowd(10) == pytest.approx(9 / 90)
-    assert f.dispatcher.crowd(11) == 0.0
+        assert d.submit(req(10)).result(30).error is None
+    assert d.take_placed() == {10: 81}
+    assert d.crowd(10) == pytest.approx(9 / 90)
+    assert d.crowd(11) == 0.0
+    d.close()
 
 
 def test_nodes_report_measured_load_times_that_placement_prices(fleet):
