@@ -220,6 +220,7 @@ def simulate(
     nodes: int | None = None,
     requests: int | None = None,
     seed: int | None = None,
+    draw_seed: int | None = None,
     label: str | None = None,
     costs: Mapping[str, ModelCost] | None = None,
     network: Network | None = None,
@@ -227,7 +228,10 @@ def simulate(
 ) -> RunResult:
     """Run ``workload`` on ``config``'s fleet grown to ``nodes`` nodes (default: as the
     config has them), until every arrival is answered or Ctrl-C. ``costs`` and
-    ``network`` replace the workload's (default: :func:`workload_costs`)."""
+    ``network`` replace the workload's (default: :func:`workload_costs`). ``seed``
+    (default: the workload's) seeds everything; ``draw_seed`` replaces it for the
+    fleet's own draws (engine times, times outside the nodes, placement's random
+    choices), so the same arrivals meet another draw."""
     specs = config.node_specs()
     specs = grow(specs, nodes or len(specs))
     n = len(specs)
@@ -251,7 +255,7 @@ def simulate(
         speeds=workload.speeds(n),
         network=network
         or Network(workload.network.hop_ms / 1000.0, workload.network.report_delay_ms / 1000.0),
-        seed=seed,
+        seed=seed if draw_seed is None else draw_seed,
         callers=workload.callers,
         shared_cores=workload.shared_cores,
         on_busy=recorder.busy,

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from edgefleet.config import load_config
+from sim.fleet import Network
 from sim.report import RunResult
 from sim.run import simulate
 from sim.workload import parse_workload
@@ -80,3 +81,21 @@ def test_the_collector_changes_nothing_that_is_simulated(collector):
     gc.set_threshold(1, 1, 1)
     always = failing_run()
     assert same_run(usual, never) and same_run(usual, always)
+
+
+def test_a_draw_seed_changes_the_fleets_draws_not_the_arrivals():
+    workload = parse_workload(yaml.safe_load(STEADY.read_text()), source="steady")
+    network = Network(0.0005, round_trip_s=(0.001, 0.002, 0.004, 0.030))  # drawn per answer
+
+    def run(**kw: int) -> RunResult:
+        return simulate(load_config(LOCAL), workload, requests=500, network=network, **kw)
+
+    def classes(r: RunResult) -> list[int]:
+        return sorted(r.recorder.columns().priority.tolist())
+
+    first, again, other = run(draw_seed=1), run(draw_seed=1), run(draw_seed=2)
+    assert same_run(first, again)
+    assert classes(other) == classes(first)  # the same requests...
+    latencies = other.recorder.columns().latency_s, first.recorder.columns().latency_s
+    assert not np.array_equal(*latencies)
+    assert classes(run(seed=2)) != classes(first)  # ...where another seed changes them
