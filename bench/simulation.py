@@ -312,7 +312,7 @@ def _fidelity_part(f: Fidelity) -> Part:
     samples = [s for r in f.held_out for s in r.samples]
     real = _real_figures(samples)
     replay1 = _real_figures(f.rounds[0].samples)  # the same trace, another real replay
-    sims = {label: _sim_figures(result) for label, result in f.sims.items()}
+    sims = {label: _sim_figures(runs) for label, runs in f.sims.items()}
     rows: list[list[object]] = []
     gaps: list[list[object]] = []
     targets: list[Target] = []
