@@ -941,7 +941,7 @@ def test_simulated_callers_learn_the_placements_the_others_made():
     fleet.loop.at(fleet.interval + fleet.network.report_delay_s + 0.001, hear)
     fleet.loop.at(2 * fleet.interval + fleet.network.report_delay_s + 0.001, hear)
     fleet.loop.run(until=lambda: len(heard) == 2)
-    # the second caller placed foreground none of; the first, one of five at or above
-    # background
+    # Every foreground placement was the first caller's: the second sees a crowd of 1
+    # there, the first none; at or above background, the second made one of five.
     assert heard[0] == (1.0, 0.0, pytest.approx(1 / 5))
     assert heard[1] == (0.0, 0.0, 0.0)  # the interval after: nobody placed anything
