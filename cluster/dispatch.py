@@ -368,33 +368,20 @@ class Dispatcher:
 
     def shed_waiting(self) -> int:
         """Requests this caller shed and told to come back later, not due yet (the
-        router adds up every caller's for the others: see :meth:`others_shed`)."""
+        router adds up every caller's for the others: :attr:`FleetView.shed_waiting`)."""
         now = self._clock.now()
         with self._lock:
             self._drop_due(now)
             return len(self._shed_waiting)
 
-    def others_shed(self, waiting: int) -> None:
-        """The shed requests the fleet's other callers told to come back later (what
-        :attr:`FleetView.shed_waiting` carries)."""
-        with self._lock:
-            self._shed_elsewhere = waiting
-
     def take_placed(self) -> dict[int, int]:
         """The requests this caller placed since the last call, by priority (for the
-        router, which hands every caller the sum of the others': :meth:`others_placed`)."""
+        router, which hands every caller the sum of the others': :attr:`FleetView.placed`)."""
         with self._lock:
             placed, self._placed = dict(self._placed), Counter()
             self._placed_last = placed
             self._crowds = {}
             return placed
-
-    def others_placed(self, placed: Mapping[int, int]) -> None:
-        """The requests the fleet's other callers placed in their last report interval,
-        by priority (what :attr:`FleetView.placed` carries)."""
-        with self._lock:
-            self._placed_elsewhere = placed
-            self._crowds = {}
 
     def crowd(self, priority: int) -> float:
         """The share of the recent placements at ``priority`` or above that the fleet's

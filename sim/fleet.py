@@ -33,7 +33,7 @@ from actors.scheduler import (
     configured_batch_limit,
     rules_for,
 )
-from cluster.dispatch import Dispatcher, NodeGone
+from cluster.dispatch import Dispatcher, FleetView, NodeGone
 from cluster.metrics import RouterMetrics
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.messages import (
@@ -812,8 +812,8 @@ class SimFleet:
                 d.report(name, status, alive, taken)
             if callers:
                 mine_waiting, mine_placed = callers[i]
-                d.others_shed(waiting - mine_waiting)
-                d.others_placed(dict(placed - Counter(mine_placed)))
+                others = dict(placed - Counter(mine_placed))
+                d.update(FleetView({}, waiting - mine_waiting, others))
 
     # -------------------------------------------------------------- fleet events
 
