@@ -738,7 +738,7 @@ def measure_flood(
         runs: dict[str, list[FleetFlood]] = {name: [] for name in measures}
         names = list(measures)
         for i in range(rounds):
-            for name in names[i % 3 :] + names[: i % 3]:
+            for name in names[i % len(names) :] + names[: i % len(names)]:
                 log(f"(c) round {i + 1}/{rounds}: {name}")
                 runs[name].append(_kept(calm(measures[name], f"(c) {name}", attempts=2)))
     alone, edge, split = (_pool_floods(runs[name]) for name in names)
