@@ -1148,9 +1148,12 @@ def measure_placement(
 
 
 def _settle(client: FleetClient, timeout_s: float = GET_TIMEOUT_S) -> None:
-    """Wait until every node is idle and ``client`` holds fresh reports of them."""
+    """Wait until every node is idle with nothing left in its busy window (the engine
+    time by priority placement reads, which a report keeps for ``BUSY_WINDOW_S``), and
+    ``client`` holds those reports (``status`` hands them to its placement): each replay
+    starts from the same idle fleet, not from what the work before it left there."""
     end = time.perf_counter() + timeout_s
-    while any(n.queue_length or n.running for n in client.status(GET_TIMEOUT_S).nodes):
+    while any(n.queue_length or n.running or n.busy for n in client.status(GET_TIMEOUT_S).nodes):
         if time.perf_counter() > end:
             raise TimeoutError("the fleet did not go idle between replays")
         time.sleep(0.05)
