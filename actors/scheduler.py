@@ -57,6 +57,10 @@ DEFAULT_ROW_COST_S = 0.01  # until the first call of a model has been timed
 DRAIN_RETRY_S = 1.0  # a draining node will not take work again soon: try elsewhere
 # Weight of each call in the running per-row cost: small, so one call slowed by a busy
 # machine does not make the node look slow to placement (noise steers placement badly).
+# The first 1 / ROW_COST_WEIGHT calls of a model are averaged instead, each with the same
+# weight: seeded by its first call alone, the running cost kept that call (often the
+# slowest: a cold session, a busy machine) at 0.95^(n-1) of its weight after n calls,
+# 63 % after the ten calls of a warm-up.
 ROW_COST_WEIGHT = 0.05
 BUSY_WINDOW_S = 2.0  # engine time by priority is reported (and shares kept) over this window
 # Weight of each gap in the running inter-arrival estimate: recent enough to follow a
@@ -216,6 +220,7 @@ class LocalScheduler:
         self._running: Plan | None = None
         self._preempting = False
         self._row_cost: dict[str, float] = {}
+        self._row_calls: dict[str, int] = {}  # calls timed into _row_cost, by model
         self._busy: deque[tuple[float, int, float]] = deque()  # (end, priority, seconds)
         # Engine seconds by the priority of the rows they served (a call's time split by
         # rows), for the classes' shares; aborted calls served nobody.
@@ -612,9 +617,11 @@ class LocalScheduler:
         return rows * self._row_cost.get(leader.model, DEFAULT_ROW_COST_S)
 
     def _observe(self, model: str, row_cost: float) -> None:
-        old = self._row_cost.get(model)
-        w = ROW_COST_WEIGHT
-        self._row_cost[model] = row_cost if old is None else (1 - w) * old + w * row_cost
+        """Time one call into the model's running cost per row: the mean of the calls
+        so far, then an exponential average of weight ``ROW_COST_WEIGHT``."""
+        n = self._row_calls[model] = self._row_calls.get(model, 0) + 1
+        w = max(ROW_COST_WEIGHT, 1.0 / n)
+        self._row_cost[model] = (1 - w) * self._row_cost.get(model, 0.0) + w * row_cost
 
     def _retry_after(self, rank: int) -> float:
         ahead = sum(

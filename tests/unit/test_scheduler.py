@@ -650,3 +650,20 @@ def test_promoted_work_goes_ahead_of_a_paused_unprotected_generation():
     h.record(h.sched.finish(step.plan, paused=True))
     h.admit("bg", 3)
     assert [h.run_next()[0] for _ in range(4)] == ["fg", "off", "gen", "bg"]
+
+
+def test_row_cost_averages_the_first_calls_then_weighs_each_call_lightly():
+    # A slow first call (a cold session, a busy machine) counts as one call of ten, not
+    # as the seed that later calls only wear down by 5 % each (28.9 ms after these ten).
+    h = Harness(capacity=32)
+    for i in range(30):
+        h.admit(f"r{i}", 3)
+    h.run_next(cost=0.040)
+    for _ in range(9):
+        h.run_next(cost=0.010)
+    assert h.sched.row_cost("m") == pytest.approx(0.013)
+    for _ in range(10):  # 20 calls: the mean of all, 11.5 ms
+        h.run_next(cost=0.010)
+    assert h.sched.row_cost("m") == pytest.approx(0.0115)
+    h.run_next(cost=0.030)  # from here on one call weighs ROW_COST_WEIGHT
+    assert h.sched.row_cost("m") == pytest.approx(0.95 * 0.0115 + 0.05 * 0.030)
