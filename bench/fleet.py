@@ -615,7 +615,9 @@ def _fleet_flooded(
     lanes = nodes * FLOOD_CAPACITY
     floods = [
         ray.remote(FloodActor)
-        .options(num_cpus=0)
+        # Its blocking calls (connecting, closing) run on executor threads, off its event
+        # loop; Ray warns of any blocking get in an async actor's process, whatever thread.
+        .options(num_cpus=0, runtime_env={"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}})
         .remote(
             client.config.fleet.name,
             FLOOD_MODEL,
