@@ -454,7 +454,10 @@ def _fidelity_part(f: Fidelity) -> Part:
         "time of one of the recorded run's calls of its model and batch size that started "
         f"within {RECORDED_WINDOW_S * 1000:.0f} ms of its own time into the replay, drawn "
         "at random (`service_ms` of its call record, `--costs` / `costs_from:` of "
-        f"`edgefleet simulate`; {f.recorded_lines} lines): the recorded run's slow "
+        f"`edgefleet simulate`; {f.recorded_lines} lines), and its answers spend the time "
+        "outside the node that the recorded call's request spent (its `latency_s` less "
+        "`queue_ms` and `service_ms`: a call slowed by the busy machine came with a slow "
+        "way back, which drawn apart would be lost): the recorded run's slow "
         "stretches come back together; the nodes report the warm-up tables as the real "
         "ones do, each node a device of its own (the recorded times carry the machine's "
         "contention already); **recorded, anywhere**: the same, each call drawn among all "
@@ -469,7 +472,8 @@ def _fidelity_part(f: Fidelity) -> Part:
         f"{f.hop_ms:.2f} ms (half the median time the recorded run's replies spent outside "
         "their node) and each answer comes back after a time outside the node drawn from "
         "those the recorded run's replies measured (the caller's own work and Ray's "
-        "included, tail and all)."
+        "included, tail and all), unless its engine call was drawn with its own (the two "
+        "recorded-run variants)."
     )
     notes = [
         "Simulated / real - 1, per variant, and first the real fleet's own repeatability: "

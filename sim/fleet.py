@@ -119,26 +119,35 @@ class ModelCost:
     ascending) a call draws among the calls recorded within ``window_s`` of its own
     time into the run (the recorded run repeating when the simulation is longer), so
     the stretches in which the recorded machine ran slow come back together instead of
-    spread over the run."""
+    spread over the run. ``samples_outside_ms`` (NaN where unknown), when given, is the
+    time each recorded call's request spent outside its node; a drawn call's answers
+    take that time back to their caller (:meth:`draw`), for on a busy machine a slow
+    call and a slow way back come together."""
 
     call_ms: Mapping[int, float] = field(default_factory=dict)
     prefill_ms_per_token: float = 0.0
     step_ms: Mapping[int, float] = field(default_factory=dict)
     samples_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
     samples_at_s: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    samples_outside_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
     window_s: float = 0.0
 
     def call_s(self, rows: int) -> float:
         return _interpolate(self.call_ms, rows) / 1000.0
 
     def draw_s(self, rows: int, rng: random.Random, now: float = 0.0) -> float:
-        """Engine seconds of one call of ``rows`` starting ``now``: a recorded call of
-        that batch size drawn uniformly from ``rng`` (within ``window_s`` of ``now``
-        when in time, any when none was recorded there); of the nearest recorded size
-        (the smaller at a tie) scaled by the ratio of the two sizes' ``call_ms`` when
-        none was recorded; the table's (:meth:`call_s`, no draw) without recorded calls."""
+        """Engine seconds of one call of ``rows`` starting ``now`` (see :meth:`draw`)."""
+        return self.draw(rows, rng, now)[0]
+
+    def draw(self, rows: int, rng: random.Random, now: float = 0.0) -> tuple[float, float | None]:
+        """Engine seconds of one call of ``rows`` starting ``now``, and the seconds its
+        answers spend outside the node (None: not recorded): a recorded call of that
+        batch size drawn uniformly from ``rng`` (within ``window_s`` of ``now`` when in
+        time, any when none was recorded there); of the nearest recorded size (the
+        smaller at a tie) scaled by the ratio of the two sizes' ``call_ms`` when none was
+        recorded; the table's (:meth:`call_s`, no draw) without recorded calls."""
         if not self.samples_ms:
-            return self.call_s(rows)
+            return self.call_s(rows), None
         size = rows
         if size not in self.samples_ms:
             size = min(self.samples_ms, key=lambda n: (abs(n - rows), n))
@@ -148,13 +157,16 @@ class ModelCost:
             t = now % starts[-1] if starts[-1] > 0 else now
             lo = bisect.bisect_left(starts, t - self.window_s)
             hi = bisect.bisect_right(starts, t + self.window_s)
-            drawn = samples[lo + int(rng.random() * (hi - lo))] if hi > lo else rng.choice(samples)
+            i = lo + int(rng.random() * (hi - lo)) if hi > lo else rng.randrange(len(samples))
         else:
-            drawn = rng.choice(samples)
+            i = rng.randrange(len(samples))
+        drawn = samples[i]
         if size != rows:
             base = _interpolate(self.call_ms, size)
             drawn *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
-        return drawn / 1000.0
+        outside = self.samples_outside_ms.get(size)
+        back = outside[i] / 1000.0 if outside and not math.isnan(outside[i]) else None
+        return drawn / 1000.0, back
 
     def step_s(self, rows: int) -> float:
         return _interpolate(self.step_ms, rows) / 1000.0
@@ -248,14 +260,17 @@ class _Call:
     steps_from: float = 0.0  # decode: when the current run of steps began
     stop: bool = False  # decode: stop at the next token boundary
     left_s: float = 0.0  # inference on a shared host: engine work still to do
+    outside_s: float | None = None  # inference: its requests' time outside the node, if drawn
 
 
 class SimNode:
     """One edge node: the real scheduler, a simulated engine.
 
     ``receive`` takes a request as the node actor's ``infer``/``generate`` would;
-    ``answer(request_id, reply)`` is called with each request's one answer, at the
-    simulated time the node gives it.
+    ``answer(request_id, reply, outside_s)`` is called with each request's one answer,
+    at the simulated time the node gives it; ``outside_s`` is the request's time outside
+    the node in all (both hops, the caller's own work) when its engine call's draw gave
+    one (a recorded call's, see :meth:`ModelCost.draw`), else None.
     """
 
     def __init__(
@@ -263,7 +278,7 @@ class SimNode:
         loop: EventLoop,
         spec: NodeSpec,
         costs: Mapping[str, ModelCost],
-        answer: Callable[[str, Reply | GenerationResult], None],
+        answer: Callable[[str, Reply | GenerationResult, float | None], None],
         *,
         speed: float = 1.0,
         host: Host | None = None,
@@ -420,7 +435,8 @@ class SimNode:
             self._next_finish(call)
         else:
             cost = self._costs[plan.model]
-            seconds = cost.draw_s(plan.rows, self._rng, self.loop.t) / self.speed
+            seconds, call.outside_s = cost.draw(plan.rows, self._rng, self.loop.t)
+            seconds /= self.speed
             if self.host is not None:
                 call.left_s = seconds
                 self.host.start(self, call)  # schedules the end
@@ -442,7 +458,7 @@ class SimNode:
         self._call = None
         self.last_change = self.loop.t
         self._busy(call)
-        self._settle(self.sched.finish(call.plan), call.plan)
+        self._settle(self.sched.finish(call.plan), call.plan, call.outside_s)
         self._serve()
 
     def _abort(self) -> None:
@@ -520,7 +536,9 @@ class SimNode:
         if self._on_busy is not None:
             self._on_busy(self.loop.t - call.started)
 
-    def _settle(self, outcomes: Sequence[Outcome], plan: Plan | None = None) -> None:
+    def _settle(
+        self, outcomes: Sequence[Outcome], plan: Plan | None = None, outside_s: float | None = None
+    ) -> None:
         for o in outcomes:
             r = o.request
             if r.id not in self._held:
@@ -549,15 +567,18 @@ class SimNode:
                         queue_s=queue_s,
                         batch_size=len(plan.requests) if plan is not None else 0,
                     ),
+                    outside_s,
                 )
 
-    def _give(self, request_id: str, answer: Reply | GenerationResult) -> None:
+    def _give(
+        self, request_id: str, answer: Reply | GenerationResult, outside_s: float | None = None
+    ) -> None:
         """Answer ``request_id``, then the requests it superseded in 'follow' mode (the
         same answer under their own ids, as a live node forwards it)."""
-        self._answer(request_id, answer)
+        self._answer(request_id, answer, outside_s)
         for older in self._followers.pop(request_id, ()):
             self._held.discard(older)
-            self._give(older, replace(answer, request_id=older))
+            self._give(older, replace(answer, request_id=older), outside_s)
 
     # -------------------------------------------------------------- the outside
 
@@ -761,19 +782,28 @@ class SimFleet:
         self._where[request.id] = index
         node.receive(request)
 
-    def _answered_by(self, index: int) -> Callable[[str, Reply | GenerationResult], None]:
-        def answered(request_id: str, answer: Reply | GenerationResult) -> None:
+    def _answered_by(
+        self, index: int
+    ) -> Callable[[str, Reply | GenerationResult, float | None], None]:
+        def answered(
+            request_id: str, answer: Reply | GenerationResult, outside_s: float | None
+        ) -> None:
             fut = self._waiting.pop(request_id, None)
             self._where.pop(request_id, None)
             if fut is not None:
-                self._back(fut, answer)
+                self._back(fut, answer, outside_s)
 
         return answered
 
-    def _back(self, fut: cf.Future[Any], answer: Any) -> None:
+    def _back(self, fut: cf.Future[Any], answer: Any, outside_s: float | None = None) -> None:
+        """Resolve ``fut`` with ``answer`` after its way back: what is left of
+        ``outside_s`` (the request's time outside its node, when its engine call's draw
+        gave one) after the hop out, else one drawn from the network's, else one hop."""
         net = self.network
         delay = net.hop_s
-        if net.round_trip_s:
+        if outside_s is not None:
+            delay = max(0.0, outside_s - net.hop_s)
+        elif net.round_trip_s:
             delay = max(0.0, self._net_rng.choice(net.round_trip_s) - net.hop_s)
         self.loop.at(self.loop.t + delay, _resolve, fut, answer)
 

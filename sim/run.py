@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import gc
 import json
+import math
 import random
 import statistics
 import time
@@ -124,18 +125,23 @@ def recorded_costs(
     into the run (0: any, see :class:`ModelCost`). A model of ``times`` keeps its table
     (what its nodes report and price calls by, and scale the recorded times by between
     batch sizes) or, without one, gets the median recorded per batch size as its table.
-    The models of ``tables`` without recorded calls keep their tables alone."""
+    Each recorded call keeps its request's time outside the node, drawn with it. The
+    models of ``tables`` without recorded calls keep their tables alone."""
     out = dict(tables or {})
     for model, by_size in times.items():
         cost = out.get(model, ModelCost())
         calls = {n: c for n, c in sorted(by_size.items()) if c}
-        samples = {n: tuple(ms for _, ms in c) for n, c in calls.items()}
+        samples = {n: tuple(call.ms for call in c) for n, c in calls.items()}
         table = cost.call_ms or {n: statistics.median(ms) for n, ms in samples.items()}
         out[model] = replace(
             cost,
             call_ms=table,
             samples_ms=samples,
-            samples_at_s={n: tuple(at for at, _ in c) for n, c in calls.items()},
+            samples_at_s={n: tuple(call.at for call in c) for n, c in calls.items()},
+            samples_outside_ms={
+                n: tuple(math.nan if call.outside_ms is None else call.outside_ms for call in c)
+                for n, c in calls.items()
+            },
             window_s=window_s,
         )
     return out

@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from pydantic import (
@@ -63,9 +63,18 @@ from edgefleet.errors import ConfigError
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
 
 _CHUNK = 16_384  # candidate arrivals drawn per NumPy call
-# recorded calls: model -> batch size -> (when the call started, s after the record's
-# first arrival; its engine ms), in the order they started
-EngineTimes = dict[str, dict[int, list[tuple[float, float]]]]
+
+
+class RecordedCall(NamedTuple):
+    """One engine call a call record shows, as one of its requests saw it."""
+
+    at: float  # when the call started, seconds after the record's first arrival
+    ms: float  # its engine time
+    outside_ms: float | None = None  # the request's time outside its node, when recorded
+
+
+# recorded calls: model -> batch size -> the calls, in the order they started
+EngineTimes = dict[str, dict[int, list[RecordedCall]]]
 _DEFER = "defer_cross_checks"  # validation context: parse_workload reports them with lines
 
 
@@ -913,6 +922,10 @@ def read_engine_times(path: str | Path) -> EngineTimes:
     batch size (``service_ms`` and ``batch`` of each line, see ``cluster/record.py``),
     each with when it started (``at`` plus ``queue_ms``, seconds after the record's first
     arrival), in that order; a call of ``n`` requests appears once for each of them.
+    Each also has the time its request spent outside its node (``latency_s`` less
+    ``queue_ms`` and ``service_ms``: both hops and the caller's own work), None on a line
+    without ``latency_s``: a call slowed by a busy machine tends to come with a slow way
+    back, and a simulation draws the two together.
 
     ``path`` is a file or a folder of ``*.jsonl`` files, read as :func:`read_trace` reads
     them, each line checked as a trace line is. Lines without the figures (no node
@@ -938,12 +951,19 @@ def read_engine_times(path: str | Path) -> EngineTimes:
                 and batch is not None
                 and batch >= 1
             ):
-                started = obj["at"] + (obj.get("queue_ms") or 0.0) / 1000.0
+                queue = obj.get("queue_ms") or 0.0
+                started = obj["at"] + queue / 1000.0
+                latency = obj.get("latency_s")
+                outside = None
+                if isinstance(latency, int | float) and _number(latency):
+                    outside = max(0.0, latency * 1000.0 - queue - service)
                 calls = out.setdefault(obj["model"], {}).setdefault(batch, [])
-                calls.append((started, float(service)))
+                calls.append(RecordedCall(started, float(service), outside))
     for by_size in out.values():
         for size, calls in by_size.items():
-            by_size[size] = sorted((at - first, ms) for at, ms in calls)
+            by_size[size] = sorted(
+                (c._replace(at=c.at - first) for c in calls), key=lambda c: (c.at, c.ms)
+            )
     if not out:
         raise ConfigError(
             f"{path}: no engine times in this call record: no line of a completed inference "
@@ -1061,6 +1081,7 @@ def _trace_problem(obj: dict[str, Any]) -> str:
 __all__ = [
     "Arrival",
     "EngineTimes",
+    "RecordedCall",
     "FleetEvent",
     "Workload",
     "load_workload",

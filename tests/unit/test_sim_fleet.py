@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import json
+import math
 import random
 import time
 from collections import Counter
@@ -28,10 +29,10 @@ from edgefleet.config import FleetConfig, NodeSpec, QueueConfig, load_config
 from edgefleet.errors import ConfigError, DeadlineExceeded, NodeLost, Rejected, Superseded
 from edgefleet.messages import GenerationResult, Reply
 from edgefleet.request import GenerateRequest, InferRequest
-from sim.fleet import EventLoop, ModelCost, SimFleet, SimNode, grow
+from sim.fleet import EventLoop, ModelCost, Network, SimFleet, SimNode, grow
 from sim.report import LATENCY_PNG, OUTCOMES, QUEUE_PNG, write_report
 from sim.run import Progress, compare, costs_from_status, outcome, recorded_costs, simulate
-from sim.workload import load_workload, parse_workload
+from sim.workload import RecordedCall, load_workload, parse_workload
 from tests.fakes import CallGate, FakeLoader, fake_spec, x
 
 REPO = Path(__file__).resolve().parents[2]
@@ -138,7 +139,7 @@ def simulated_answers(trace: list[Step]) -> list[tuple[float, Answer]]:
     loop = EventLoop()
     answers: list[tuple[float, Answer]] = []
 
-    def answered(rid: str, answer: Reply | GenerationResult) -> None:
+    def answered(rid: str, answer: Reply | GenerationResult, outside_s: float | None) -> None:
         assert isinstance(answer, Reply)
         answers.append((loop.t, (rid, outcome(answer.error), answer.batch_size)))
 
@@ -240,7 +241,7 @@ def sim_node(
     simulated times."""
     loop = EventLoop()
     answers: Answered = []
-    node = SimNode(loop, spec, costs, lambda rid, a: answers.append((loop.t, rid, a)), **kw)
+    node = SimNode(loop, spec, costs, lambda rid, a, _: answers.append((loop.t, rid, a)), **kw)
     return loop, node, answers
 
 
@@ -459,9 +460,9 @@ def test_a_node_failure_gives_every_request_it_held_one_answer_replaced_or_node_
     for node in fleet.nodes:
         give = node._answer
 
-        def counted(rid: str, answer: Any, give: Any = give) -> None:
+        def counted(rid: str, answer: Any, outside_s: Any, give: Any = give) -> None:
             ran[rid] += 1
-            give(rid, answer)
+            give(rid, answer, outside_s)
 
         node._answer = counted
     calls = Calls(fleet)
@@ -704,8 +705,11 @@ def test_a_size_not_recorded_scales_the_nearest_by_the_cost_table():
 def test_a_model_without_recorded_calls_keeps_its_table_and_draws_nothing():
     costs = recorded_costs(
         {
-            "classifier": {1: [(0.0, 3.0), (0.1, 5.0)], 8: [(0.2, 9.0)]},
-            "new": {1: [(0.0, 2.0), (0.1, 4.0), (0.2, 9.0)]},
+            "classifier": {
+                1: [RecordedCall(0.0, 3.0), RecordedCall(0.1, 5.0)],
+                8: [RecordedCall(0.2, 9.0)],
+            },
+            "new": {1: [RecordedCall(0.0, 2.0), RecordedCall(0.1, 4.0), RecordedCall(0.2, 9.0)]},
         },
         FLEET_COSTS,
     )
@@ -737,6 +741,36 @@ def test_a_simulated_node_runs_each_call_for_a_recorded_engine_time():
     # what the node reports and prices calls by stays the table
     status = next(m for m in fleet.nodes[0].status(0.0).models if m.name == "heavy")
     assert status.cost_ms[1] == pytest.approx(4.0)
+
+
+def test_a_drawn_call_brings_its_requests_time_outside_the_node():
+    # engine time and the way back of one recorded request, drawn together: a call
+    # slowed by a busy machine comes with the slow way back it had
+    cost = ModelCost(
+        {1: 4.0}, samples_ms={1: (3.0, 30.0, 5.0)}, samples_outside_ms={1: (2.0, 20.0, math.nan)}
+    )
+    rng = random.Random(7)
+    drawn = {cost.draw(1, rng) for _ in range(300)}
+    assert drawn == {(0.003, 0.002), (0.030, 0.020), (0.005, None)}  # NaN: not recorded
+    assert ModelCost({1: 4.0}).draw(1, rng) == (0.004, None)
+
+
+def test_a_simulated_answer_spends_its_recorded_time_outside_the_node():
+    recorded = ModelCost(
+        {1: 4.0}, samples_ms={1: (30.0, 50.0)}, samples_outside_ms={1: (9.0, math.nan)}
+    )
+    costs = dict(FLEET_COSTS, heavy=recorded)
+    config = local_config()
+    network = Network(hop_s=0.002, round_trip_s=(0.1,))
+    fleet = SimFleet(config, costs, specs=config.node_specs()[:1], network=network, seed=1)
+    calls = Calls(fleet)
+    for i in range(20):  # one at a time
+        calls.at(i * 1.0, infer(f"r{i}", "heavy", BG))
+    fleet.loop.run(until=lambda: len(calls.answers) == 20)
+    took = {round(calls.answers[f"r{i}"][0][0] - i * 1.0, 9) for i in range(20)}
+    # out one hop (2 ms), on the engine, back in what is left of the call's recorded 9 ms;
+    # a call recorded without it comes back after one of the network's times (100 ms)
+    assert took == {0.039, 0.15}
 
 
 def write_call_record(path: Path, model: str, service_ms: Sequence[float]) -> Path:

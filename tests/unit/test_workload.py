@@ -444,17 +444,23 @@ def test_a_workload_replays_its_trace(tmp_path):
 
 def engine_ms(times):
     """Recorded engine times without when each call started."""
-    return {m: {n: [ms for _, ms in c] for n, c in by.items()} for m, by in times.items()}
+    return {m: {n: [c.ms for c in calls] for n, calls in by.items()} for m, by in times.items()}
 
 
 def test_recorded_calls_are_in_the_order_they_started(tmp_path):
     lines = [
-        call_line(at=10.0, service_ms=1.0, queue_ms=30.0),  # started at 10.03
+        call_line(at=10.0, service_ms=1.0, queue_ms=30.0, latency_s=0.04),  # started at 10.03
         call_line(at=10.01, service_ms=2.0, queue_ms=0.0),
         call_line(at=9.0, service_ms=3.0, queue_ms=None),
     ]
     times = read_engine_times(write(tmp_path, "".join(lines), "calls.jsonl"))
-    assert times["m"][1] == [(0.0, 3.0), (pytest.approx(1.01), 2.0), (pytest.approx(1.03), 1.0)]
+    # each with its request's time outside the node where the line has its latency:
+    # 40 ms less 30 queued and 1 on the engine
+    assert times["m"][1] == [
+        (0.0, 3.0, None),
+        (pytest.approx(1.01), 2.0, None),
+        (pytest.approx(1.03), 1.0, pytest.approx(9.0)),
+    ]
 
 
 def call_line(**fields: object) -> str:
@@ -495,7 +501,7 @@ def test_engine_times_come_from_completed_inferences_of_a_call_record(tmp_path):
     times = read_engine_times(tmp_path / "calls")
     assert engine_ms(times) == expected
     # each call started queue_ms after its arrival, 1 s into the record (the old line)
-    starts = [at for by_size in times.values() for calls in by_size.values() for at, _ in calls]
+    starts = [c.at for by_size in times.values() for calls in by_size.values() for c in calls]
     assert starts == [pytest.approx(0.0005)] * 5
     # a workload names the record relative to its own folder
     path = write(
