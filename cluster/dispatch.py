@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 
 Request = InferRequest | GenerateRequest
 VIEW_REUSE_S = 0.001  # a node's view ages by less than this between two placements
+# The other callers' sends a view estimates since its report stop growing at this many
+# report intervals: a report that old is late, not a sign of ever more unseen work.
+UNSEEN_INTERVALS = 2.0
 UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait...
 UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 Final = Reply | GenerationResult
@@ -179,6 +182,9 @@ class _Entry:
             if sent.at >= taken_at:  # sent as it was taken: not in it
                 _add(self.since, sent, 1)
 
+    def forget_view(self) -> None:
+        self._view = None
+
     def lose(self, now: float) -> None:
         self.healthy = False
         self.lost_at = now
@@ -198,10 +204,14 @@ class _Entry:
             if sent.at >= self.report_at:
                 _add(self.since, sent, -1)
 
-    def view(self, now: float) -> NodeView:
+    def view(self, now: float, unseen_per_s: float = 0.0, unseen_for_s: float = 0.0) -> NodeView:
         """The node as placement sees it ``now`` (the same view within VIEW_REUSE_S
         while nothing changed, and for as long as nothing changes once the node looks
-        idle: placing a request is the hot path)."""
+        idle: placing a request is the hot path). ``unseen_per_s``: the requests per
+        second the other callers send here, as their placements suggest; while the node
+        is still busy with the work it reported, those they sent since (at most
+        ``unseen_for_s`` of them) wait there too; once that work is done, the node
+        serves what comes as it comes and the view counts none."""
         if self._view is not None and now - self._view_at < VIEW_REUSE_S:
             return self._view
         b = self.base
@@ -214,6 +224,9 @@ class _Entry:
                 aged = ({}, {}, 0.0)
             self._aged, self._aged_at = aged, now
         work, backlog, running = self._aged
+        unseen = 0.0
+        if unseen_per_s and (work or running > 0):
+            unseen = unseen_per_s * min(max(0.0, now - self.report_at), unseen_for_s)
         # Idle, and nothing left to age: the view holds until a report, a send or an
         # answer changes it (most nodes of a large fleet, most of the time).
         idle = not (work or running > 0 or self.since or self.mine)
@@ -245,6 +258,7 @@ class _Entry:
             preempt_gap=self.preempt_gap,
             busy=b.busy,
             guaranteed=self.guaranteed,
+            unseen=unseen,
         )
         return self._view
 
@@ -342,6 +356,9 @@ class Dispatcher:
         self._placed_last: Mapping[int, int] = {}
         self._placed_elsewhere: Mapping[int, int] = {}
         self._crowds: dict[int, float] = {}  # priority -> crowd, until the counts change
+        self._interval = config.router.report_interval_s
+        # the other callers' sends per node and second, and for how long a view counts them
+        self._unseen = (0.0, UNSEEN_INTERVALS * self._interval)
         self._retries: Executor = executor or ThreadPoolExecutor(
             1, thread_name_prefix="edgefleet-dispatch"
         )
@@ -365,6 +382,11 @@ class Dispatcher:
             if view.placed is not None:
                 self._placed_elsewhere = view.placed
                 self._crowds = {}
+                per_node_s = sum(view.placed.values()) / self._interval / max(1, len(self._nodes))
+                if per_node_s != self._unseen[0]:
+                    self._unseen = (per_node_s, self._unseen[1])
+                    for e in self._nodes.values():  # an idle node's view holds until now
+                        e.forget_view()
 
     def shed_waiting(self) -> int:
         """Requests this caller shed and told to come back later, not due yet (the
@@ -446,13 +468,13 @@ class Dispatcher:
     def views(self) -> list[NodeView]:
         now = self._clock.now()
         with self._lock:
-            return [e.view(now) for e in self._nodes.values()]
+            return [e.view(now, *self._unseen) for e in self._nodes.values()]
 
     def rank(self, request: PlacementRequest) -> list[str]:
         """The order in which ``request`` would try the nodes now (nothing is sent)."""
         now = self._clock.now()
         with self._lock:
-            views = [e.view(now) for e in self._nodes.values()]
+            views = [e.view(now, *self._unseen) for e in self._nodes.values()]
             ranked = self._placement.rank(views, request, self._rng, self._crowd(request.priority))
             return [v.name for v in ranked]
 
@@ -630,7 +652,7 @@ class Dispatcher:
         """The best node not tried yet; counts the request in flight there."""
         now = self._clock.now()
         with self._lock:
-            views = [e.view(now) for e in self._considered(request, tried)]
+            views = [e.view(now, *self._unseen) for e in self._considered(request, tried)]
             crowd = self._crowd(request.priority)
             ranked = self._placement.rank(views, request, self._rng, crowd)
             if not ranked:
@@ -721,9 +743,9 @@ class Dispatcher:
             self._drop_due(now)
             waits = []
             for e in entries:
-                view = e.view(now)
+                view = e.view(now, *self._unseen)
                 per_row = max(view.row_cost_s.values(), default=0.005)
-                excess = sum(view.work.values()) + 1 - int(limit * view.capacity)
+                excess = sum(view.work.values()) + view.unseen + 1 - int(limit * view.capacity)
                 waits.append((view.running_left_s + max(1, excess) * per_row, per_row))
             first, per_row = min(waits)
             # The nodes take the waiters in turn, in parallel.

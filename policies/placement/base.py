@@ -38,6 +38,9 @@ class NodeView:
     sessions: frozenset[str] = frozenset()  # sessions whose state the node holds
     preempt_gap: int | None = 5  # priority gap that preempts a running call; None: never
     busy: Mapping[int, float] = field(default_factory=dict)  # share of engine time by priority
+    # requests the fleet's other callers likely sent here since the report (an estimate
+    # from their recent placements): shedding counts them, no scorer does
+    unseen: float = 0.0
     # priority -> its class, for the classes the node guarantees a share of engine time
     # or a longest wait (starvation bounds)
     guaranteed: Mapping[int, int] = field(default_factory=dict)

@@ -29,6 +29,10 @@ class ShedBelowPriority:
     lower may fill; e.g. {3: 0.75, 0: 0.5}: background may fill three quarters of a
     queue and offline half, and foreground all of it.
 
+    Occupancy counts what the other callers likely sent since the node's report
+    (``NodeView.unseen``): each caller's view holds its own sends, and callers that
+    each fill a queue to the limit on their own views fill it past the limit together.
+
     A class the node guarantees a share of engine time or a longest wait (starvation
     bounds) gets that only while some of its work is there: a request of such a class
     may always go to a node that holds none, past the limit. Otherwise a flood of higher
@@ -49,7 +53,7 @@ class ShedBelowPriority:
         limit = self._by_priority.get(request.priority, 1.0)  # self.limit(), without the call
         if limit >= 1.0:  # no headroom to keep: the node itself decides on admission
             return True
-        after = (sum(node.work.values()) + 1) / max(1, node.capacity)
+        after = (sum(node.work.values()) + node.unseen + 1) / max(1, node.capacity)
         if after <= limit:
             return True
         return request.priority in node.guaranteed and not node.holds_class_of(request.priority)

@@ -467,6 +467,29 @@ def test_a_caller_among_busy_callers_spreads_over_more_near_best_nodes(fleet):
     d.close()
 
 
+def test_a_view_counts_what_the_other_callers_likely_sent_since_its_report(fleet):
+    """A caller's view holds its own sends since a report, not the other callers'; each
+    filling a queue to the shed limit on its own view, they filled it past the limit
+    together. While a node is busy with the work it reported, a view counts the others'
+    recent placements per node for the report's age (for shedding), up to two report
+    intervals' worth; an idle node serves them as they come."""
+    f = fleet({"a": {}, "b": {}}, capacity=64)
+    clock = FakeClock()
+    d = Dispatcher(f.config, f.handles, clock=clock, rng=random.Random(0))
+    busy = reported(f, a={3: 40}, b={})["a"]
+    d.update(FleetView({"a": replace(busy, status=replace(busy.status, running=None))}))
+    d.update(FleetView(reported(f, b={})))
+    clock.advance(0.02)
+    assert [v.unseen for v in d.views()] == [0.0, 0.0]  # alone
+    # 6 placed by the others in the last report interval (0.05 s): 60 per node and second
+    d.update(FleetView({}, placed={3: 6}))
+    a, b = d.views()
+    assert (a.unseen, b.unseen) == (pytest.approx(60 * 0.02), 0.0)
+    clock.advance(0.1)  # a late report: at most two intervals' worth while a is busy
+    assert d.views()[0].unseen == pytest.approx(60 * 0.1)
+    d.close()
+
+
 def test_nodes_report_measured_load_times_that_placement_prices(fleet):
     f = fleet({"a": {}, "b": {}})
     status = f.node("a").status()

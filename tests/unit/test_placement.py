@@ -143,6 +143,9 @@ def test_session_affinity_table(sessions, session, expected):
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 1}, capacity=4), OFF, True),
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 2}, capacity=4), OFF, False),
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), FG, True),
+        # what the other callers likely sent since the report counts (2 + 0.5 + 1 > 3)
+        (ShedBelowPriority({3: 0.75}), node("a", {BG: 2}, capacity=4, unseen=0.5), BG, False),
+        (ShedBelowPriority({3: 0.75}), node("a", {BG: 1}, capacity=4, unseen=1.0), BG, True),
         (ShedBelowPriority({3: 0.75, 0: 0.5}), node("a", {BG: 3}, capacity=4), 5, True),
         # a class with a starvation bound on the node (offline: priorities 0-2) may always
         # send one request past its limit to a node that holds none of it...

@@ -917,9 +917,9 @@ class Weighed:
             self.per_placement.append(len(out))
             return out
 
-        def counted_view(entry: Any, now: float) -> Any:
+        def counted_view(entry: Any, now: float, *unseen: float) -> Any:
             self.views += 1
-            return view(entry, now)
+            return view(entry, now, *unseen)
 
         monkeypatch.setattr(dispatch.Dispatcher, "_considered", counted_considered)
         monkeypatch.setattr(dispatch._Entry, "view", counted_view)
