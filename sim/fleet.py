@@ -121,8 +121,8 @@ class ModelCost:
     the stretches in which the recorded machine ran slow come back together instead of
     spread over the run. ``samples_outside_ms`` (NaN where unknown), when given, is the
     time each recorded call's request spent outside its node; a drawn call's answers
-    take that time back to their caller (:meth:`draw`), for on a busy machine a slow
-    call and a slow way back come together."""
+    spend that time (:meth:`draw`), for on a busy machine a slow call and a slow way
+    back come together."""
 
     call_ms: Mapping[int, float] = field(default_factory=dict)
     prefill_ms_per_token: float = 0.0
@@ -165,8 +165,8 @@ class ModelCost:
             base = _interpolate(self.call_ms, size)
             drawn *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
         outside = self.samples_outside_ms.get(size)
-        back = outside[i] / 1000.0 if outside and not math.isnan(outside[i]) else None
-        return drawn / 1000.0, back
+        outside_s = outside[i] / 1000.0 if outside and not math.isnan(outside[i]) else None
+        return drawn / 1000.0, outside_s
 
     def step_s(self, rows: int) -> float:
         return _interpolate(self.step_ms, rows) / 1000.0
