@@ -146,10 +146,11 @@ class _Entry:
     """One node as this caller sees it: the router's last report and the requests this
     caller has in flight there."""
 
-    def __init__(self, spec: NodeSpec, handle: NodeHandle) -> None:
+    def __init__(self, spec: NodeSpec, handle: NodeHandle, unseen_for_s: float = 0.0) -> None:
         self.spec = spec
         self.name = spec.name
         self.handle = handle
+        self.unseen_for_s = unseen_for_s  # the longest a view counts others' sends for
         self.models = frozenset(spec.models)
         p = spec.preemption
         self.preempt_gap = p.min_priority_gap if p.enabled else None
@@ -182,9 +183,6 @@ class _Entry:
             if sent.at >= taken_at:  # sent as it was taken: not in it
                 _add(self.since, sent, 1)
 
-    def forget_view(self) -> None:
-        self._view = None
-
     def lose(self, now: float) -> None:
         self.healthy = False
         self.lost_at = now
@@ -204,13 +202,13 @@ class _Entry:
             if sent.at >= self.report_at:
                 _add(self.since, sent, -1)
 
-    def view(self, now: float, unseen_per_s: float = 0.0, unseen_for_s: float = 0.0) -> NodeView:
+    def view(self, now: float, unseen_per_s: float = 0.0) -> NodeView:
         """The node as placement sees it ``now`` (the same view within VIEW_REUSE_S
         while nothing changed, and for as long as nothing changes once the node looks
         idle: placing a request is the hot path). ``unseen_per_s``: the requests per
         second the other callers send here, as their placements suggest; while the node
         is still busy with the work it reported, those they sent since (at most
-        ``unseen_for_s`` of them) wait there too; once that work is done, the node
+        ``unseen_for_s`` worth) wait there too; once that work is done, the node
         serves what comes as it comes and the view counts none."""
         if self._view is not None and now - self._view_at < VIEW_REUSE_S:
             return self._view
@@ -226,7 +224,7 @@ class _Entry:
         work, backlog, running = self._aged
         unseen = 0.0
         if unseen_per_s and (work or running > 0):
-            unseen = unseen_per_s * min(max(0.0, now - self.report_at), unseen_for_s)
+            unseen = unseen_per_s * min(max(0.0, now - self.report_at), self.unseen_for_s)
         # Idle, and nothing left to age: the view holds until a report, a send or an
         # answer changes it (most nodes of a large fleet, most of the time).
         idle = not (work or running > 0 or self.since or self.mine)
@@ -338,7 +336,8 @@ class Dispatcher:
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
         self._metrics.start()
         specs = config.node_specs() if specs is None else specs
-        self._nodes = {s.name: _Entry(s, handles[s.name]) for s in specs}
+        unseen_for_s = UNSEEN_INTERVALS * config.router.report_interval_s
+        self._nodes = {s.name: _Entry(s, handles[s.name], unseen_for_s) for s in specs}
         self._serving: dict[str, list[_Entry]] = {}  # model -> the nodes that serve it
         for e in self._nodes.values():
             for m in e.models:
@@ -358,7 +357,7 @@ class Dispatcher:
         self._crowds: dict[int, float] = {}  # priority -> crowd, until the counts change
         self._interval = config.router.report_interval_s
         # the other callers' sends per node and second, and for how long a view counts them
-        self._unseen = (0.0, UNSEEN_INTERVALS * self._interval)
+        self._unseen_per_s = 0.0
         self._retries: Executor = executor or ThreadPoolExecutor(
             1, thread_name_prefix="edgefleet-dispatch"
         )
@@ -382,11 +381,9 @@ class Dispatcher:
             if view.placed is not None:
                 self._placed_elsewhere = view.placed
                 self._crowds = {}
-                per_node_s = sum(view.placed.values()) / self._interval / max(1, len(self._nodes))
-                if per_node_s != self._unseen[0]:
-                    self._unseen = (per_node_s, self._unseen[1])
-                    for e in self._nodes.values():  # an idle node's view holds until now
-                        e.forget_view()
+                # a view held while its node is idle counts none: no view to refresh
+                nodes = max(1, len(self._nodes))
+                self._unseen_per_s = sum(view.placed.values()) / self._interval / nodes
 
     def shed_waiting(self) -> int:
         """Requests this caller shed and told to come back later, not due yet (the
@@ -468,13 +465,13 @@ class Dispatcher:
     def views(self) -> list[NodeView]:
         now = self._clock.now()
         with self._lock:
-            return [e.view(now, *self._unseen) for e in self._nodes.values()]
+            return [e.view(now, self._unseen_per_s) for e in self._nodes.values()]
 
     def rank(self, request: PlacementRequest) -> list[str]:
         """The order in which ``request`` would try the nodes now (nothing is sent)."""
         now = self._clock.now()
         with self._lock:
-            views = [e.view(now, *self._unseen) for e in self._nodes.values()]
+            views = [e.view(now, self._unseen_per_s) for e in self._nodes.values()]
             ranked = self._placement.rank(views, request, self._rng, self._crowd(request.priority))
             return [v.name for v in ranked]
 
@@ -652,7 +649,7 @@ class Dispatcher:
         """The best node not tried yet; counts the request in flight there."""
         now = self._clock.now()
         with self._lock:
-            views = [e.view(now, *self._unseen) for e in self._considered(request, tried)]
+            views = [e.view(now, self._unseen_per_s) for e in self._considered(request, tried)]
             crowd = self._crowd(request.priority)
             ranked = self._placement.rank(views, request, self._rng, crowd)
             if not ranked:
@@ -743,7 +740,7 @@ class Dispatcher:
             self._drop_due(now)
             waits = []
             for e in entries:
-                view = e.view(now, *self._unseen)
+                view = e.view(now, self._unseen_per_s)
                 per_row = max(view.row_cost_s.values(), default=0.005)
                 excess = sum(view.work.values()) + view.unseen + 1 - int(limit * view.capacity)
                 waits.append((view.running_left_s + max(1, excess) * per_row, per_row))

@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeGuard
 
 import numpy as np
 from pydantic import (
@@ -854,7 +854,7 @@ def load_workload(path: str | Path) -> Workload:
     return parse_workload(data, source=str(path), lines=lines, base_dir=path.parent)
 
 
-def _number(v: object) -> bool:
+def _number(v: object) -> TypeGuard[int | float]:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -955,7 +955,7 @@ def read_engine_times(path: str | Path) -> EngineTimes:
                 started = obj["at"] + queue / 1000.0
                 latency = obj.get("latency_s")
                 outside = None
-                if isinstance(latency, int | float) and _number(latency):
+                if _number(latency):
                     outside = max(0.0, latency * 1000.0 - queue - service)
                 calls = out.setdefault(obj["model"], {}).setdefault(batch, [])
                 calls.append(RecordedCall(started, float(service), outside))
