@@ -3,8 +3,8 @@ how large a fleet it simulates, and placement policies compared at 1,000 and 10,
 nodes.
 
 (a) fidelity: one seeded trace replayed on the real 4-node fleet of the fleet
-benchmark's part (d) several times and in the simulator, given what the first replay
-recorded (its engine times, its network) and compared with the other replays.
+benchmark's part (d) several times and in the simulator, given what every other replay
+recorded (its engine times, its network) and compared with the replays in between.
 (b) scale: 10,000 nodes and 1,000,000 requests, in a child process (wall time, peak
 memory, events per second). (c) placement policies x scenarios, simulated.
 
@@ -69,7 +69,7 @@ from edgefleet.request import priority_name
 from sim.fleet import ModelCost, Network
 from sim.report import OUTCOMES, RunResult
 from sim.run import RECORDED_WINDOW_S, measured_costs, recorded_costs, simulate
-from sim.workload import Workload, parse_workload, read_engine_times
+from sim.workload import EngineTimes, Workload, parse_workload, read_engine_times
 
 TITLE = (
     "Fleet simulator: fidelity, scale, placement policies at 1,000 and 10,000 nodes (simulation)"
@@ -77,7 +77,8 @@ TITLE = (
 POLICIES = ("expected_completion", "power_of_two", "round_robin", "random")
 FIDELITY_LOAD = 0.6  # offered load over the measured fleet capacity
 FIDELITY_TOLERANCE = 0.15  # simulated / real latency, per class, within this
-SIM_DRAWS = 5  # simulated replays of the trace per variant, pooled (each draws anew)
+RECORDED_RUNS = 4  # real replays the simulator is given; as many are held out between them
+SIM_DRAWS = 2  # simulated replays per recorded run and variant, pooled (each draws anew)
 COMPLETED = OUTCOMES.index("completed")
 COUNT_TOLERANCE = 0.05
 SCALE_NODES, SCALE_REQUESTS = 10_000, 1_000_000
@@ -125,11 +126,11 @@ def _pct(values: Sequence[float], q: float) -> float:
 class Fidelity:
     rate: float
     capacity: float
-    rounds: list[Replay]  # the first is the recorded run, the others are held out
-    recorded_lines: int  # lines of the first replay in the call record
+    rounds: list[Replay]  # in order: recorded runs and held-out replays alternate
+    recorded_lines: int  # lines of the recorded runs in the call record
     warmup_costs: dict[str, ModelCost]
     observed_costs: dict[str, ModelCost]
-    recorded_costs: dict[str, ModelCost]
+    recorded_costs: dict[str, ModelCost]  # every recorded run's calls, pooled
     hop_ms: float
     sims: dict[str, list[RunResult]]  # by variant label, the acceptance variant last
     workload: Workload
@@ -137,8 +138,12 @@ class Fidelity:
     cores: float  # cores of the shared machine fitted to that stretch
 
     @property
+    def recorded(self) -> list[Replay]:
+        return self.rounds[0::2]
+
+    @property
     def held_out(self) -> list[Replay]:
-        return self.rounds[1:]
+        return self.rounds[1::2]
 
 
 WARMUP, OBSERVED, ANYWHERE, RECORDED = (
@@ -152,7 +157,9 @@ WARMUP, OBSERVED, ANYWHERE, RECORDED = (
 def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidelity:
     feeds = {n: slow_feed(m.width) for n, m in models.items()}
     requests = ctx.count(1500, 300)
-    rounds = ctx.count(4, 3)  # the first is the recorded run; at least two held out
+    # Recorded runs and held-out replays alternate (1st, 3rd, ... recorded), so both
+    # meet the same drifts of the machine over the part.
+    rounds = 2 * ctx.count(RECORDED_RUNS, 1)
     with tempfile.TemporaryDirectory() as tmp:
         record_dir = Path(tmp) / "calls"
         config = _trace_config("bench-sim", models, "expected_completion")
@@ -189,16 +196,19 @@ def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidel
                 runs.append(run)
                 windows.append(window)
         # closed: the client's call record is written out
-        first = Path(tmp) / "first.jsonl"
-        recorded_lines = _record_between(record_dir, windows[0], first)
-        times = read_engine_times(first)
-    log(f"  (a) recorded run: {recorded_lines} lines in the call record")
-    # What the simulator is given comes from the first replay alone (the recorded run);
-    # it is compared with the other replays, held out.
-    given = [s for s in runs[0].samples if s.error is None]
+        recorded_lines = 0
+        per_run: list[EngineTimes] = []
+        for i, window in enumerate(windows[0::2]):
+            lines = Path(tmp) / f"recorded-{i}.jsonl"
+            recorded_lines += _record_between(record_dir, window, lines)
+            per_run.append(read_engine_times(lines))
+    log(f"  (a) recorded runs: {recorded_lines} lines in the call record")
+    # What the simulator is given comes from the recorded runs alone; it is compared
+    # with the replays in between them, held out.
+    given = [s for r in runs[0::2] for s in r.samples if s.error is None]
     warmup = measured_costs((m.name, m.cost_ms) for n in warm.nodes for m in n.models)
     observed = _costs_observed(given, warmup)
-    recorded = recorded_costs(times, warmup)
+    pooled = recorded_costs(_pool(per_run), warmup, window_s=0.0)
     outside = [
         s.latency_s - s.service_s - s.queue_s
         for s in given
@@ -208,30 +218,35 @@ def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidel
     net = workload.network.model_copy(update={"hop_ms": hop_ms})
     apart = workload.model_copy(update={"network": net})
     # The warm-up tables on nodes sharing one machine, its cores fitted so that engine
-    # calls stretch as much as they did in the recorded run (this machine's 2 cores are
+    # calls stretch as much as they did in the recorded runs (this machine's 2 cores are
     # shared with the caller, Ray and the nodes' own loops); the observed and recorded
     # costs already carry that stretch, so their nodes are devices of their own.
     stretch = sum(s.service_s for s in given) / sum(warmup[s.item.model].call_s(1) for s in given)
     cores = _fit_cores(config, apart, warmup, stretch)
     on_host = apart.model_copy(update={"shared_cores": cores})
-    # the network as the recorded run's replies met it: each answer's time outside its
+    # the network as the recorded runs' replies met it: each answer's time outside its
     # node drawn from theirs (the caller's own work and Ray's included, tail and all)
     network = Network(hop_ms / 1000, round_trip_s=tuple(outside))
-    # Each variant replays the trace SIM_DRAWS times, every replay drawing its engine
-    # times and times outside the nodes anew, pooled as the held-out real replays are:
-    # one replay's p99 of a class of 300 requests is its third slowest.
-    variants = {
-        WARMUP: (on_host, warmup),
-        OBSERVED: (apart, observed),
-        ANYWHERE: (apart, recorded_costs(times, warmup, window_s=0.0)),
-        RECORDED: (apart, recorded),
-    }
-    sims = {
-        label: [
-            simulate(config, w, costs=c, network=network, draw_seed=workload.seed + k)
-            for k in range(SIM_DRAWS)
+    # Each variant replays the trace SIM_DRAWS times per recorded run, every replay
+    # drawing its engine times and times outside the nodes anew, pooled as the held-out
+    # real replays are; a replay of the recorded-run variant draws from one recorded
+    # run, each in turn.
+    in_time = [recorded_costs(times, warmup) for times in per_run]
+    draws = SIM_DRAWS * len(per_run)
+
+    def replays(w: Workload, costs: Sequence[Mapping[str, ModelCost]]) -> list[RunResult]:
+        return [
+            simulate(
+                config, w, costs=costs[k % len(costs)], network=network, draw_seed=workload.seed + k
+            )
+            for k in range(draws)
         ]
-        for label, (w, c) in variants.items()
+
+    sims = {
+        WARMUP: replays(on_host, [warmup]),
+        OBSERVED: replays(apart, [observed]),
+        ANYWHERE: replays(apart, [pooled]),
+        RECORDED: replays(apart, in_time),
     }
     return Fidelity(
         rate,
@@ -240,13 +255,23 @@ def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidel
         recorded_lines,
         warmup,
         observed,
-        recorded,
+        pooled,
         hop_ms,
         sims,
         workload,
         stretch,
         cores,
     )
+
+
+def _pool(runs: Sequence[EngineTimes]) -> EngineTimes:
+    """The recorded calls of several runs together, by model and batch size."""
+    out: EngineTimes = {}
+    for times in runs:
+        for model, by_size in times.items():
+            for rows, calls in by_size.items():
+                out.setdefault(model, {}).setdefault(rows, []).extend(calls)
+    return out
 
 
 def _record_between(record_dir: Path, window: tuple[float, float], out: Path) -> int:
@@ -311,7 +336,7 @@ def _costs_observed(
 def _fidelity_part(f: Fidelity) -> Part:
     samples = [s for r in f.held_out for s in r.samples]
     real = _real_figures(samples)
-    replay1 = _real_figures(f.rounds[0].samples)  # the same trace, another real replay
+    replay1 = _real_figures([s for r in f.recorded for s in r.samples])  # same trace, apart
     sims = {label: _sim_figures(runs) for label, runs in f.sims.items()}
     rows: list[list[object]] = []
     gaps: list[list[object]] = []
@@ -359,8 +384,8 @@ def _fidelity_part(f: Fidelity) -> Part:
     deviations = md_table(
         [
             "class",
-            "p50 (real: recorded run)",
-            "p99 (real: recorded run)",
+            "p50 (real: recorded runs)",
+            "p99 (real: recorded runs)",
             *(f"{q} ({short[label]})" for label in sims for q in ("p50", "p99")),
         ],
         gaps,
@@ -417,7 +442,7 @@ def _fidelity_part(f: Fidelity) -> Part:
         ["replay", *(f"{priority_name(p)} p50 / p99 ms" for p, _ in PRIORITY_MIX)],
         [
             [
-                "1 (recorded run)" if i == 0 else f"{i + 1} (held out)",
+                f"{i + 1} (held out)" if i % 2 else f"{i + 1} (recorded)",
                 *(f"{fmt(c.p50_ms)} / {fmt(c.p99_ms)}" for c in _real_figures(r.samples).values()),
             ]
             for i, r in enumerate(f.rounds)
@@ -445,48 +470,51 @@ def _fidelity_part(f: Fidelity) -> Part:
         f"at {f.rate:.0f}/s = {FIDELITY_LOAD:.0%} of the fleet's measured capacity of "
         f"{f.capacity:.0f}/s, the priority mix of part (d)) replayed open loop on the real "
         f"fleet {rounds} times, its caller keeping a call record (`router.record_dir`). "
-        "The first replay is the recorded run: everything the simulator is given that "
-        "was measured in a run comes from it alone, and the simulator is compared with "
-        f"the other {held} replays pooled (held out). The simulator replays the trace "
-        f"{SIM_DRAWS} times per variant, each replay drawing its engine times and times "
-        "outside the nodes anew, pooled the same way. Four simulated variants: "
-        "**recorded run** (the acceptance figures): each engine call takes the engine "
-        "time of one of the recorded run's calls of its model and batch size that started "
-        f"within {RECORDED_WINDOW_S * 1000:.0f} ms of its own time into the replay, drawn "
-        "at random (`service_ms` of its call record, `--costs` / `costs_from:` of "
-        f"`edgefleet simulate`; {f.recorded_lines} lines), and its answers spend the time "
-        "outside the node that the recorded call's request spent (its `latency_s` less "
-        "`queue_ms` and `service_ms`: a call slowed by the busy machine came with a slow "
-        "way back, which drawn apart would be lost): the recorded run's slow "
-        "stretches come back together; the nodes report the warm-up tables as the real "
-        "ones do, each node a device of its own (the recorded times carry the machine's "
-        "contention already); **recorded, anywhere**: the same, each call drawn among all "
-        "the recorded calls of its model and size, wherever in the run; "
+        "Replays 1, 3, 5, ... are the recorded runs: everything the simulator is given "
+        "that was measured in a run comes from them alone, and the simulator is compared "
+        f"with the {len(f.held_out)} replays in between, pooled (held out; alternating, "
+        "both meet the machine's drifts over the part). The simulator replays the trace "
+        f"{SIM_DRAWS} times per recorded run and variant, each replay drawing its engine "
+        "times and times outside the nodes anew, pooled the same way. Four simulated "
+        "variants: **recorded run** (the acceptance figures): each simulated replay follows "
+        "one recorded run (each in turn): each engine call takes the engine time of one of "
+        "that run's calls of its model and batch size that started within "
+        f"{RECORDED_WINDOW_S * 1000:.0f} ms of its own time into the replay, drawn at "
+        "random (`service_ms` of its call record, `--costs` / `costs_from:` of "
+        f"`edgefleet simulate`; {f.recorded_lines} lines in all), and its answers spend "
+        "the time outside the node that the recorded call's request spent (its "
+        "`latency_s` less `queue_ms` and `service_ms`: a call slowed by the busy machine "
+        "came with a slow way back, which drawn apart would be lost): a recorded run's "
+        "slow stretches come back together; the nodes report the warm-up tables as the "
+        "real ones do, each node a device of its own (the recorded times carry the "
+        "machine's contention already); **recorded, anywhere**: the same, each call drawn "
+        "among all the recorded runs' calls of its model and size, wherever in a run; "
         "**warm-up, shared**: the cost "
         "tables the nodes measured at warm-up, the 4 simulated nodes sharing one machine "
         "as the real ones do here, its cores fitted so that engine calls take "
-        f"{f.stretch:.2f}x their tables on average as they did in the recorded run "
+        f"{f.stretch:.2f}x their tables on average as they did in the recorded runs "
         f"(`shared_cores: {f.cores:.2f}`); **observed costs**: those tables scaled to the "
-        "median engine time of the recorded run's replies, each node a device of its own. "
+        "median engine time of the recorded runs' replies, each node a device of its own. "
         f"The simulated network, the same for all four: a request reaches its node after "
-        f"{f.hop_ms:.2f} ms (half the median time the recorded run's replies spent outside "
-        "their node) and each answer comes back after a time outside the node drawn from "
-        "those the recorded run's replies measured (the caller's own work and Ray's "
-        "included, tail and all), unless its engine call was drawn with its own (the two "
-        "recorded-run variants)."
+        f"{f.hop_ms:.2f} ms (half the median time the recorded runs' replies spent "
+        "outside their node) and each answer comes back after a time outside the node "
+        "drawn from those the recorded runs' replies measured (the caller's own work and "
+        "Ray's included, tail and all), unless its engine call was drawn with its own "
+        "(the two recorded-run variants)."
     )
     notes = [
         "Simulated / real - 1, per variant, and first the real fleet's own repeatability: "
-        "its recorded run (replay 1) against the held-out replays of the same trace. Where "
-        "two real replays of one trace differ by more than the target, the target measures "
+        "its recorded runs against the held-out replays of the same trace. Where the two "
+        "halves of the real replays differ by more than the target, the target measures "
         "this machine's noise as much as the simulator:\n\n" + deviations,
         "The real fleet replay by replay (the same trace each time):\n\n" + spread,
-        "The simulator against the recorded run itself, the run whose engine times and "
-        "times outside the nodes it draws (no drift of the machine between the two):\n\n" + itself,
-        "Engine costs (recorded: the recorded run's completed calls):\n\n" + costs,
+        "The simulator against the recorded runs themselves, the runs whose engine times "
+        "and times outside the nodes it draws (no drift of the machine between the "
+        "two):\n\n" + itself,
+        "Engine costs (recorded: the recorded runs' completed calls):\n\n" + costs,
         "On this machine the four nodes share 2 cores, so an engine call under load takes "
         "longer than at warm-up, alone: the simulator models separate devices, each with "
-        "its own CPU, which is what a fleet is. The recorded run's engine times carry the "
+        "its own CPU, which is what a fleet is. The recorded runs' engine times carry the "
         "machine's contention and its tail (the engine thread sharing the cores with Ray, "
         "the caller and the other nodes) into the simulation, and drawn in time they "
         "carry its slow stretches too, which build the queues behind the p99 (drawn "
