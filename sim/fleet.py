@@ -122,7 +122,9 @@ class ModelCost:
     spread over the run. ``samples_outside_ms`` (NaN where unknown), when given, is the
     time each recorded call's request spent outside its node; a drawn call's answers
     spend that time (:meth:`draw`), for on a busy machine a slow call and a slow way
-    back come together."""
+    back come together. ``by_node``, when given, holds the same for each recorded node
+    alone: a node of that name draws its own device's calls first (:meth:`draw`), for
+    a machine that runs slow often runs slow for one node and not the others."""
 
     call_ms: Mapping[int, float] = field(default_factory=dict)
     prefill_ms_per_token: float = 0.0
@@ -131,6 +133,7 @@ class ModelCost:
     samples_at_s: Mapping[int, Sequence[float]] = field(default_factory=dict)
     samples_outside_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
     window_s: float = 0.0
+    by_node: Mapping[str, ModelCost] = field(default_factory=dict)
 
     def call_s(self, rows: int) -> float:
         return _interpolate(self.call_ms, rows) / 1000.0
@@ -139,34 +142,57 @@ class ModelCost:
         """Engine seconds of one call of ``rows`` starting ``now`` (see :meth:`draw`)."""
         return self.draw(rows, rng, now)[0]
 
-    def draw(self, rows: int, rng: random.Random, now: float = 0.0) -> tuple[float, float | None]:
+    def draw(
+        self, rows: int, rng: random.Random, now: float = 0.0, node: str | None = None
+    ) -> tuple[float, float | None]:
         """Engine seconds of one call of ``rows`` starting ``now``, and the seconds its
         answers spend outside the node (None: not recorded): a recorded call of that
         batch size drawn uniformly from ``rng`` (within ``window_s`` of ``now`` when in
         time, any when none was recorded there); of the nearest recorded size (the
         smaller at a tie) scaled by the ratio of the two sizes' ``call_ms`` when none was
-        recorded; the table's (:meth:`call_s`, no draw) without recorded calls."""
+        recorded; the table's (:meth:`call_s`, no draw) without recorded calls. A
+        ``node`` of ``by_node`` draws among the calls it ran itself of that size (within
+        the window when in time) when it ran any, else as any node does."""
         if not self.samples_ms:
             return self.call_s(rows), None
+        own = self.by_node.get(node) if node is not None else None
+        if own is not None and rows in own.samples_ms:
+            drawn = own._pick(rows, rng, now, anywhere=False)
+            if drawn is not None:
+                return drawn
         size = rows
         if size not in self.samples_ms:
             size = min(self.samples_ms, key=lambda n: (abs(n - rows), n))
+        drawn = self._pick(size, rng, now, anywhere=True)
+        assert drawn is not None
+        seconds, outside_s = drawn
+        if size != rows:
+            base = _interpolate(self.call_ms, size)
+            seconds *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
+        return seconds, outside_s
+
+    def _pick(
+        self, size: int, rng: random.Random, now: float, anywhere: bool
+    ) -> tuple[float, float | None] | None:
+        """One recorded call of ``size`` rows (which there are): within the window of
+        ``now`` when in time; when none is there, any (``anywhere``) or None."""
         samples = self.samples_ms[size]
         starts = self.samples_at_s.get(size) if self.window_s > 0 else None
         if starts:
             t = now % starts[-1] if starts[-1] > 0 else now
             lo = bisect.bisect_left(starts, t - self.window_s)
             hi = bisect.bisect_right(starts, t + self.window_s)
-            i = lo + int(rng.random() * (hi - lo)) if hi > lo else rng.randrange(len(samples))
+            if hi > lo:
+                i = lo + int(rng.random() * (hi - lo))
+            elif anywhere:
+                i = rng.randrange(len(samples))
+            else:
+                return None
         else:
             i = rng.randrange(len(samples))
-        drawn = samples[i]
-        if size != rows:
-            base = _interpolate(self.call_ms, size)
-            drawn *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
         outside = self.samples_outside_ms.get(size)
         outside_s = outside[i] / 1000.0 if outside and not math.isnan(outside[i]) else None
-        return drawn / 1000.0, outside_s
+        return samples[i] / 1000.0, outside_s
 
     def step_s(self, rows: int) -> float:
         return _interpolate(self.step_ms, rows) / 1000.0
@@ -435,7 +461,7 @@ class SimNode:
             self._next_finish(call)
         else:
             cost = self._costs[plan.model]
-            seconds, call.outside_s = cost.draw(plan.rows, self._rng, self.loop.t)
+            seconds, call.outside_s = cost.draw(plan.rows, self._rng, self.loop.t, self.spec.name)
             seconds /= self.speed
             if self.host is not None:
                 call.left_s = seconds

@@ -38,7 +38,14 @@ from edgefleet.errors import (
 from edgefleet.request import GenerateRequest, InferRequest
 from sim.fleet import ModelCost, Network, SimFleet, grow
 from sim.report import Recorder, RunResult
-from sim.workload import Arrival, CostConfig, EngineTimes, Workload, read_engine_times
+from sim.workload import (
+    Arrival,
+    CostConfig,
+    EngineTimes,
+    RecordedCall,
+    Workload,
+    read_engine_times,
+)
 
 SAMPLE_EVERY_S = 0.05  # queue length over time: one sample per this much simulated time
 PROGRESS_EVERY = 2000  # answers between progress updates
@@ -56,7 +63,7 @@ YOUNG_OBJECTS = 500_000
 # A call drawing a recorded engine time draws among the calls recorded within this
 # many seconds of its own time into the run: the recorded machine's slow stretches
 # then come back together, as queues build behind them (see ModelCost).
-RECORDED_WINDOW_S = 0.25
+RECORDED_WINDOW_S = 0.1
 _OUTCOME = {
     Rejected: "rejected",
     Evicted: "evicted",
@@ -122,29 +129,44 @@ def recorded_costs(
 ) -> dict[str, ModelCost]:
     """``tables`` with the engine times a call record gave (:func:`read_engine_times`)
     to draw each call's from: those recorded within ``window_s`` of the call's own time
-    into the run (0: any, see :class:`ModelCost`). A model of ``times`` keeps its table
-    (what its nodes report and price calls by, and scale the recorded times by between
-    batch sizes) or, without one, gets the median recorded per batch size as its table.
-    Each recorded call keeps its request's time outside the node, drawn with it. The
-    models of ``tables`` without recorded calls keep their tables alone."""
+    into the run (0: any, see :class:`ModelCost`); a node named in the record draws
+    those its namesake ran first. A model of ``times`` keeps its table (what its nodes
+    report and price calls by, and scale the recorded times by between batch sizes)
+    or, without one, gets the median recorded per batch size as its table. Each
+    recorded call keeps its request's time outside the node, drawn with it. The models
+    of ``tables`` without recorded calls keep their tables alone."""
     out = dict(tables or {})
     for model, by_size in times.items():
-        cost = out.get(model, ModelCost())
         calls = {n: c for n, c in sorted(by_size.items()) if c}
-        samples = {n: tuple(call.ms for call in c) for n, c in calls.items()}
-        table = cost.call_ms or {n: statistics.median(ms) for n, ms in samples.items()}
+        table = out.get(model, ModelCost()).call_ms or {
+            n: statistics.median(call.ms for call in c) for n, c in calls.items()
+        }
+        cost = replace(out.get(model, ModelCost()), call_ms=table, window_s=window_s)
+        nodes = sorted({call.node for c in calls.values() for call in c if call.node is not None})
         out[model] = replace(
-            cost,
-            call_ms=table,
-            samples_ms=samples,
-            samples_at_s={n: tuple(call.at for call in c) for n, c in calls.items()},
-            samples_outside_ms={
-                n: tuple(math.nan if call.outside_ms is None else call.outside_ms for call in c)
-                for n, c in calls.items()
+            _drawing(cost, calls),
+            by_node={
+                node: _drawing(
+                    cost, {n: [call for call in c if call.node == node] for n, c in calls.items()}
+                )
+                for node in nodes
             },
-            window_s=window_s,
         )
     return out
+
+
+def _drawing(cost: ModelCost, calls: Mapping[int, Sequence[RecordedCall]]) -> ModelCost:
+    """``cost`` drawing among ``calls`` (by batch size, in time order)."""
+    calls = {n: c for n, c in calls.items() if c}
+    return replace(
+        cost,
+        samples_ms={n: tuple(call.ms for call in c) for n, c in calls.items()},
+        samples_at_s={n: tuple(call.at for call in c) for n, c in calls.items()},
+        samples_outside_ms={
+            n: tuple(math.nan if call.outside_ms is None else call.outside_ms for call in c)
+            for n, c in calls.items()
+        },
+    )
 
 
 def is_call_record(path: str | Path) -> bool:

@@ -71,6 +71,7 @@ class RecordedCall(NamedTuple):
     at: float  # when the call started, seconds after the record's first arrival
     ms: float  # its engine time
     outside_ms: float | None = None  # the request's time outside its node, when recorded
+    node: str | None = None  # the node that ran it, when recorded
 
 
 # recorded calls: model -> batch size -> the calls, in the order they started
@@ -925,7 +926,8 @@ def read_engine_times(path: str | Path) -> EngineTimes:
     Each also has the time its request spent outside its node (``latency_s`` less
     ``queue_ms`` and ``service_ms``: both hops and the caller's own work), None on a line
     without ``latency_s``: a call slowed by a busy machine tends to come with a slow way
-    back, and a simulation draws the two together.
+    back, and a simulation draws the two together. And the node that ran it (``node``),
+    None on a line without one.
 
     ``path`` is a file or a folder of ``*.jsonl`` files, read as :func:`read_trace` reads
     them, each line checked as a trace line is. Lines without the figures (no node
@@ -958,7 +960,9 @@ def read_engine_times(path: str | Path) -> EngineTimes:
                 if _number(latency):
                     outside = max(0.0, latency * 1000.0 - queue - service)
                 calls = out.setdefault(obj["model"], {}).setdefault(batch, [])
-                calls.append(RecordedCall(started, float(service), outside))
+                node = obj.get("node")
+                node = node if isinstance(node, str) else None
+                calls.append(RecordedCall(started, float(service), outside, node))
     for by_size in out.values():
         for size, calls in by_size.items():
             by_size[size] = sorted(

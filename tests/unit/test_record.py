@@ -305,7 +305,7 @@ def test_lines_without_the_node_figures_still_replay(tmp_path):
     path.write_text(json.dumps(old) + "\n" + json.dumps(new) + "\n")
     assert read_trace(path) == [Arrival(0.0, "m", 10, id="r-1"), Arrival(0.5, "m", 10, id="r-2")]
     # the old line has none; the new call started queue_ms after its arrival, and its
-    # request spent latency_s less queue_ms and service_ms outside the node
+    # request spent latency_s less queue_ms and service_ms outside the node (a's)
     assert read_engine_times(path) == {
-        "m": {1: [(pytest.approx(0.5005), 4.0, pytest.approx(12.3 - 0.5 - 4.0))]}
+        "m": {1: [(pytest.approx(0.5005), 4.0, pytest.approx(12.3 - 0.5 - 4.0), "a")]}
     }

@@ -690,6 +690,31 @@ def test_in_time_a_call_draws_among_the_calls_recorded_near_its_time_into_the_ru
     assert {anywhere.draw_s(1, rng, 0.5) for _ in range(400)} == {0.005, 0.05}
 
 
+def test_a_node_draws_the_calls_its_namesake_ran_near_its_time_first():
+    # edge-1 ran slow from 1 s to 2 s into the run, edge-2 did not, edge-3 ran nothing then
+    calls = []
+    for i in range(30):
+        at = i * 0.1
+        calls.append(RecordedCall(at, 50.0 if 1.0 <= at < 2.0 else 5.0, None, "edge-1"))
+        calls.append(RecordedCall(at, 6.0, None, "edge-2"))
+        if not 1.0 <= at < 2.0:
+            calls.append(RecordedCall(at, 7.0, None, "edge-3"))
+    cost = recorded_costs({"m": {1: calls}}, window_s=0.25)["m"]
+    rng = random.Random(1)
+
+    def drawn(at: float, node: str | None) -> set[float]:
+        return {cost.draw(1, rng, at, node)[0] for _ in range(300)}
+
+    assert drawn(1.5, "edge-1") == {0.05}
+    assert drawn(1.5, "edge-2") == {0.006}
+    assert drawn(1.5, "edge-3") == {0.05, 0.006}  # none of its own there: any node's
+    assert drawn(0.5, "edge-3") == {0.007}
+    # a node the record does not name, or none named: every node's calls of the moment
+    assert drawn(0.5, "edge-9") == drawn(0.5, None) == {0.005, 0.006, 0.007}
+    # another batch size than its own calls': as any node draws it
+    assert cost.draw(2, rng, 1.5, "edge-2")[0] in {0.1, 0.012}
+
+
 def test_a_size_not_recorded_scales_the_nearest_by_the_cost_table():
     cost = ModelCost({1: 10.0, 4: 20.0}, samples_ms={1: (5.0,), 4: (30.0,)})
     rng = random.Random(1)
@@ -741,6 +766,25 @@ def test_a_simulated_node_runs_each_call_for_a_recorded_engine_time():
     # what the node reports and prices calls by stays the table
     status = next(m for m in fleet.nodes[0].status(0.0).models if m.name == "heavy")
     assert status.cost_ms[1] == pytest.approx(4.0)
+
+
+def test_each_simulated_node_runs_the_engine_times_its_namesake_recorded():
+    config = local_config()
+    first, second = (spec.name for spec in config.node_specs()[:2])
+    calls_of = {first: 30.0, second: 50.0}
+    recorded = [RecordedCall(i * 0.01, calls_of[n], None, n) for i in range(4) for n in calls_of]
+    costs = recorded_costs({"heavy": {1: recorded}}, {"heavy": ModelCost({1: 4.0})})
+    fleet = SimFleet(config, dict(FLEET_COSTS, **costs), specs=config.node_specs()[:2], seed=1)
+    calls = Calls(fleet)
+    for i in range(40):  # one at a time
+        calls.at(i * 0.1, infer(f"r{i}", "heavy", BG))
+    fleet.loop.run(until=lambda: len(calls.answers) == 40)
+    hops = 2 * fleet.network.hop_s
+    took = {
+        (calls.node(f"r{i}"), round(calls.answers[f"r{i}"][0][0] - i * 0.1 - hops, 9))
+        for i in range(40)
+    }
+    assert took == {(first, 0.03), (second, 0.05)}
 
 
 def test_a_drawn_call_brings_its_requests_time_outside_the_node():

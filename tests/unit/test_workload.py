@@ -451,15 +451,15 @@ def test_recorded_calls_are_in_the_order_they_started(tmp_path):
     lines = [
         call_line(at=10.0, service_ms=1.0, queue_ms=30.0, latency_s=0.04),  # started at 10.03
         call_line(at=10.01, service_ms=2.0, queue_ms=0.0),
-        call_line(at=9.0, service_ms=3.0, queue_ms=None),
+        call_line(at=9.0, service_ms=3.0, queue_ms=None, node=None),
     ]
     times = read_engine_times(write(tmp_path, "".join(lines), "calls.jsonl"))
-    # each with its request's time outside the node where the line has its latency:
-    # 40 ms less 30 queued and 1 on the engine
+    # each with its request's time outside the node where the line has its latency
+    # (40 ms less 30 queued and 1 on the engine), and the node that ran it
     assert times["m"][1] == [
-        (0.0, 3.0, None),
-        (pytest.approx(1.01), 2.0, None),
-        (pytest.approx(1.03), 1.0, pytest.approx(9.0)),
+        (0.0, 3.0, None, None),
+        (pytest.approx(1.01), 2.0, None, "edge-0"),
+        (pytest.approx(1.03), 1.0, pytest.approx(9.0), "edge-0"),
     ]
 
 
