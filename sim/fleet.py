@@ -484,7 +484,9 @@ class SimNode:
         self._call = None
         self.last_change = self.loop.t
         self._busy(call)
-        self._settle(self.sched.finish(call.plan), call.plan, call.outside_s)
+        self._settle(
+            self.sched.finish(call.plan), call.plan, call.outside_s, self.loop.t - call.started
+        )
         self._serve()
 
     def _abort(self) -> None:
@@ -563,8 +565,14 @@ class SimNode:
             self._on_busy(self.loop.t - call.started)
 
     def _settle(
-        self, outcomes: Sequence[Outcome], plan: Plan | None = None, outside_s: float | None = None
+        self,
+        outcomes: Sequence[Outcome],
+        plan: Plan | None = None,
+        outside_s: float | None = None,
+        service_s: float = 0.0,
     ) -> None:
+        """Answer the requests ``outcomes`` settled; ``plan``, the call that served
+        them, took ``service_s`` of engine time."""
         for o in outcomes:
             r = o.request
             if r.id not in self._held:
@@ -591,6 +599,7 @@ class SimNode:
                         self.spec.name,
                         error=o.error,
                         queue_s=queue_s,
+                        service_s=service_s if plan is not None else 0.0,
                         batch_size=len(plan.requests) if plan is not None else 0,
                     ),
                     outside_s,

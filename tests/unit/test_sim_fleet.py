@@ -763,6 +763,11 @@ def test_a_simulated_node_runs_each_call_for_a_recorded_engine_time():
     hops = 2 * fleet.network.hop_s
     took = {round(calls.answers[f"r{i}"][0][0] - i * 0.1 - hops, 9) for i in range(20)}
     assert took == {0.03, 0.05}
+    # each reply tells its call's engine time, as a live node's does
+    for i in range(20):
+        reply = calls.one(f"r{i}")
+        assert reply.service_s == pytest.approx(calls.answers[f"r{i}"][0][0] - i * 0.1 - hops)
+        assert reply.batch_size == 1
     # what the node reports and prices calls by stays the table
     status = next(m for m in fleet.nodes[0].status(0.0).models if m.name == "heavy")
     assert status.cost_ms[1] == pytest.approx(4.0)
