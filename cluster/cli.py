@@ -930,7 +930,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine costs a live fleet measured: the output of `edgefleet status --json` "
         "(its warm-up tables; the workload's costs: take precedence), or a call record "
         "(router.record_dir: a .jsonl file or a folder of them; each inference call takes "
-        "the engine time of a recorded call of its model and batch size, in place of the "
+        "the engine time of a recorded call of its model and batch size, near its own time "
+        "into the run and on the node of its name when recorded, in place of the "
         "workload's costs_from:)",
     )
     simulate.add_argument(

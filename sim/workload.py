@@ -337,7 +337,9 @@ class Workload(_Strict):
         None,
         description="a call record (router.record_dir: a .jsonl file or a folder of them): "
         "each inference call takes the engine time of one of the recorded calls of its "
-        "model and batch size, drawn at random; models it has no calls of keep costs:; "
+        "model and batch size, drawn at random among those that started near its own time "
+        "into the run (the node of its name's first, when the record has one); models it "
+        "has no calls of keep costs:; "
         "relative to the YAML file's folder; default: the costs: tables",
     )
 
