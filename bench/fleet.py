@@ -95,6 +95,7 @@ FOREGROUND = 10
 BACKGROUND = 3
 FLOOD_CALLERS = 2  # the same flood split over this many clients placing requests
 SPLIT = "edgefleet, 2 callers"
+IDLE = "edgefleet, a second caller idle"
 FLOOD_MAX_RETRY_S = 1.0  # the router's retry hint is honoured, up to this
 TARGET_BOUND_RATIO = 1.0  # edgefleet p99 / (1.5 x alone p99 + one service time)
 TARGET_FIFO_RATIO = 8.0  # FIFO p99 / edgefleet p99
@@ -544,7 +545,8 @@ class FloodActor:
     measuring driver's interpreter): a ``cluster.traffic.ClosedLoop`` of ``outstanding``
     lanes, each sending one background request at a time and the next as soon as the
     reply returns; after a refusal a lane waits the reply's ``retry_after_s`` (2 ms to
-    ``max_retry_s``), after an eviction or another error 5 ms (``FLOOD_BACKOFF``)."""
+    ``max_retry_s``), after an eviction or another error 5 ms (``FLOOD_BACKOFF``).
+    Without lanes it connects and sends nothing (a caller's process, idle)."""
 
     def __init__(
         self,
@@ -568,21 +570,29 @@ class FloodActor:
             None, partial(FleetClient.connect, fleet=self._fleet)
         )
         model, feed, outstanding, priority = self._lanes
-        self._flood = ClosedLoop(
-            self._client, model, feed, lanes=outstanding, priority=priority, backoff=self._backoff
-        )
-        await self._flood.start()
+        if outstanding:
+            self._flood = ClosedLoop(
+                self._client,
+                model,
+                feed,
+                lanes=outstanding,
+                priority=priority,
+                backoff=self._backoff,
+            )
+            await self._flood.start()
 
     def counts(self) -> tuple[Counts, str | None]:
         """The counts so far, and the first failure of a lane (a lane that fails ends)."""
-        assert self._flood is not None
+        if self._flood is None:
+            return Counts(), None
         error = self._flood.error
         return self._flood.counts.copy(), None if error is None else repr(error)
 
     async def stop(self, timeout_s: float) -> tuple[Counts, str | None]:
         """Stop every lane, cancel what is in flight (bounded); the counts so far."""
-        assert self._flood is not None and self._client is not None
-        await self._flood.stop(timeout_s)
+        assert self._client is not None
+        if self._flood is not None:
+            await self._flood.stop(timeout_s)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._client.close)  # hands its counters to the router
         return self.counts()
@@ -605,9 +615,11 @@ def _fleet_flooded(
     label: str,
     bg_limit: float,
     callers: int = 1,
+    idle: int = 0,
 ) -> FleetFlood:
     """Foreground under a background flood sent by ``callers`` flood clients (each
-    placing its own requests), sharing the same number of outstanding requests."""
+    placing its own requests), sharing the same number of outstanding requests; ``idle``
+    more flood clients connect and send nothing."""
     route = RouterRoute(client)
     nodes = len(node_names(client))
     before = client.status(GET_TIMEOUT_S)
@@ -622,11 +634,11 @@ def _fleet_flooded(
             client.config.fleet.name,
             FLOOD_MODEL,
             feed,
-            lanes // callers + (i < lanes % callers),
+            lanes // callers + (i < lanes % callers) if i < callers else 0,
             BACKGROUND,
             FLOOD_MAX_RETRY_S,
         )
-        for i in range(callers)
+        for i in range(callers + idle)
     ]
 
     def counts_now() -> Counts:
@@ -718,10 +730,11 @@ def _pool_floods(runs: Sequence[FleetFlood]) -> FleetFlood:
 
 def measure_flood(
     ctx: RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
-) -> tuple[FleetFlood, FleetFlood, FleetFlood, FleetFlood]:
-    """Foreground alone, under a flood from one caller and from ``FLOOD_CALLERS``, in
-    interleaved rounds whose samples are pooled (a p99 of one round's 120 requests is
-    its second slowest, which moves with the machine); FIFO once."""
+) -> tuple[FleetFlood, FleetFlood, FleetFlood, FleetFlood, FleetFlood]:
+    """Foreground alone, under a flood from one caller, from ``FLOOD_CALLERS``, and from
+    one with a second caller's process idle beside it, in interleaved rounds whose
+    samples are pooled (a p99 of one round's 120 requests is its second slowest, which
+    moves with the machine); FIFO once."""
     feed = slow_feed(model.width)
     n_fg = ctx.count(120, 8)  # enough that p99 is not just the slowest one
     n_fifo = ctx.count(10, 2)
@@ -736,6 +749,7 @@ def measure_flood(
             SPLIT: lambda: _fleet_flooded(
                 client, feed, n_fg, SPLIT, bg_limit, callers=FLOOD_CALLERS
             ),
+            IDLE: lambda: _fleet_flooded(client, feed, n_fg, IDLE, bg_limit, idle=1),
         }
         runs: dict[str, list[FleetFlood]] = {name: [] for name in measures}
         names = list(measures)
@@ -743,7 +757,7 @@ def measure_flood(
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 log(f"(c) round {i + 1}/{rounds}: {name}")
                 runs[name].append(_kept(calm(measures[name], f"(c) {name}", attempts=2)))
-    alone, edge, split = (_pool_floods(runs[name]) for name in names)
+    alone, edge, split, idle = (_pool_floods(runs[name]) for name in names)
     with deployed(fifo) as client:
         for _ in range(5):
             reply_of(client.submit(FLOOD_MODEL, feed))
@@ -752,13 +766,14 @@ def measure_flood(
         base = _kept(
             calm(lambda: _fleet_flooded(client, feed, n_fifo, "FIFO", 1.0), "(c) FIFO", attempts=1)
         )
-    return alone, edge, split, base
+    return alone, edge, split, idle, base
 
 
 def _flood_part(
     alone: FleetFlood,
     edge: FleetFlood,
     split: FleetFlood,
+    idle: FleetFlood,
     fifo: FleetFlood,
     model: BenchModel,
     bg_limit: float,
@@ -770,9 +785,10 @@ def _flood_part(
         "alone": "alone (edgefleet fleet, no flood)",
         "edgefleet": "edgefleet fleet under flood",
         SPLIT: f"edgefleet fleet, the flood from {FLOOD_CALLERS} callers",
+        IDLE: "edgefleet fleet under flood, a second caller idle",
         "FIFO": "FIFO fleet under flood",
     }
-    for f in (alone, edge, split, fifo):
+    for f in (alone, edge, split, idle, fifo):
         r = f.run
         queues = "-" if r.flood is None else " / ".join(str(q) for q in f.queues)
         rows.append([*r.row(labels.get(r.config, r.config)), queues])
@@ -809,7 +825,7 @@ def _flood_part(
         ),
     ]
     nodes = FLEET_NODES
-    flood_cfgs = (edge, split, fifo)
+    flood_cfgs = (edge, split, idle, fifo)
     measured = (
         f"{nodes} nodes, each serving a {model.describe()}, batching off, queue capacity "
         f"{FLOOD_CAPACITY}; everything goes through the router. A background client (a Ray "
@@ -824,13 +840,25 @@ def _flood_part(
         "(the edgefleet fleet, no flood); edgefleet (priority order, preemption on with "
         "gap 5, the default placement expected_completion and default shedding: "
         f"background may fill {bg_limit:.0%} of a queue); FIFO (`node_defaults.order: "
-        "fifo`, `router.placement.shed: {}`, placement round_robin). Alone, edgefleet "
-        f"and the flood from {FLOOD_CALLERS} callers run in interleaved rounds (the order "
+        "fifo`, `router.placement.shed: {}`, placement round_robin). Alone, edgefleet, "
+        f"the flood from {FLOOD_CALLERS} callers (the same lanes split between two flood "
+        "clients, each placing its own) and the flood from one caller with a second flood "
+        "client connected beside it sending nothing (a control: the second caller's "
+        "process without its share of the work) run in interleaved rounds (the order "
         "rotating), each configuration's samples and counts pooled; FIFO once."
     )
     notes = [
         f"Bound used for the first target: 1.5 x {alone.run.latency_ms.p99:.1f} ms + "
         f"{service_ms:.1f} ms (median service time alone) = {bound:.1f} ms.",
+        f"Foreground p99 over one caller's: the flood from {FLOOD_CALLERS} callers "
+        f"{split.run.latency_ms.p99 / edge_p99:.2f}, from one with a second caller idle "
+        f"{idle.run.latency_ms.p99 / edge_p99:.2f}; foreground engine time (median) "
+        f"{median([s * 1000 for s in split.run.service_s]):.1f} and "
+        f"{median([s * 1000 for s in idle.run.service_s]):.1f} ms against "
+        f"{median([s * 1000 for s in edge.run.service_s]):.1f}. On this machine a "
+        "caller's process takes its CPU from the engines: the idle one its Ray worker's "
+        "own, the working one the share of the flood it sends, in parallel with the other "
+        "caller rather than behind it.",
         "Fleet-wide placement counters over each flood (refused background requests come "
         "back as `rejected`; `shed` counts those placement refused itself to keep headroom, "
         "`spilled` those a node refused and the caller tried elsewhere): "
