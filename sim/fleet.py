@@ -157,13 +157,13 @@ class ModelCost:
             return self.call_s(rows), None
         own = self.by_node.get(node) if node is not None else None
         if own is not None and rows in own.samples_ms:
-            drawn = own._pick(rows, rng, now, anywhere=False)
+            drawn = own._pick(rows, rng, self._into_run(rows, now), anywhere=False)
             if drawn is not None:
                 return drawn
         size = rows
         if size not in self.samples_ms:
             size = min(self.samples_ms, key=lambda n: (abs(n - rows), n))
-        drawn = self._pick(size, rng, now, anywhere=True)
+        drawn = self._pick(size, rng, self._into_run(size, now), anywhere=True)
         assert drawn is not None
         seconds, outside_s = drawn
         if size != rows:
@@ -171,15 +171,20 @@ class ModelCost:
             seconds *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
         return seconds, outside_s
 
+    def _into_run(self, size: int, now: float) -> float:
+        """``now`` as a time into the recorded run of ``size``-row calls, which repeats."""
+        starts = self.samples_at_s.get(size)
+        return now % starts[-1] if starts and starts[-1] > 0 else now
+
     def _pick(
-        self, size: int, rng: random.Random, now: float, anywhere: bool
+        self, size: int, rng: random.Random, t: float, anywhere: bool
     ) -> tuple[float, float | None] | None:
         """One recorded call of ``size`` rows (which there are): within the window of
-        ``now`` when in time; when none is there, any (``anywhere``) or None."""
+        ``t`` into the recorded run when in time; when none is there, any
+        (``anywhere``) or None."""
         samples = self.samples_ms[size]
         starts = self.samples_at_s.get(size) if self.window_s > 0 else None
         if starts:
-            t = now % starts[-1] if starts[-1] > 0 else now
             lo = bisect.bisect_left(starts, t - self.window_s)
             hi = bisect.bisect_right(starts, t + self.window_s)
             if hi > lo:

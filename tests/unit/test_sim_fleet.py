@@ -699,6 +699,8 @@ def test_a_node_draws_the_calls_its_namesake_ran_near_its_time_first():
         calls.append(RecordedCall(at, 6.0, None, "edge-2"))
         if not 1.0 <= at < 2.0:
             calls.append(RecordedCall(at, 7.0, None, "edge-3"))
+        if at < 1.0:  # edge-4 ran its last call 0.9 s into the 2.9 s run
+            calls.append(RecordedCall(at, 8.0, None, "edge-4"))
     cost = recorded_costs({"m": {1: calls}}, window_s=0.25)["m"]
     rng = random.Random(1)
 
@@ -709,8 +711,11 @@ def test_a_node_draws_the_calls_its_namesake_ran_near_its_time_first():
     assert drawn(1.5, "edge-2") == {0.006}
     assert drawn(1.5, "edge-3") == {0.05, 0.006}  # none of its own there: any node's
     assert drawn(0.5, "edge-3") == {0.007}
+    # the run repeats as a whole: 2.5 s and 2.9 + 0.5 s in, edge-4 ran nothing
+    assert drawn(0.5, "edge-4") == drawn(2.9 + 0.5, "edge-4") == {0.008}
+    assert drawn(2.5, "edge-4") == {0.005, 0.006, 0.007}
     # a node the record does not name, or none named: every node's calls of the moment
-    assert drawn(0.5, "edge-9") == drawn(0.5, None) == {0.005, 0.006, 0.007}
+    assert drawn(0.5, "edge-9") == drawn(0.5, None) == {0.005, 0.006, 0.007, 0.008}
     # another batch size than its own calls': as any node draws it
     assert cost.draw(2, rng, 1.5, "edge-2")[0] in {0.1, 0.012}
 
