@@ -336,7 +336,7 @@ def _costs_observed(
 def _fidelity_part(f: Fidelity) -> Part:
     samples = [s for r in f.held_out for s in r.samples]
     real = _real_figures(samples)
-    replay1 = _real_figures([s for r in f.recorded for s in r.samples])  # same trace, apart
+    recorded_real = _real_figures([s for r in f.recorded for s in r.samples])  # same trace, apart
     sims = {label: _sim_figures(runs) for label, runs in f.sims.items()}
     rows: list[list[object]] = []
     gaps: list[list[object]] = []
@@ -345,7 +345,7 @@ def _fidelity_part(f: Fidelity) -> Part:
         r = real[p]
         row: list[object] = [priority_name(p), r.count, fmt(r.p50_ms), fmt(r.p99_ms)]
         gap: list[object] = [priority_name(p)]
-        for own, held in ((replay1[p].p50_ms, r.p50_ms), (replay1[p].p99_ms, r.p99_ms)):
+        for own, held in ((recorded_real[p].p50_ms, r.p50_ms), (recorded_real[p].p99_ms, r.p99_ms)):
             gap.append(_percent(_off(own, held)))
         for label, figures in sims.items():
             s = figures[p]
@@ -454,10 +454,10 @@ def _fidelity_part(f: Fidelity) -> Part:
         [
             [
                 priority_name(p),
-                f"{fmt(replay1[p].p50_ms)} / {fmt(replay1[p].p99_ms)}",
+                f"{fmt(recorded_real[p].p50_ms)} / {fmt(recorded_real[p].p99_ms)}",
                 f"{fmt(mine[p].p50_ms)} / {fmt(mine[p].p99_ms)}",
-                f"{_percent(_off(mine[p].p50_ms, replay1[p].p50_ms))} / "
-                f"{_percent(_off(mine[p].p99_ms, replay1[p].p99_ms))}",
+                f"{_percent(_off(mine[p].p50_ms, recorded_real[p].p50_ms))} / "
+                f"{_percent(_off(mine[p].p99_ms, recorded_real[p].p99_ms))}",
             ]
             for p, _ in PRIORITY_MIX
         ],
