@@ -651,6 +651,107 @@ def drain_pending(pending: Sequence[Pending], timeout_s: float = GET_TIMEOUT_S) 
         ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
 
 
+Submit = Callable[[], Pending]
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What a closed loop completed in its window."""
+
+    completed: int
+    seconds: float
+    errors: int = 0
+    by_node: Mapping[str, int] = field(default_factory=dict)
+    engine_calls: float = 0.0  # distinct engine calls (sum of 1 / batch size per reply)
+    engine_s: float = 0.0  # the engine time of those calls, each call once
+    busy_s: float = math.nan  # machine CPU seconds in the window (every process)
+    own_s: float = math.nan  # ... of which this benchmark's (the driver and its Ray)
+
+    @property
+    def rate(self) -> float:
+        return self.completed / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def engine_ms(self) -> float:
+        """Engine milliseconds per call."""
+        return 1000 * self.engine_s / self.engine_calls if self.engine_calls else math.nan
+
+    @property
+    def mean_batch(self) -> float:
+        return self.completed / self.engine_calls if self.engine_calls else math.nan
+
+    @property
+    def cores(self) -> float:
+        """Cores this benchmark's processes used on average."""
+        return self.own_s / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def cpu_ms(self) -> float:
+        """CPU milliseconds this benchmark's processes spent per completed request."""
+        return 1000 * self.own_s / self.completed if self.completed else math.nan
+
+    @property
+    def machine_cpu_ms(self) -> float:
+        """CPU milliseconds every process on the machine spent per completed request."""
+        return 1000 * self.busy_s / self.completed if self.completed else math.nan
+
+
+def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:
+    """Keep ``in_flight_each`` requests outstanding per submitter for ``seconds``; each
+    reply is replaced by a new request from the submitter that sent it. Replies after
+    the window are drained (bounded) but not counted, and the CPU counted is the
+    window's share when the last wait ran past it."""
+    pending: dict[Pending, int] = {}
+    inbox = Inbox()
+    for i, submit in enumerate(submitters):
+        for _ in range(in_flight_each):
+            pending[inbox.add(submit())] = i
+    completed = errors = 0
+    engine_calls = engine_s = 0.0
+    by_node: dict[str, int] = {}
+    cpu0 = cpu_sample()
+    start = time.perf_counter()
+    end = start + seconds
+    last_progress = start
+    while True:
+        now = time.perf_counter()
+        if now >= end:
+            break
+        if now - last_progress > GET_TIMEOUT_S:
+            raise TimeoutError(f"no reply for {GET_TIMEOUT_S:.0f} s")
+        ready = inbox.ready(min(end - now, 1.0))
+        if not ready:
+            continue
+        last_progress = time.perf_counter()
+        if last_progress > end:  # the wait ran past the window: these do not count
+            break
+        for ref, reply in zip(ready, replies_of(ready), strict=True):
+            who = pending.pop(ref)
+            if reply.error is None:
+                completed += 1
+                share = 1.0 / max(1, reply.batch_size)
+                engine_calls += share
+                engine_s += reply.service_s * share
+                by_node[reply.node] = by_node.get(reply.node, 0) + 1
+            else:
+                errors += 1
+            pending[inbox.add(submitters[who]())] = who
+    used = cpu_since(cpu0)
+    elapsed = min(time.perf_counter(), end) - start
+    window = elapsed / max(elapsed, used.wall_s)
+    drain_pending(list(pending))
+    return Loop(
+        completed,
+        elapsed,
+        errors,
+        by_node,
+        engine_calls,
+        engine_s,
+        used.busy_s * window,
+        used.own_s * window,
+    )
+
+
 def node_cancel(
     target: FleetClient | str, node: str, request_id: str, timeout_s: float = GET_TIMEOUT_S
 ) -> bool:

@@ -43,19 +43,21 @@ from bench.common import (
     BenchModel,
     Calm,
     Inbox,
+    Loop,
     ModelEntry,
     Part,
     Pending,
     RouterRoute,
     RunContext,
     Section,
+    Submit,
     Summary,
     Target,
     calm,
+    closed_loop,
     cpu_sample,
     cpu_since,
     deployed,
-    drain_pending,
     fleet_config,
     fmt,
     log,
@@ -75,8 +77,6 @@ from edgefleet.modelgen import make_classifier, random_inputs
 from sim.workload import Workload, parse_workload
 
 TITLE = "The fleet: placement in the caller (fleet)"
-
-Submit = Callable[[], Pending]
 
 # (a) scaling and (b) added latency: one 3-node fleet serving both models
 FLEET_NODES = 3
@@ -124,82 +124,6 @@ CAPACITY_IN_FLIGHT_PER_NODE = 8
 COST_NODES = 4
 COST_MODEL = "classifier"
 COST_IN_FLIGHT_PER_NODE = 32
-
-
-# ===================================================================== closed loops
-
-
-@dataclass(frozen=True)
-class Loop:
-    """What a closed loop completed in its window."""
-
-    completed: int
-    seconds: float
-    errors: int
-    by_node: Mapping[str, int]
-    engine_s: float  # sum of the replies' service_s (batching off: one call each)
-    cpu_s: float  # CPU this benchmark (driver, Ray, router, nodes) used in the window
-
-    @property
-    def rate(self) -> float:
-        return self.completed / self.seconds if self.seconds > 0 else math.nan
-
-    @property
-    def engine_ms(self) -> float:
-        return 1000 * self.engine_s / self.completed if self.completed else math.nan
-
-    @property
-    def cores(self) -> float:
-        return self.cpu_s / self.seconds if self.seconds > 0 else math.nan
-
-    @property
-    def cpu_ms(self) -> float:
-        """CPU milliseconds the whole benchmark spent per completed request."""
-        return 1000 * self.cpu_s / self.completed if self.completed else math.nan
-
-
-def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:
-    """Keep ``in_flight_each`` requests outstanding per submitter for ``seconds``; each
-    reply is replaced by a new request from the submitter that sent it. Replies after
-    the window are drained (bounded) but not counted."""
-    pending: dict[Pending, int] = {}
-    inbox = Inbox()
-    for i, submit in enumerate(submitters):
-        for _ in range(in_flight_each):
-            pending[inbox.add(submit())] = i
-    completed = errors = 0
-    engine_s = 0.0
-    by_node: Counter[str] = Counter()
-    cpu0 = cpu_sample()
-    start = time.perf_counter()
-    end = start + seconds
-    last_progress = start
-    while True:
-        now = time.perf_counter()
-        if now >= end:
-            break
-        if now - last_progress > GET_TIMEOUT_S:
-            raise TimeoutError(f"no reply for {GET_TIMEOUT_S:.0f} s")
-        ready = inbox.ready(min(end - now, 1.0))
-        if not ready:
-            continue
-        last_progress = time.perf_counter()
-        if last_progress > end:  # the wait ran past the window: these do not count
-            break
-        replies = replies_of(ready)
-        for ref, reply in zip(ready, replies, strict=True):
-            who = pending.pop(ref)
-            if reply.error is None:
-                completed += 1
-                engine_s += reply.service_s
-                by_node[reply.node] += 1
-            else:
-                errors += 1
-            pending[inbox.add(submitters[who]())] = who
-    elapsed = min(time.perf_counter(), end) - start
-    cpu_s = cpu_since(cpu0).own_s * elapsed / max(elapsed, time.perf_counter() - start)
-    drain_pending(list(pending))
-    return Loop(completed, elapsed, errors, dict(by_node), engine_s, cpu_s)
 
 
 # ============================================================ (a) scaling at saturation

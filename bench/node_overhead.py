@@ -39,10 +39,10 @@ from bench.common import (
     ModelEntry,
     RunContext,
     Section,
+    Submit,
     Target,
     calm,
-    cpu_sample,
-    cpu_since,
+    closed_loop,
     deployed,
     fleet_config,
     fmt,
@@ -67,8 +67,6 @@ TARGET_RATIO_5MS = 0.85
 TARGET_FLOOR_RATIO_1MS = 0.9  # node / Ray floor throughput, 1 ms model, batching off
 TARGET_EXTRA_CPU_MS = 0.3  # node - Ray floor machine CPU per request on the classifier
 CPU_MODEL = "classifier"  # the per-request CPU row's model (fleet entry and builtin)
-
-Submit = Callable[[], ray.ObjectRef]
 
 
 @dataclass(frozen=True)
@@ -242,46 +240,18 @@ def raw_throughput(
 
 
 def actor_throughput(submit: Submit, seconds: float, in_flight: int) -> Throughput:
-    """Keep ``in_flight`` requests outstanding for ``seconds``; count completed replies.
-
-    Replies that arrive after the window are drained (bounded) but not counted.
-    """
-    cpu = cpu_sample()
-    pending = [submit() for _ in range(in_flight)]
-    completed = errors = 0
-    engine_calls = engine_s = 0.0
-    start = time.perf_counter()
-    end = start + seconds
-    last_progress = start
-    while True:
-        now = time.perf_counter()
-        if now >= end:
-            break
-        if now - last_progress > GET_TIMEOUT_S:
-            raise TimeoutError(f"no reply for {GET_TIMEOUT_S:.0f} s")
-        ready, pending = ray.wait(pending, num_returns=1, timeout=min(end - now, 1.0))
-        if not ready:
-            continue
-        if pending:  # take everything else that is ready in the same sweep
-            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            ready += more
-        last_progress = time.perf_counter()
-        if last_progress > end:  # the wait ran past the window: these do not count
-            pending += ready
-            break
-        for reply in ray.get(ready, timeout=GET_TIMEOUT_S):
-            if reply.error is None:
-                completed += 1
-                engine_calls += 1.0 / max(1, reply.batch_size)
-                engine_s += reply.service_s / max(1, reply.batch_size)
-            else:
-                errors += 1
-        pending += [submit() for _ in ready]
-    used = cpu_since(cpu)
-    elapsed = min(time.perf_counter(), end) - start
-    if pending:
-        ray.wait(pending, num_returns=len(pending), timeout=GET_TIMEOUT_S)
-    return Throughput(completed, elapsed, errors, engine_calls, engine_s, used.busy_s, used.own_s)
+    """Keep ``in_flight`` requests outstanding for ``seconds``; count completed replies
+    (``closed_loop``)."""
+    loop = closed_loop([submit], in_flight, seconds)
+    return Throughput(
+        loop.completed,
+        loop.seconds,
+        loop.errors,
+        loop.engine_calls,
+        loop.engine_s,
+        loop.busy_s,
+        loop.own_s,
+    )
 
 
 def _measure_row(
