@@ -677,10 +677,6 @@ class Loop:
         return 1000 * self.engine_s / self.engine_calls if self.engine_calls else math.nan
 
     @property
-    def mean_batch(self) -> float:
-        return self.completed / self.engine_calls if self.engine_calls else math.nan
-
-    @property
     def cores(self) -> float:
         """Cores this benchmark's processes used on average."""
         return self.own_s / self.seconds if self.seconds > 0 else math.nan
@@ -689,11 +685,6 @@ class Loop:
     def cpu_ms(self) -> float:
         """CPU milliseconds this benchmark's processes spent per completed request."""
         return 1000 * self.own_s / self.completed if self.completed else math.nan
-
-    @property
-    def machine_cpu_ms(self) -> float:
-        """CPU milliseconds every process on the machine spent per completed request."""
-        return 1000 * self.busy_s / self.completed if self.completed else math.nan
 
 
 def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:
