@@ -138,26 +138,25 @@ def recorded_costs(
     out = dict(tables or {})
     for model, by_size in times.items():
         calls = {n: c for n, c in sorted(by_size.items()) if c}
-        table = out.get(model, ModelCost()).call_ms or {
+        given = out.get(model, ModelCost())
+        table = given.call_ms or {
             n: statistics.median(call.ms for call in c) for n, c in calls.items()
         }
-        cost = replace(out.get(model, ModelCost()), call_ms=table, window_s=window_s)
-        nodes = sorted({call.node for c in calls.values() for call in c if call.node is not None})
+        cost = replace(given, call_ms=table, window_s=window_s)
+        by_node: dict[str, dict[int, list[RecordedCall]]] = {}  # one pass, in time order
+        for n, c in calls.items():
+            for call in c:
+                if call.node is not None:
+                    by_node.setdefault(call.node, {}).setdefault(n, []).append(call)
         out[model] = replace(
             _drawing(cost, calls),
-            by_node={
-                node: _drawing(
-                    cost, {n: [call for call in c if call.node == node] for n, c in calls.items()}
-                )
-                for node in nodes
-            },
+            by_node={node: _drawing(cost, ran) for node, ran in by_node.items()},
         )
     return out
 
 
 def _drawing(cost: ModelCost, calls: Mapping[int, Sequence[RecordedCall]]) -> ModelCost:
     """``cost`` drawing among ``calls`` (by batch size, in time order)."""
-    calls = {n: c for n, c in calls.items() if c}
     return replace(
         cost,
         samples_ms={n: tuple(call.ms for call in c) for n, c in calls.items()},
