@@ -355,9 +355,7 @@ class Dispatcher:
         self._placed_last: Mapping[int, int] = {}
         self._placed_elsewhere: Mapping[int, int] = {}
         self._crowds: dict[int, float] = {}  # priority -> crowd, until the counts change
-        self._interval = config.router.report_interval_s
-        # the other callers' sends per node and second, and for how long a view counts them
-        self._unseen_per_s = 0.0
+        self._unseen_per_s = 0.0  # the other callers' sends per node and second
         self._retries: Executor = executor or ThreadPoolExecutor(
             1, thread_name_prefix="edgefleet-dispatch"
         )
@@ -383,7 +381,8 @@ class Dispatcher:
                 self._crowds = {}
                 # a view held while its node is idle counts none: no view to refresh
                 nodes = max(1, len(self._nodes))
-                self._unseen_per_s = sum(view.placed.values()) / self._interval / nodes
+                interval = self.config.router.report_interval_s
+                self._unseen_per_s = sum(view.placed.values()) / interval / nodes
 
     def shed_waiting(self) -> int:
         """Requests this caller shed and told to come back later, not due yet (the
