@@ -225,6 +225,34 @@ class FleetClient:
             )
         )
 
+    def map_unordered(
+        self,
+        model: str,
+        inputs: Iterable[Mapping[str, np.ndarray]],
+        *,
+        priority: str | int = "foreground",
+        deadline_s: float | None = None,
+        in_flight: int = 32,
+    ) -> Iterator[tuple[int, Reply]]:
+        """Run ``model`` on each of ``inputs`` with up to ``in_flight`` requests
+        outstanding; yields ``(index of the input, its Reply)`` as the answers come.
+
+        For a caller that keeps a fleet busy from one thread (a camera feed, a batch
+        job): the same placement, spill and re-placement as :meth:`submit`, but the
+        replies are waited for and read on the calling thread, many at a time, instead
+        of handed over one by one from Ray's thread: less CPU per request. ``inputs``
+        is read lazily, as answers make room. Each reply is the one answer of its input
+        (errors in ``Reply.error``); stopping early leaves the requests already sent to
+        finish on their nodes, unread.
+        """
+        self._check_model(model)
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+        requests = (
+            self._request(model, x, priority=priority, deadline_s=deadline_s) for x in inputs
+        )
+        return self._dispatcher.pipeline(requests, in_flight)
+
     def _request(
         self,
         model: str,

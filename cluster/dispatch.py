@@ -28,7 +28,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -66,6 +66,7 @@ VIEW_REUSE_S = 0.001  # a node's view ages by less than this between two placeme
 UNSEEN_INTERVALS = 2.0
 UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait...
 UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
+PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at most this
 Final = Reply | GenerationResult
 
 
@@ -87,14 +88,41 @@ class NodeHandle(Protocol):
         otherwise resolve with the node's Reply."""
         ...
 
-    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
-        """:meth:`infer`, waited for on the calling thread; MUST raise NodeGone when
-        the node died."""
+    def send(self, request: InferRequest, inputs: Any = None) -> Any:
+        """Send one request for :meth:`wait` to collect; MAY raise NodeGone at once."""
+        ...
+
+    def wait(self, calls: Sequence[Any], timeout_s: float) -> list[tuple[Any, Reply | Exception]]:
+        """The calls of :meth:`send` (this handle's or another node's of the same
+        kind) that are answered, waiting at most ``timeout_s`` for the first, with each
+        one's Reply or error: NodeGone when its node died. Waited for on the calling
+        thread."""
         ...
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         """Stream a generation; MUST raise NodeGone when the node died."""
         ...
+
+
+class FutureCalls:
+    """:meth:`NodeHandle.send` and :meth:`NodeHandle.wait` for a handle whose
+    ``infer`` futures complete by themselves (fakes in tests)."""
+
+    def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+        raise NotImplementedError
+
+    def send(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+        return self.infer(request, inputs)
+
+    def wait(
+        self, calls: Sequence[cf.Future[Reply]], timeout_s: float
+    ) -> list[tuple[cf.Future[Reply], Reply | Exception]]:
+        done, _ = cf.wait(calls, timeout_s, return_when=cf.FIRST_COMPLETED)
+        out: list[tuple[cf.Future[Reply], Reply | Exception]] = []
+        for f in done:
+            exc = f.exception()
+            out.append((f, f.result() if exc is None else exc))  # type: ignore[arg-type]
+        return out
 
 
 @dataclass(frozen=True)
@@ -545,67 +573,132 @@ class Dispatcher:
         """A node answered (on whatever thread completed the call). Further attempts
         go to the dispatcher's own thread: completion threads may belong to Ray."""
         try:
-            try:
-                reply = call.result()
-            except NodeUnavailable:
-                delay = attempt.wait_same(entry)
-                if delay is not None:
-                    again = threading.Timer(delay, self._try, (attempt, out, inputs, entry))
-                    again.daemon = True
-                    again.start()
-                    return
-                final = attempt.lost(entry)
-            except NodeGone:
-                final = attempt.lost(entry)
-            else:
-                final = attempt.settle(entry, reply)
+            outcome = self._outcome(attempt, entry, call.exception() or call.result())
         except Exception as exc:
             log.exception("answer to %s failed", attempt.request.id)
-            final = attempt.broken(exc)
-        if final is None:
+            outcome = attempt.broken(exc)
+        if isinstance(outcome, float):  # out of reach: ask the same node again later
+            again = threading.Timer(outcome, self._try, (attempt, out, inputs, entry))
+            again.daemon = True
+            again.start()
+        elif outcome is None:
             try:
                 self._retries.submit(self._try, attempt, out, inputs)
             except RuntimeError:  # closed: _try ends it Cancelled, sending nothing
                 self._try(attempt, out, inputs)
         else:
-            _resolve(out, final)  # type: ignore[arg-type]
+            _resolve(out, outcome)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _outcome(
+        attempt: _Attempt, entry: _Entry, answer: Reply | BaseException
+    ) -> Final | float | None:
+        """What ``entry``'s answer to an inference means: the final answer; seconds to
+        wait before asking the same node again (out of reach for now); or None: place
+        it on the next node (refused, evicted, or its node lost)."""
+        if isinstance(answer, NodeUnavailable):
+            delay = attempt.wait_same(entry)
+            return attempt.lost(entry) if delay is None else delay
+        if isinstance(answer, NodeGone):
+            return attempt.lost(entry)
+        if isinstance(answer, BaseException):
+            raise answer
+        return attempt.settle(entry, answer)
 
     def call(self, request: InferRequest, inputs: Any = None) -> Reply:
         """Place ``request`` and wait for its one :class:`Reply` on this thread: the
         same attempts as :meth:`submit`, without handing the reply between threads
         (what a sequential caller waits for)."""
-        attempt = _Attempt(self, request)
+        ((_, reply),) = self.pipeline([(request, inputs)], 1)
+        return reply
+
+    def pipeline(
+        self, requests: Iterable[tuple[InferRequest, Any]], in_flight: int
+    ) -> Iterator[tuple[int, Reply]]:
+        """Place each of ``requests`` (a request and its ``inputs``, as :meth:`submit`
+        takes them) with at most ``in_flight`` unanswered, and yield each one's index
+        and its one :class:`Reply` as the answers come, in that order.
+
+        The answers are waited for on the calling thread, many at a time, and nothing
+        runs on another thread (where :meth:`submit` hands each reply over from Ray's):
+        for a caller that keeps many requests in flight. Requests are drawn from
+        ``requests`` only as answers make room. A consumer that stops early leaves the
+        requests it sent to finish on their nodes, unread.
+        """
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+        source = enumerate(requests)
+        flying: dict[Any, tuple[int, _Attempt, _Entry, Any]] = {}  # call -> its request
+        later: list[tuple[float, int, _Attempt, _Entry, Any]] = []  # heap: asking again
+        # (when, the request's index, ...): a request is in ``later`` at most once
+        answered: list[tuple[int, Reply]] = []
+        unanswered = 0
+        more = True
+
+        def send(i: int, attempt: _Attempt, inputs: Any, entry: _Entry | None = None) -> None:
+            try:
+                while True:
+                    entry = entry or attempt.next_node()
+                    if entry is None:
+                        answered.append((i, attempt.give_up()))  # type: ignore[arg-type]
+                        return
+                    try:
+                        call = entry.handle.send(attempt.request_now, inputs)  # type: ignore[arg-type]
+                    except NodeGone:
+                        attempt.lost(entry, sent=False)
+                        entry = None
+                        continue
+                    flying[call] = (i, attempt, entry, inputs)
+                    return
+            except Exception as exc:  # never leave the caller waiting
+                log.exception("dispatch of %s failed", attempt.request.id)
+                answered.append((i, attempt.broken(exc)))
+
         try:
             while True:
-                entry = attempt.next_node()
-                if entry is None:
-                    return attempt.give_up()  # type: ignore[return-value]
-                try:
-                    reply = self._call_node(attempt, entry, inputs)
-                except NodeGone:
-                    lost = attempt.lost(entry)
-                    if lost is not None:
-                        return lost  # type: ignore[return-value]
+                while more and unanswered < in_flight:
+                    try:
+                        i, (request, inputs) = next(source)
+                    except StopIteration:
+                        more = False
+                        break
+                    unanswered += 1
+                    send(i, _Attempt(self, request), inputs)
+                if answered:
+                    unanswered -= len(answered)
+                    ready, answered[:] = answered[:], []
+                    yield from ready
                     continue
-                final = attempt.settle(entry, reply)
-                if final is not None:
-                    return final  # type: ignore[return-value]
-        except Exception as exc:  # a typed answer, never a raw error
-            log.exception("dispatch of %s failed", request.id)
-            return attempt.broken(exc)
-
-    @staticmethod
-    def _call_node(attempt: _Attempt, entry: _Entry, inputs: Any) -> Reply:
-        """One node's answer, asking again (same id) while it is out of reach for a
-        while; NodeGone once it is lost."""
-        while True:
-            try:
-                return entry.handle.call(attempt.request_now, inputs)  # type: ignore[arg-type]
-            except NodeUnavailable:
-                delay = attempt.wait_same(entry)
-                if delay is None:
-                    raise
-                time.sleep(delay)
+                if not unanswered:
+                    return
+                now = self._clock.now()
+                while later and later[0][0] <= now:
+                    _, i, attempt, entry, inputs = heapq.heappop(later)
+                    send(i, attempt, inputs, entry)
+                wait_s = min(later[0][0] - now, PIPELINE_WAIT_S) if later else PIPELINE_WAIT_S
+                if not flying:
+                    time.sleep(max(0.0, wait_s))
+                    continue
+                handle = next(iter(flying.values()))[2].handle
+                for call, answer in handle.wait(list(flying), wait_s):
+                    i, attempt, entry, inputs = flying.pop(call)
+                    try:
+                        outcome = self._outcome(attempt, entry, answer)
+                    except Exception as exc:
+                        log.exception("answer to %s failed", attempt.request.id)
+                        outcome = attempt.broken(exc)
+                    if isinstance(outcome, float):
+                        due = self._clock.now() + outcome
+                        heapq.heappush(later, (due, i, attempt, entry, inputs))
+                    elif outcome is None:
+                        send(i, attempt, inputs)
+                    else:
+                        answered.append((i, outcome))  # type: ignore[arg-type]
+        finally:  # the consumer stopped early (or failed): stop counting what is left
+            for _, attempt, entry, _ in flying.values():
+                attempt.abandoned(entry)
+            for _, _, attempt, entry, _ in later:
+                attempt.abandoned(entry)
 
     def stream(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         """Place a generation and yield its tokens; the last item is its result.

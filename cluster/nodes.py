@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,14 @@ from ray.actor import ActorHandle
 from cluster.dispatch import NodeGone, NodeUnavailable
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
+
+
+@dataclass(frozen=True, eq=False)
+class RayCall:
+    """A request sent to a node actor: its reply's reference, and the node."""
+
+    ref: ray.ObjectRef
+    node: RayNode
 
 
 class RayNode:
@@ -68,14 +77,32 @@ class RayNode:
         else:
             out.set_result(result)
 
-    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
+    def send(self, request: InferRequest, inputs: Any = None) -> RayCall:
         actor = self._handle()
         ref = actor.infer.remote(request) if inputs is None else actor.infer.remote(request, inputs)
+        return RayCall(ref, self)
+
+    def wait(self, calls: Sequence[RayCall], timeout_s: float) -> list[tuple[RayCall, Any]]:
+        """Ray waits for the replies and reads them together, on this thread."""
+        by_ref = {c.ref: c for c in calls}
+        ready, rest = ray.wait(list(by_ref), num_returns=1, timeout=timeout_s)
+        if ready and rest:  # and whatever else is answered by now
+            more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+            ready += more
         try:
-            reply: Reply = ray.get(ref)
-        except ray.exceptions.RayActorError as exc:
-            raise self._gone(exc) from None
-        return reply
+            answers: list[Any] = ray.get(ready)
+        except Exception:  # one failed: read them one by one
+            answers = []
+            for ref in ready:
+                try:
+                    answers.append(ray.get(ref))
+                except ray.exceptions.RayActorError as exc:
+                    answers.append(by_ref[ref].node._gone(exc))
+                except ray.exceptions.RayTaskError as exc:
+                    answers.append(exc.as_instanceof_cause())
+                except Exception as exc:
+                    answers.append(exc)
+        return [(by_ref[ref], a) for ref, a in zip(ready, answers, strict=True)]
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         stream = self._handle().generate.remote(request)

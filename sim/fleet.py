@@ -711,7 +711,10 @@ class _Handle:
         self._fleet.send(self._index, request, fut)
         return fut
 
-    def call(self, request: Any, inputs: Any = None) -> Any:
+    def send(self, request: Any, inputs: Any = None) -> Any:
+        raise NotImplementedError("the simulator places with submit()")
+
+    def wait(self, calls: Any, timeout_s: float) -> Any:
         raise NotImplementedError("the simulator places with submit()")
 
     def generate(self, request: Any) -> Iterator[Any]:

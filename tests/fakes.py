@@ -14,7 +14,7 @@ import numpy as np
 
 from actors.engine import InputInfo, RunAborted, Signature, TensorSpec, check_inputs
 from actors.node import NodeRuntime
-from cluster.dispatch import Dispatcher, NodeGone, NodeUnavailable
+from cluster.dispatch import Dispatcher, FutureCalls, NodeGone, NodeUnavailable
 from cluster.router import Router
 from cluster.traffic import LoopThread
 from edgefleet.config import FleetConfig, ModelConfig, NodeSpec, PreemptionConfig, QueueConfig
@@ -113,7 +113,7 @@ def x(value: float, rows: int = 1) -> dict[str, np.ndarray]:
 # --------------------------------------------------------------- a fleet in-process
 
 
-class LocalNode:
+class LocalNode(FutureCalls):
     """A NodeRuntime on a background event loop behind the handles a dispatcher and a
     router use; ``dead = True`` makes it behave like a dead actor (calls in progress
     fail with NodeGone, as Ray's would)."""
@@ -140,9 +140,6 @@ class LocalNode:
             lost.set_exception(NodeUnavailable(f"{self.node.spec.name} is restarting"))
             return lost
         return running
-
-    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
-        return self.infer(request, inputs).result(60)
 
     async def _infer(self, request: InferRequest, inputs: Any) -> Reply:
         task = asyncio.ensure_future(self.node.infer(request, inputs))

@@ -65,6 +65,22 @@ def test_batched_results_equal_direct_onnx_runtime(make_fleet, models_dir):
             np.testing.assert_allclose(value, expected[name], rtol=1e-4, atol=1e-5)
 
 
+def test_map_unordered_answers_each_input_once_with_its_own_outputs(make_fleet, models_dir):
+    fleet = make_fleet({"models": {"classifier": {"path": "classifier.onnx"}}})
+    cases = [random_inputs("classifier", seed=i) for i in range(40)]
+    cases[7] = {"pixels": cases[7]["images"]}  # a bad input fails alone
+    answers = dict(fleet.map_unordered("classifier", iter(cases), in_flight=6))
+    assert sorted(answers) == list(range(40))
+    assert isinstance(answers.pop(7).error, InvalidInput)
+    for i, reply in answers.items():
+        expected = ort_run(models_dir, "classifier", cases[i])
+        np.testing.assert_allclose(reply.unwrap()["logits"], expected["logits"], rtol=1e-5)
+    with pytest.raises(ModelNotFound):  # at the call, before anything is sent
+        fleet.map_unordered("nope", iter(cases))
+    with pytest.raises(ValueError, match="in_flight"):
+        fleet.map_unordered("classifier", iter(cases), in_flight=0)
+
+
 def test_unbatchable_model_under_concurrent_requests(make_fleet, models_dir):
     fleet = make_fleet({"models": {"stateful": {"path": "stateful.onnx"}}})
     rng = np.random.default_rng(7)
@@ -358,3 +374,30 @@ def test_node_handle_futures_carry_replies_errors_and_node_loss(ray_session):
         node.infer("die").result(timeout=60)
     with pytest.raises(NodeGone):  # asked again: gone at the lookup or at the call
         node.infer("b").result(timeout=60)
+
+
+def test_node_handle_waits_for_many_calls_on_the_callers_thread(ray_session):
+    """send/wait, as Dispatcher.pipeline uses them: replies read together, the actor's
+    own error and the node's loss each told for its own call."""
+    from cluster.dispatch import NodeGone
+    from cluster.names import NAMESPACE
+    from cluster.nodes import RayNode
+
+    name = f"echo-{time.monotonic_ns()}"
+    actor = _Echo.options(name=name, namespace=NAMESPACE).remote()
+    node = RayNode(name, NAMESPACE, actor)
+    calls = {node.send(r): r for r in ("a", "b", "raise", "c")}
+    answers: dict[str, object] = {}
+    left = list(calls)
+    while left:
+        for call, answer in node.wait(left, 60):
+            answers[calls[call]] = answer
+            left.remove(call)
+    assert answers["a"] == "reply to a" and answers["c"] == "reply to c"
+    assert isinstance(answers["raise"], ValueError)
+    died = node.send("die")
+    ((call, answer),) = node.wait([died], 60)
+    assert call is died and isinstance(answer, NodeGone)
+    with pytest.raises(NodeGone):  # looked up again by name: no such actor any more
+        for _, answer in node.wait([node.send("d")], 60):
+            raise answer  # type: ignore[misc]

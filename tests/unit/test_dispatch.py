@@ -274,6 +274,54 @@ def test_requests_on_a_dying_node_are_placed_again_and_answered_once(fleet):
     assert f.dispatcher.healthy()["a"]
 
 
+def test_a_pipeline_answers_each_request_once_with_at_most_in_flight_unanswered(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.002, capacity=64, shed={})
+    drawn = 0
+
+    def requests():
+        nonlocal drawn
+        for i in range(60):
+            drawn += 1
+            yield req(10, rid=f"p{i}"), None
+
+    seen: dict[int, str] = {}
+    most = 0
+    for i, reply in f.dispatcher.pipeline(requests(), 5):
+        most = max(most, drawn - len(seen))
+        assert i not in seen and reply.error is None, reply
+        seen[i] = reply.request_id
+    assert seen == {i: f"p{i}" for i in range(60)}
+    assert most == 5  # never more than in_flight drawn and unanswered
+    runs = sum(f.node(n).status().counters["completed"] for n in f.handles)
+    assert runs == 60
+    assert {e.name: len(e.inflight) for e in f.dispatcher._nodes.values()} == {"a": 0, "b": 0}
+
+
+def test_a_pipeline_places_the_requests_of_a_dying_node_again(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, shed={})
+    replies: dict[int, object] = {}
+    items = ((req(10, rid=f"d{i}"), None) for i in range(40))
+    for i, reply in f.dispatcher.pipeline(items, 40):
+        if not replies:  # the first answer: everything else is out, a has some of it
+            f.handles["a"].dead = True
+        replies[i] = reply
+    assert sorted(replies) == list(range(40))
+    assert all(r.error is None for r in replies.values())  # type: ignore[attr-defined]
+    assert f.counters()["replaced"] >= 1
+    assert {r.node for r in list(replies.values())[-5:]} == {"b"}  # type: ignore[attr-defined]
+
+
+def test_a_pipeline_stopped_early_stops_counting_what_it_sent(fleet):
+    f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, shed={})
+    it = f.dispatcher.pipeline(((req(10), None) for _ in range(100)), 8)
+    next(it)
+    assert sum(len(e.inflight) for e in f.dispatcher._nodes.values()) == 7
+    it.close()
+    assert sum(len(e.inflight) for e in f.dispatcher._nodes.values()) == 0
+    with pytest.raises(ValueError, match="in_flight"):
+        next(f.dispatcher.pipeline([], 0))
+
+
 def test_at_most_once_requests_on_a_dying_node_end_node_lost_and_run_nowhere_else(fleet):
     f = fleet({"a": {}, "b": {}}, cost_s=0.05, capacity=64, shed={}, placement={"picker": "best"})
     futures = [

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import cluster.record
-from cluster.dispatch import Dispatcher
+from cluster.dispatch import Dispatcher, FutureCalls
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.errors import Rejected
 from edgefleet.messages import GenerationResult, Reply, TokenChunk
@@ -31,7 +31,7 @@ SPILLED = "spilled"  # the first node asked refuses this id; the next takes it
 QUEUE_S, SERVICE_S, BATCH = 0.0015, 0.00425, 2
 
 
-class ScriptedNode:
+class ScriptedNode(FutureCalls):
     """A node handle that answers at once: y = 2x for an inference, two chunks of tokens
     for a generation; refuses the ids the fleet's ``refusals`` script says."""
 
@@ -59,9 +59,6 @@ class ScriptedNode:
         out: cf.Future[Reply] = cf.Future()
         out.set_result(self._reply(request))
         return out
-
-    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
-        return self._reply(request)
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
         if self._refuses(request.id):
