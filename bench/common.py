@@ -687,23 +687,56 @@ class Loop:
         return 1000 * self.own_s / self.completed if self.completed else math.nan
 
 
+class _Tally:
+    """What a loop counts of its replies, and its CPU over the window."""
+
+    def __init__(self) -> None:
+        self.completed = self.errors = 0
+        self.engine_calls = self.engine_s = 0.0
+        self.by_node: dict[str, int] = {}
+        self.cpu0 = cpu_sample()
+        self.start = time.perf_counter()
+
+    def add(self, reply: Reply) -> None:
+        if reply.error is None:
+            self.completed += 1
+            share = 1.0 / max(1, reply.batch_size)
+            self.engine_calls += share
+            self.engine_s += reply.service_s * share
+            self.by_node[reply.node] = self.by_node.get(reply.node, 0) + 1
+        else:
+            self.errors += 1
+
+    def loop(self, end: float) -> Loop:
+        """The loop so far; the CPU counted is the window's share when the last wait
+        ran past ``end``."""
+        used = cpu_since(self.cpu0)
+        elapsed = min(time.perf_counter(), end) - self.start
+        window = elapsed / max(elapsed, used.wall_s)
+        return Loop(
+            self.completed,
+            elapsed,
+            self.errors,
+            self.by_node,
+            self.engine_calls,
+            self.engine_s,
+            used.busy_s * window,
+            used.own_s * window,
+        )
+
+
 def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:
     """Keep ``in_flight_each`` requests outstanding per submitter for ``seconds``; each
     reply is replaced by a new request from the submitter that sent it. Replies after
-    the window are drained (bounded) but not counted, and the CPU counted is the
-    window's share when the last wait ran past it."""
+    the window are drained (bounded) but not counted."""
     pending: dict[Pending, int] = {}
     inbox = Inbox()
     for i, submit in enumerate(submitters):
         for _ in range(in_flight_each):
             pending[inbox.add(submit())] = i
-    completed = errors = 0
-    engine_calls = engine_s = 0.0
-    by_node: dict[str, int] = {}
-    cpu0 = cpu_sample()
-    start = time.perf_counter()
-    end = start + seconds
-    last_progress = start
+    tally = _Tally()
+    end = tally.start + seconds
+    last_progress = tally.start
     while True:
         now = time.perf_counter()
         if now >= end:
@@ -717,30 +750,35 @@ def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: floa
         if last_progress > end:  # the wait ran past the window: these do not count
             break
         for ref, reply in zip(ready, replies_of(ready), strict=True):
+            tally.add(reply)
             who = pending.pop(ref)
-            if reply.error is None:
-                completed += 1
-                share = 1.0 / max(1, reply.batch_size)
-                engine_calls += share
-                engine_s += reply.service_s * share
-                by_node[reply.node] = by_node.get(reply.node, 0) + 1
-            else:
-                errors += 1
             pending[inbox.add(submitters[who]())] = who
-    used = cpu_since(cpu0)
-    elapsed = min(time.perf_counter(), end) - start
-    window = elapsed / max(elapsed, used.wall_s)
+    out = tally.loop(end)
     drain_pending(list(pending))
-    return Loop(
-        completed,
-        elapsed,
-        errors,
-        by_node,
-        engine_calls,
-        engine_s,
-        used.busy_s * window,
-        used.own_s * window,
-    )
+    return out
+
+
+def pipelined_loop(
+    client: FleetClient, model: str, feed: dict[str, np.ndarray], in_flight: int, seconds: float
+) -> Loop:
+    """:func:`closed_loop` through ``FleetClient.map_unordered``: ``in_flight`` requests
+    outstanding for ``seconds``, the answers read on this thread. Answers after the
+    window are read (the loop sends no more) but not counted."""
+    tally = _Tally()
+    end = tally.start + seconds
+
+    def feeds() -> Iterator[dict[str, np.ndarray]]:
+        while time.perf_counter() < end:
+            yield feed
+
+    out: Loop | None = None
+    for _, reply in client.map_unordered(model, feeds(), in_flight=in_flight):
+        if out is None:
+            if time.perf_counter() <= end:
+                tally.add(reply)
+            else:
+                out = tally.loop(end)
+    return out or tally.loop(end)
 
 
 def node_cancel(
