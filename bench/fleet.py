@@ -1533,8 +1533,9 @@ def run(ctx: RunContext) -> Section:
 
     parts.append(_timed(part_e))
     measured = (
-        "The fleet as clients see it: requests placed by the client (`FleetClient.submit`) "
-        "compared, in the same run, with requests sent straight to the node actors. Five "
+        "The fleet as clients see it: requests placed by the client (`FleetClient.submit`; "
+        "in (e) also `FleetClient.map_unordered`) compared, in the same run, with requests "
+        "sent straight to the node actors. Five "
         "parts, each with its own fleet(s) on the one embedded Ray; every ratio is of "
         "measurements taken side by side."
     )

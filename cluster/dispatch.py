@@ -10,8 +10,9 @@ none of its requests with it: they are placed again elsewhere, under the same id
 One attempt loop (:class:`_Attempt`) decides spill, re-placement, continuation and
 the final refusal for both inference and generation; :meth:`Dispatcher.submit` drives
 it from completion callbacks (no thread or event loop per request),
-:meth:`Dispatcher.call` on the caller's thread and :meth:`Dispatcher.stream` from the
-caller's iteration.
+:meth:`Dispatcher.pipeline` (and :meth:`Dispatcher.call`, a pipeline of one) on the
+caller's thread, waiting for many answers at once, and :meth:`Dispatcher.stream` from
+the caller's iteration.
 
 With ``router.record_dir`` set, each dispatcher appends a line per request to its own
 call record when the request's final answer is known (``cluster/record.py``), which the
