@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections import Counter
 
@@ -164,16 +165,32 @@ def test_background_is_shed_before_foreground(cluster_fleet):
 
 
 def test_killing_a_node_mid_load_loses_no_request(cluster_fleet):
+    """Three callers: two send futures (``submit``), one reads its answers on its own
+    thread (``map_unordered``); the node holding work from all of them dies."""
     cluster, raylets, client = cluster_fleet
     other = client.with_placement()  # a second caller placing on its own view
+    piped = client.with_placement()  # a third, pipelining on a thread of its own
     feed = random_inputs("slow")
-    ids = [f"kill-{i}" for i in range(30)]  # fits in the two queues that remain
+    ids = [f"kill-{i}" for i in range(16)]  # with the 14 piped, fits in the two queues left
     refs = [
         (client if i % 2 else other).submit("slow25", feed, priority=i % 11, request_id=rid)
         for i, rid in enumerate(ids)
     ]
-    for _ in range(400):  # kill edge-1 while it holds queued work
-        if client.status().node("edge-1").queue_length >= 3:
+    answers: dict[int, object] = {}
+
+    def pipeline() -> None:
+        inputs = (feed for _ in range(14))
+        for i, reply in piped.map_unordered("slow25", inputs, priority=7, in_flight=14):
+            answers[i] = reply
+
+    thread = threading.Thread(target=pipeline, daemon=True)
+    thread.start()
+
+    def piped_on_edge_1() -> int:
+        return len(piped._dispatcher._nodes["edge-1"].inflight)
+
+    for _ in range(400):  # kill edge-1 while it holds queued work, some of it piped
+        if client.status().node("edge-1").queue_length >= 3 and piped_on_edge_1() >= 2:
             break
         time.sleep(0.005)
     else:
@@ -188,7 +205,14 @@ def test_killing_a_node_mid_load_loses_no_request(cluster_fleet):
     assert sorted(r.request_id for r in replies) == sorted(ids)  # one answer each
     errors = [r.error for r in replies if r.error is not None]
     assert not errors, errors[:3]
+    thread.join(180)
+    assert not thread.is_alive(), "the pipelined caller is still waiting"
+    assert sorted(answers) == list(range(14))  # one answer per input
+    assert all(r.error is None for r in answers.values()), answers  # type: ignore[attr-defined]
+    assert len({r.request_id for r in answers.values()}) == 14  # type: ignore[attr-defined]
+    assert piped.counters().get("replaced", 0) >= 1, piped.counters()
     other.close()
+    piped.close()
     status = client.status()
     # edge-1 held at least 3 queued requests when it died: each was placed again.
     assert status.router.get("replaced", 0) >= 3, status.router
