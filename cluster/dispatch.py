@@ -543,25 +543,35 @@ class Dispatcher:
     def _try(
         self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any, entry: _Entry | None = None
     ) -> None:
+        """Send the request (see :meth:`_send`); its answer comes to :meth:`_done`."""
+        sent = self._send(attempt, inputs, entry, "infer")
+        if isinstance(sent, tuple):
+            entry, call = sent
+            call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
+        else:
+            _resolve(out, sent)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _send(
+        attempt: _Attempt, inputs: Any, entry: _Entry | None, how: str
+    ) -> tuple[_Entry, Any] | Final:
         """Send the request to ``entry`` (a node out of reach, asked again under the
-        same id) or to the next candidate, until a node takes the call."""
+        same id) or to the next candidate, until a node takes the call (the handle's
+        ``how``: ``infer`` or ``send``): that node and its call, or the final answer
+        when no node is left to try (or sending failed: never leave a caller waiting)."""
         try:
             while True:
                 entry = entry or attempt.next_node()
                 if entry is None:
-                    _resolve(out, attempt.give_up())  # type: ignore[arg-type]
-                    return
+                    return attempt.give_up()
                 try:
-                    call = entry.handle.infer(attempt.request_now, inputs)  # type: ignore[arg-type]
+                    return entry, getattr(entry.handle, how)(attempt.request_now, inputs)
                 except NodeGone:
                     attempt.lost(entry, sent=False)
                     entry = None
-                    continue
-                call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
-                return
-        except Exception as exc:  # never leave a caller waiting
+        except Exception as exc:
             log.exception("dispatch of %s failed", attempt.request.id)
-            _resolve(out, attempt.broken(exc))
+            return attempt.broken(exc)
 
     def _done(
         self,
@@ -637,23 +647,11 @@ class Dispatcher:
         more = True
 
         def send(i: int, attempt: _Attempt, inputs: Any, entry: _Entry | None = None) -> None:
-            try:
-                while True:
-                    entry = entry or attempt.next_node()
-                    if entry is None:
-                        answered.append((i, attempt.give_up()))  # type: ignore[arg-type]
-                        return
-                    try:
-                        call = entry.handle.send(attempt.request_now, inputs)  # type: ignore[arg-type]
-                    except NodeGone:
-                        attempt.lost(entry, sent=False)
-                        entry = None
-                        continue
-                    flying[call] = (i, attempt, entry, inputs)
-                    return
-            except Exception as exc:  # never leave the caller waiting
-                log.exception("dispatch of %s failed", attempt.request.id)
-                answered.append((i, attempt.broken(exc)))
+            sent = self._send(attempt, inputs, entry, "send")
+            if isinstance(sent, tuple):
+                flying[sent[1]] = (i, attempt, sent[0], inputs)
+            else:
+                answered.append((i, sent))  # type: ignore[arg-type]
 
         try:
             while True:
