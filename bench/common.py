@@ -762,23 +762,32 @@ def pipelined_loop(
     client: FleetClient, model: str, feed: dict[str, np.ndarray], in_flight: int, seconds: float
 ) -> Loop:
     """:func:`closed_loop` through ``FleetClient.map_unordered``: ``in_flight`` requests
-    outstanding for ``seconds``, the answers read on this thread. Answers after the
-    window are read (the loop sends no more) but not counted."""
-    tally = _Tally()
-    end = tally.start + seconds
+    outstanding for ``seconds``, the answers read on this thread. As in
+    :func:`closed_loop`, the window opens once the first ``in_flight`` are sent; answers
+    after it are read (the loop sends no more) but not counted."""
+    opened: list[_Tally] = []
 
     def feeds() -> Iterator[dict[str, np.ndarray]]:
+        for _ in range(in_flight):
+            yield feed
+        opened.append(_Tally())  # drawn once the first answers make room
+        end = opened[0].start + seconds
         while time.perf_counter() < end:
             yield feed
 
     out: Loop | None = None
     for _, reply in client.map_unordered(model, feeds(), in_flight=in_flight):
-        if out is None:
-            if time.perf_counter() <= end:
-                tally.add(reply)
-            else:
-                out = tally.loop(end)
-    return out or tally.loop(end)
+        if not opened or out is not None:
+            continue
+        tally = opened[0]
+        if time.perf_counter() <= tally.start + seconds:
+            tally.add(reply)
+        else:
+            out = tally.loop(tally.start + seconds)
+    if out is None:
+        tally = opened[0] if opened else _Tally()
+        out = tally.loop(tally.start + seconds)
+    return out
 
 
 def node_cancel(
