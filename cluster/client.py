@@ -242,16 +242,22 @@ class FleetClient:
         replies are waited for and read on the calling thread, many at a time, instead
         of handed over one by one from Ray's thread: less CPU per request. ``inputs``
         is read lazily, as answers make room. Each reply is the one answer of its input
-        (errors in ``Reply.error``); stopping early leaves the requests already sent to
-        finish on their nodes, unread.
+        (errors in ``Reply.error``, an input that is not a mapping of arrays included);
+        stopping early leaves the requests already sent to finish on their nodes, unread.
+        An unknown model, priority or deadline raises at the call.
         """
         self._check_model(model)
-        if in_flight < 1:
-            raise ValueError(f"in_flight must be at least 1, got {in_flight}")
-        requests = (
-            self._request(model, x, priority=priority, deadline_s=deadline_s) for x in inputs
-        )
-        return self._dispatcher.pipeline(requests, in_flight)
+        level = resolve_priority(priority, self.config.priorities)
+        InferRequest.deadline_from_timeout(deadline_s)  # a bad one fails here, not per input
+
+        def requests() -> Iterator[tuple[InferRequest, Any] | Reply]:
+            for x in inputs:
+                try:
+                    yield self._request(model, x, priority=level, deadline_s=deadline_s)
+                except InvalidInput as exc:  # this input alone fails
+                    yield Reply(new_request_id(), "", error=exc)
+
+        return self._dispatcher.pipeline(requests(), in_flight)
 
     def _request(
         self,

@@ -624,11 +624,12 @@ class Dispatcher:
         return reply
 
     def pipeline(
-        self, requests: Iterable[tuple[InferRequest, Any]], in_flight: int
+        self, requests: Iterable[tuple[InferRequest, Any] | Reply], in_flight: int
     ) -> Iterator[tuple[int, Reply]]:
         """Place each of ``requests`` (a request and its ``inputs``, as :meth:`submit`
         takes them) with at most ``in_flight`` unanswered, and yield each one's index
-        and its one :class:`Reply` as the answers come, in that order.
+        and its one :class:`Reply` as the answers come, in that order. An item that is
+        a Reply already (a request the caller could not even build) is answered so.
 
         The answers are waited for on the calling thread, many at a time, and nothing
         runs on another thread (where :meth:`submit` hands each reply over from Ray's):
@@ -636,8 +637,13 @@ class Dispatcher:
         ``requests`` only as answers make room. A consumer that stops early leaves the
         requests it sent to finish on their nodes, unread.
         """
-        if in_flight < 1:
+        if in_flight < 1:  # at the call, not at the first answer
             raise ValueError(f"in_flight must be at least 1, got {in_flight}")
+        return self._pipeline(requests, in_flight)
+
+    def _pipeline(
+        self, requests: Iterable[tuple[InferRequest, Any] | Reply], in_flight: int
+    ) -> Iterator[tuple[int, Reply]]:
         source = enumerate(requests)
         flying: dict[Any, tuple[int, _Attempt, _Entry, Any]] = {}  # call -> its request
         later: list[tuple[float, int, _Attempt, _Entry, Any]] = []  # heap: asking again
@@ -657,12 +663,16 @@ class Dispatcher:
             while True:
                 while more and unanswered < in_flight:
                     try:
-                        i, (request, inputs) = next(source)
+                        i, item = next(source)
                     except StopIteration:
                         more = False
                         break
                     unanswered += 1
-                    send(i, _Attempt(self, request), inputs)
+                    if isinstance(item, Reply):
+                        answered.append((i, item))
+                    else:
+                        request, inputs = item
+                        send(i, _Attempt(self, request), inputs)
                 if answered:
                     unanswered -= len(answered)
                     ready, answered[:] = answered[:], []

@@ -68,10 +68,12 @@ def test_batched_results_equal_direct_onnx_runtime(make_fleet, models_dir):
 def test_map_unordered_answers_each_input_once_with_its_own_outputs(make_fleet, models_dir):
     fleet = make_fleet({"models": {"classifier": {"path": "classifier.onnx"}}})
     cases = [random_inputs("classifier", seed=i) for i in range(40)]
-    cases[7] = {"pixels": cases[7]["images"]}  # a bad input fails alone
+    cases[7] = {"pixels": cases[7]["images"]}  # a bad input fails alone (on its node)
+    cases[3] = [cases[3]["images"]]  # so does one that is not a mapping (in the caller)
     answers = dict(fleet.map_unordered("classifier", iter(cases), in_flight=6))
     assert sorted(answers) == list(range(40))
     assert isinstance(answers.pop(7).error, InvalidInput)
+    assert isinstance(answers.pop(3).error, InvalidInput)
     for i, reply in answers.items():
         expected = ort_run(models_dir, "classifier", cases[i])
         np.testing.assert_allclose(reply.unwrap()["logits"], expected["logits"], rtol=1e-5)
@@ -79,6 +81,10 @@ def test_map_unordered_answers_each_input_once_with_its_own_outputs(make_fleet, 
         fleet.map_unordered("nope", iter(cases))
     with pytest.raises(ValueError, match="in_flight"):
         fleet.map_unordered("classifier", iter(cases), in_flight=0)
+    with pytest.raises(InvalidInput, match="priority"):
+        fleet.map_unordered("classifier", iter(cases), priority="urgent")
+    with pytest.raises(InvalidInput, match="deadline_s"):
+        fleet.map_unordered("classifier", iter(cases), deadline_s="soon")
 
 
 def test_unbatchable_model_under_concurrent_requests(make_fleet, models_dir):
