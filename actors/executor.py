@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -44,6 +45,8 @@ class Call:
 
     plan: Plan
     stop: threading.Event = field(default_factory=threading.Event)
+    ran_at: float | None = None  # when the engine started it (node clock); None: never ran
+    handoff_s: float = 0.0  # from the engine being ready for it to its start (see _chain)
 
 
 # After each chained call, on the engine thread: (the call, its outputs or the exception
@@ -127,6 +130,7 @@ class EngineThread:
         self._engine: Engine | None = None  # the engine running a call now
         self._stop: threading.Event | None = None  # set to abort the call in progress
         self.switching: str | None = None  # the model being loaded now
+        self._loaded_at = -math.inf  # when the last load ended (node clock)
 
     async def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the engine thread (probing, closing)."""
@@ -144,7 +148,8 @@ class EngineThread:
             engine = await loop.run_in_executor(self._pool, self._models.ensure, model)
         finally:
             self.switching = None
-        self._loaded(model, self._clock.now() - t0)
+            self._loaded_at = self._clock.now()
+        self._loaded(model, self._loaded_at - t0)
         return engine
 
     async def chain(self, first: Call, follow: Follow) -> Call | None:
@@ -158,12 +163,19 @@ class EngineThread:
         return await loop.run_in_executor(self._pool, self._chain, first, follow)
 
     def _chain(self, call: Call, follow: Follow) -> Call | None:
+        # Each call's hand-off: from the engine being ready for it (for the first of the
+        # chain, once it was planned and its model loaded; for the next, once the call
+        # before it ended and its requests had arrived) to its start: the node's
+        # bookkeeping between calls and the hand-over to this thread, time in which the
+        # engine runs nothing (the simulator spends it too).
+        ready = max(call.plan.started, self._loaded_at)
         while True:
             engine = self._models.resident(call.plan.model)
             if engine is None:
                 return call
             self._engine, self._stop = engine, call.stop
             t0 = self._clock.now()
+            call.ran_at, call.handoff_s = t0, max(0.0, t0 - ready)
             result: Outputs | Exception
             try:
                 result = engine.run([r.inputs for r in call.plan.requests], call.stop)
@@ -171,10 +183,12 @@ class EngineThread:
                 result = exc
             finally:
                 self._engine = self._stop = None
-            following = follow(call, result, self._clock.now() - t0)
+            ended = self._clock.now()
+            following = follow(call, result, ended - t0)
             if following is None:
                 return None
             call = following
+            ready = max(ended, *(r.arrival for r in call.plan.requests))
 
     async def advance(
         self, model: str, gens: Sequence[Generation], before: Callable[[], None]

@@ -550,7 +550,9 @@ class NodeRuntime:
             else:
                 outputs = result
                 outcomes = self._sched.finish(plan)
-            self._post(_Ended(plan, outcomes, outputs, requeued, service_s))
+            self._post(
+                _Ended(plan, outcomes, outputs, requeued, service_s, call.ran_at, call.handoff_s)
+            )
             return self._next_call(LINGER_S if linger else 0.0)
 
     def _next_call(self, linger_s: float) -> Call | None:
@@ -623,7 +625,14 @@ class NodeRuntime:
         by_id = {}
         if ended.outputs is not None:
             by_id = {r.id: out for r, out in zip(plan.requests, ended.outputs, strict=True)}
-        self._settle(ended.outcomes, by_id, plan=plan, service_s=ended.service_s)
+        self._settle(
+            ended.outcomes,
+            by_id,
+            plan=plan,
+            service_s=ended.service_s,
+            ran_at=ended.ran_at,
+            handoff_s=ended.handoff_s,
+        )
 
     async def _execute_generation(self, plan: Plan) -> None:
         """Decode the plan's generations together until each ends or the call stops at
@@ -695,7 +704,12 @@ class NodeRuntime:
         *,
         plan: Plan | None = None,
         service_s: float = 0.0,
+        ran_at: float | None = None,
+        handoff_s: float = 0.0,
     ) -> None:
+        """Count and answer ``outcomes``; ``plan``, the call that served them, started
+        at ``ran_at`` (node clock) after a hand-off of ``handoff_s`` and took
+        ``service_s`` of engine time."""
         for o in outcomes:
             self._counters[o.state.value] += 1
             gen = self._gens.live.get(o.request.id)
@@ -720,7 +734,8 @@ class NodeRuntime:
             if fut is None or fut.done():
                 continue
             r = o.request
-            queue_s = (r.started - r.arrival) if r.started is not None else 0.0
+            started = ran_at if plan is not None and ran_at is not None else r.started
+            queue_s = (started - r.arrival) if started is not None else 0.0
             if o.follow is not None and o.follow in self._waiters:
                 self._waiters[o.follow].add_done_callback(_forward(fut, r.id))
                 continue
@@ -732,6 +747,7 @@ class NodeRuntime:
                 queue_s=queue_s,
                 service_s=service_s if plan is not None else 0.0,
                 batch_size=len(plan.requests) if plan is not None else 0,
+                handoff_s=handoff_s if plan is not None else 0.0,
             )
             fut.set_result(reply)
             if o.state in (S.COMPLETED, S.FAILED) and r.started is not None:
@@ -803,6 +819,8 @@ class _Ended:
     outputs: Outputs | None = None  # one dict per request, when the call succeeded
     requeued: int = 0  # requests sent back to the queue by a preemption
     service_s: float = 0.0
+    ran_at: float | None = None  # when the engine started the call (None: it never ran)
+    handoff_s: float = 0.0
 
 
 def _forward(

@@ -58,6 +58,9 @@ class Reply:
     queue_s: float = 0.0  # arrival to engine start
     service_s: float = 0.0  # engine time of the call that served it
     batch_size: int = 0  # requests in that call
+    # the last part of queue_s: the engine ready for that call (the one before it ended,
+    # or it was planned) to its start, the node's bookkeeping and thread hand-over
+    handoff_s: float = 0.0
 
     def unwrap(self) -> dict[str, np.ndarray]:
         if self.error is not None:

@@ -22,7 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from actors.metrics import NullSink
 from actors.scheduler import (
@@ -104,6 +104,14 @@ class LoopExecutor(cf.Executor):
 # ------------------------------------------------------------------------- engine time
 
 
+class Drawn(NamedTuple):
+    """One engine call's draw (:meth:`ModelCost.draw`), in seconds."""
+
+    seconds: float  # its engine time
+    outside_s: float | None  # its requests' time outside the node; None: not recorded
+    handoff_s: float = 0.0  # the node's time from being ready for the call to its start
+
+
 @dataclass(frozen=True)
 class ModelCost:
     """Engine time of one model on a node of speed 1: ``call_ms`` by batch rows
@@ -122,9 +130,13 @@ class ModelCost:
     spread over the run. ``samples_outside_ms`` (NaN where unknown), when given, is the
     time each recorded call's request spent outside its node; a drawn call's answers
     spend that time (:meth:`draw`), for on a busy machine a slow call and a slow way
-    back come together. ``by_node``, when given, holds the same for each recorded node
-    alone: a node of that name draws its own device's calls first (:meth:`draw`), for
-    a machine that runs slow often runs slow for one node and not the others."""
+    back come together. ``samples_handoff_ms`` (NaN where unknown), when given, is each
+    recorded call's hand-off: the node's time from being ready for the call (the call
+    before it ended, or it was planned) to starting it, its own bookkeeping and thread
+    hand-over; a drawn call starts that much later, the node doing nothing else
+    meanwhile. ``by_node``, when given, holds the same for each recorded node alone: a
+    node of that name draws its own device's calls first (:meth:`draw`), for a machine
+    that runs slow often runs slow for one node and not the others."""
 
     call_ms: Mapping[int, float] = field(default_factory=dict)
     prefill_ms_per_token: float = 0.0
@@ -132,6 +144,7 @@ class ModelCost:
     samples_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
     samples_at_s: Mapping[int, Sequence[float]] = field(default_factory=dict)
     samples_outside_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    samples_handoff_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
     window_s: float = 0.0
     by_node: Mapping[str, ModelCost] = field(default_factory=dict)
 
@@ -144,9 +157,10 @@ class ModelCost:
 
     def draw(
         self, rows: int, rng: random.Random, now: float = 0.0, node: str | None = None
-    ) -> tuple[float, float | None]:
-        """Engine seconds of one call of ``rows`` starting ``now``, and the seconds its
-        answers spend outside the node (None: not recorded): a recorded call of that
+    ) -> Drawn:
+        """Engine seconds of one call of ``rows`` starting ``now``, the seconds its
+        answers spend outside the node (None: not recorded) and its hand-off (0: not
+        recorded): a recorded call of that
         batch size drawn uniformly from ``rng`` (within ``window_s`` of ``now`` when in
         time, any when none was recorded there); of the nearest recorded size (the
         smaller at a tie) scaled by the ratio of the two sizes' ``call_ms`` when none was
@@ -154,7 +168,7 @@ class ModelCost:
         ``node`` of ``by_node`` draws among the calls it ran itself of that size (within
         the window when in time) when it ran any, else as any node does."""
         if not self.samples_ms:
-            return self.call_s(rows), None
+            return Drawn(self.call_s(rows), None)
         own = self.by_node.get(node) if node is not None else None
         if own is not None and rows in own.samples_ms:
             drawn = own._pick(rows, rng, self._into_run(rows, now), anywhere=False)
@@ -165,20 +179,18 @@ class ModelCost:
             size = min(self.samples_ms, key=lambda n: (abs(n - rows), n))
         drawn = self._pick(size, rng, self._into_run(size, now), anywhere=True)
         assert drawn is not None
-        seconds, outside_s = drawn
         if size != rows:
             base = _interpolate(self.call_ms, size)
-            seconds *= _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
-        return seconds, outside_s
+            scale = _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
+            drawn = drawn._replace(seconds=drawn.seconds * scale)
+        return drawn
 
     def _into_run(self, size: int, now: float) -> float:
         """``now`` as a time into the recorded run of ``size``-row calls, which repeats."""
         starts = self.samples_at_s.get(size)
         return now % starts[-1] if starts and starts[-1] > 0 else now
 
-    def _pick(
-        self, size: int, rng: random.Random, t: float, anywhere: bool
-    ) -> tuple[float, float | None] | None:
+    def _pick(self, size: int, rng: random.Random, t: float, anywhere: bool) -> Drawn | None:
         """One recorded call of ``size`` rows (which there are): within the window of
         ``t`` into the recorded run when in time; when none is there, any
         (``anywhere``) or None."""
@@ -197,7 +209,9 @@ class ModelCost:
             i = rng.randrange(len(samples))
         outside = self.samples_outside_ms.get(size)
         outside_s = outside[i] / 1000.0 if outside and not math.isnan(outside[i]) else None
-        return samples[i] / 1000.0, outside_s
+        handoff = self.samples_handoff_ms.get(size)
+        handoff_s = handoff[i] / 1000.0 if handoff and not math.isnan(handoff[i]) else 0.0
+        return Drawn(samples[i] / 1000.0, outside_s, handoff_s)
 
     def step_s(self, rows: int) -> float:
         return _interpolate(self.step_ms, rows) / 1000.0
@@ -292,6 +306,7 @@ class _Call:
     stop: bool = False  # decode: stop at the next token boundary
     left_s: float = 0.0  # inference on a shared host: engine work still to do
     outside_s: float | None = None  # inference: its requests' time outside the node, if drawn
+    handoff_s: float = 0.0  # inference: from being planned to its engine start
 
 
 class SimNode:
@@ -465,9 +480,10 @@ class SimNode:
             call.steps_from = self.loop.t + prefill / self._speed()
             self._next_finish(call)
         else:
-            cost = self._costs[plan.model]
-            seconds, call.outside_s = cost.draw(plan.rows, self._rng, self.loop.t, self.spec.name)
-            seconds /= self.speed
+            drawn = self._costs[plan.model].draw(plan.rows, self._rng, self.loop.t, self.spec.name)
+            call.outside_s = drawn.outside_s
+            call.handoff_s = drawn.handoff_s / self.speed  # the engine starts it after that
+            seconds = call.handoff_s + drawn.seconds / self.speed
             if self.host is not None:
                 call.left_s = seconds
                 self.host.start(self, call)  # schedules the end
@@ -490,7 +506,11 @@ class SimNode:
         self.last_change = self.loop.t
         self._busy(call)
         self._settle(
-            self.sched.finish(call.plan), call.plan, call.outside_s, self.loop.t - call.started
+            self.sched.finish(call.plan),
+            call.plan,
+            call.outside_s,
+            self.loop.t - call.started - call.handoff_s,
+            call.handoff_s,
         )
         self._serve()
 
@@ -575,9 +595,13 @@ class SimNode:
         plan: Plan | None = None,
         outside_s: float | None = None,
         service_s: float = 0.0,
+        handoff_s: float = 0.0,
     ) -> None:
         """Answer the requests ``outcomes`` settled; ``plan``, the call that served
-        them, took ``service_s`` of engine time."""
+        them, started ``handoff_s`` after it was planned and took ``service_s`` of
+        engine time."""
+        if plan is None:
+            service_s = handoff_s = 0.0
         for o in outcomes:
             r = o.request
             if r.id not in self._held:
@@ -603,9 +627,10 @@ class SimNode:
                         r.id,
                         self.spec.name,
                         error=o.error,
-                        queue_s=queue_s,
-                        service_s=service_s if plan is not None else 0.0,
+                        queue_s=queue_s + handoff_s,
+                        service_s=service_s,
                         batch_size=len(plan.requests) if plan is not None else 0,
+                        handoff_s=handoff_s,
                     ),
                     outside_s,
                 )

@@ -165,6 +165,10 @@ def _drawing(cost: ModelCost, calls: Mapping[int, Sequence[RecordedCall]]) -> Mo
             n: tuple(math.nan if call.outside_ms is None else call.outside_ms for call in c)
             for n, c in calls.items()
         },
+        samples_handoff_ms={
+            n: tuple(math.nan if call.handoff_ms is None else call.handoff_ms for call in c)
+            for n, c in calls.items()
+        },
     )
 
 

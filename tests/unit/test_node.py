@@ -436,6 +436,37 @@ def test_an_urgent_arrival_aborts_a_call_the_engine_thread_took_before_it_began_
     run(main())
 
 
+def test_queue_time_runs_to_the_engine_start_and_the_hand_off_is_its_last_part():
+    """bg2 waits behind bg1; once bg1 ends, the engine thread spends HOLD_S before it
+    starts bg2 (its lookup of the model, held here): bg2's queue time runs to its start
+    and its hand-off is that time, not part of its time outside the node."""
+    hold_s = 0.1
+
+    async def main():
+        node, loader = await started(m={"cost_s": 0.05})
+        resident = node._models.resident
+
+        def slow_resident(model):  # the engine thread looks the model up before each call
+            call = node._call
+            on_engine = threading.current_thread().name.startswith("engine-")
+            if on_engine and call and call.plan.requests[0].id == "bg2":
+                time.sleep(hold_s)
+            return resident(model)
+
+        node._models.resident = slow_resident
+        bg1 = asyncio.create_task(node.infer(req(value=1.0, priority=3, id="bg1")))
+        await until(lambda: node.status().running is not None)
+        bg2 = asyncio.create_task(node.infer(req(value=2.0, priority=3, id="bg2")))
+        r1, r2 = await asyncio.gather(bg1, bg2)
+        assert r1.error is None and r2.error is None
+        assert 0 <= r1.handoff_s <= r1.queue_s < hold_s
+        assert r2.handoff_s >= hold_s  # from bg1's end to bg2's start
+        assert r2.queue_s >= r2.handoff_s  # it arrived before bg1 ended
+        await node.stop()
+
+    run(main())
+
+
 def test_an_urgent_arrival_preempts_a_call_the_engine_thread_started_itself():
     async def main():
         node, loader = await started(m={"cost_s": 0.5})

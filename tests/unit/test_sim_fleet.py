@@ -800,13 +800,43 @@ def test_each_simulated_node_runs_the_engine_times_its_namesake_recorded():
 def test_a_drawn_call_brings_its_requests_time_outside_the_node():
     # engine time and the way back of one recorded request, drawn together: a call
     # slowed by a busy machine comes with the slow way back it had
+    # (and the hand-off its node took to start it)
     cost = ModelCost(
-        {1: 4.0}, samples_ms={1: (3.0, 30.0, 5.0)}, samples_outside_ms={1: (2.0, 20.0, math.nan)}
+        {1: 4.0},
+        samples_ms={1: (3.0, 30.0, 5.0)},
+        samples_outside_ms={1: (2.0, 20.0, math.nan)},
+        samples_handoff_ms={1: (0.5, math.nan, 1.0)},
     )
     rng = random.Random(7)
     drawn = {cost.draw(1, rng) for _ in range(300)}
-    assert drawn == {(0.003, 0.002), (0.030, 0.020), (0.005, None)}  # NaN: not recorded
-    assert ModelCost({1: 4.0}).draw(1, rng) == (0.004, None)
+    # NaN: not recorded
+    assert drawn == {(0.003, 0.002, 0.0005), (0.030, 0.020, 0.0), (0.005, None, 0.001)}
+    assert ModelCost({1: 4.0}).draw(1, rng) == (0.004, None, 0.0)
+
+
+def test_a_drawn_hand_off_delays_the_call_and_the_node_and_ends_its_queue_time():
+    # a node takes its recorded hand-off (5 ms) to start each call: the engine runs
+    # nothing meanwhile, and the requests' queue time runs to the call's start
+    recorded = ModelCost(
+        {1: 4.0},
+        samples_ms={1: (30.0,)},
+        samples_outside_ms={1: (9.0,)},
+        samples_handoff_ms={1: (5.0,)},
+    )
+    config = local_config()
+    network = Network(hop_s=0.002)
+    costs = dict(FLEET_COSTS, heavy=recorded)
+    fleet = SimFleet(config, costs, specs=config.node_specs()[:1], network=network, seed=1)
+    calls = Calls(fleet)
+    calls.at(0.0, infer("first", "heavy", BG))
+    calls.at(0.0, infer("second", "heavy", BG))
+    fleet.loop.run(until=lambda: len(calls.answers) == 2)
+    # out 2 ms, hand-off 5, engine 30, back in what is left of the recorded 9 ms
+    assert calls.answers["first"][0][0] == pytest.approx(0.002 + 0.005 + 0.030 + 0.007)
+    assert calls.answers["second"][0][0] == pytest.approx(0.002 + 2 * 0.035 + 0.007)
+    first, second = calls.one("first"), calls.one("second")
+    assert (first.queue_s, first.handoff_s, first.service_s) == pytest.approx((0.005, 0.005, 0.03))
+    assert (second.queue_s, second.handoff_s) == pytest.approx((0.040, 0.005))
 
 
 def test_a_simulated_answer_spends_its_recorded_time_outside_the_node():
