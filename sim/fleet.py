@@ -160,13 +160,13 @@ class ModelCost:
     ) -> Drawn:
         """Engine seconds of one call of ``rows`` starting ``now``, the seconds its
         answers spend outside the node (None: not recorded) and its hand-off (0: not
-        recorded): a recorded call of that
-        batch size drawn uniformly from ``rng`` (within ``window_s`` of ``now`` when in
-        time, any when none was recorded there); of the nearest recorded size (the
-        smaller at a tie) scaled by the ratio of the two sizes' ``call_ms`` when none was
-        recorded; the table's (:meth:`call_s`, no draw) without recorded calls. A
-        ``node`` of ``by_node`` draws among the calls it ran itself of that size (within
-        the window when in time) when it ran any, else as any node does."""
+        recorded): a recorded call of that batch size drawn uniformly from ``rng``
+        (within ``window_s`` of ``now`` when in time, any when none was recorded
+        there); of the nearest recorded size (the smaller at a tie) scaled by the ratio
+        of the two sizes' ``call_ms`` when none was recorded; the table's
+        (:meth:`call_s`, no draw) without recorded calls. A ``node`` of ``by_node``
+        draws among the calls it ran itself of that size (within the window when in
+        time) when it ran any, else as any node does."""
         if not self.samples_ms:
             return Drawn(self.call_s(rows), None)
         own = self.by_node.get(node) if node is not None else None
