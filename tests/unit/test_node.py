@@ -437,7 +437,7 @@ def test_an_urgent_arrival_aborts_a_call_the_engine_thread_took_before_it_began_
 
 
 def test_queue_time_runs_to_the_engine_start_and_the_hand_off_is_its_last_part():
-    """bg2 waits behind bg1; once bg1 ends, the engine thread spends HOLD_S before it
+    """bg2 waits behind bg1; once bg1 ends, the engine thread spends 0.1 s before it
     starts bg2 (its lookup of the model, held here): bg2's queue time runs to its start
     and its hand-off is that time, not part of its time outside the node."""
     hold_s = 0.1
