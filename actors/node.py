@@ -734,7 +734,7 @@ class NodeRuntime:
             if fut is None or fut.done():
                 continue
             r = o.request
-            started = ran_at if plan is not None and ran_at is not None else r.started
+            started = ran_at if ran_at is not None else r.started  # ran_at: its call ran
             queue_s = (started - r.arrival) if started is not None else 0.0
             if o.follow is not None and o.follow in self._waiters:
                 self._waiters[o.follow].add_done_callback(_forward(fut, r.id))
@@ -747,7 +747,7 @@ class NodeRuntime:
                 queue_s=queue_s,
                 service_s=service_s if plan is not None else 0.0,
                 batch_size=len(plan.requests) if plan is not None else 0,
-                handoff_s=handoff_s if plan is not None else 0.0,
+                handoff_s=handoff_s,
             )
             fut.set_result(reply)
             if o.state in (S.COMPLETED, S.FAILED) and r.started is not None:
