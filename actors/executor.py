@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from actors.decoder import DecoderEngine, Generation
-from actors.engine import Engine
+from actors.engine import Engine, RunAborted
 from actors.models import ModelManager
 from edgefleet.clock import Clock
 
@@ -47,6 +47,7 @@ class Call:
     stop: threading.Event = field(default_factory=threading.Event)
     ran_at: float | None = None  # when the engine started it (node clock); None: never ran
     handoff_s: float = 0.0  # from the engine being ready for it to its start (see _chain)
+    abort_s: float = 0.0  # the last call aborted before it on this engine: abort to its end
 
 
 # After each chained call, on the engine thread: (the call, its outputs or the exception
@@ -131,6 +132,8 @@ class EngineThread:
         self._stop: threading.Event | None = None  # set to abort the call in progress
         self.switching: str | None = None  # the model being loaded now
         self._loaded_at = -math.inf  # when the last load ended (node clock)
+        self._abort_at: float | None = None  # when the call in progress was asked to abort
+        self._aborted_s = 0.0  # the last aborted call's wait to stop, for the next call
 
     async def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the engine thread (probing, closing)."""
@@ -167,15 +170,19 @@ class EngineThread:
         # chain, once it was planned and its model loaded; for the next, once the call
         # before it ended and its requests had arrived) to its start: the node's
         # bookkeeping between calls and the hand-over to this thread, time in which the
-        # engine runs nothing (the simulator spends it too).
+        # engine runs nothing (the simulator spends it too). A call aborted while it ran
+        # (for a more urgent arrival, or a cancel) stops only at ONNX Runtime's next look
+        # at its terminate flag: the next call to run carries that wait as ``abort_s``.
         ready = max(call.plan.started, self._loaded_at)
         while True:
             engine = self._models.resident(call.plan.model)
             if engine is None:
                 return call
+            self._abort_at = None  # first: abort() sets it only once the engine is set
             self._engine, self._stop = engine, call.stop
             t0 = self._clock.now()
             call.ran_at, call.handoff_s = t0, max(0.0, t0 - ready)
+            call.abort_s, self._aborted_s = self._aborted_s, 0.0
             result: Outputs | Exception
             try:
                 result = engine.run([r.inputs for r in call.plan.requests], call.stop)
@@ -184,6 +191,8 @@ class EngineThread:
             finally:
                 self._engine = self._stop = None
             ended = self._clock.now()
+            if isinstance(result, RunAborted) and self._abort_at is not None:
+                self._aborted_s = max(0.0, ended - self._abort_at)
             following = follow(call, result, ended - t0)
             if following is None:
                 return None
@@ -218,6 +227,8 @@ class EngineThread:
         # The stop event first: a call the engine thread has not entered yet sees it
         # and never starts; a call in progress is interrupted by abort().
         stop, engine = self._stop, self._engine  # the engine thread clears them
+        if engine is not None and self._abort_at is None:
+            self._abort_at = self._clock.now()  # before the abort: the run ends after it
         if stop is not None:
             stop.set()
         if engine is not None:

@@ -550,9 +550,7 @@ class NodeRuntime:
             else:
                 outputs = result
                 outcomes = self._sched.finish(plan)
-            self._post(
-                _Ended(plan, outcomes, outputs, requeued, service_s, call.ran_at, call.handoff_s)
-            )
+            self._post(_Ended(call, outcomes, outputs, requeued, service_s))
             return self._next_call(LINGER_S if linger else 0.0)
 
     def _next_call(self, linger_s: float) -> Call | None:
@@ -611,10 +609,10 @@ class NodeRuntime:
                         fut.set_result(Reply(o.request.id, self.spec.name, error=err))
 
     def _settle_call(self, ended: _Ended) -> None:
-        plan = ended.plan
-        if plan is None:  # requests whose deadline passed while the engine took the next
+        if ended.call is None:  # requests whose deadline passed while the engine took the next
             self._settle(ended.outcomes)
             return
+        plan = ended.call.plan
         if ended.requeued:
             self._counters["preemptions"] += 1
             self._counters["preempted"] += ended.requeued
@@ -625,14 +623,7 @@ class NodeRuntime:
         by_id = {}
         if ended.outputs is not None:
             by_id = {r.id: out for r, out in zip(plan.requests, ended.outputs, strict=True)}
-        self._settle(
-            ended.outcomes,
-            by_id,
-            plan=plan,
-            service_s=ended.service_s,
-            ran_at=ended.ran_at,
-            handoff_s=ended.handoff_s,
-        )
+        self._settle(ended.outcomes, by_id, service_s=ended.service_s, call=ended.call)
 
     async def _execute_generation(self, plan: Plan) -> None:
         """Decode the plan's generations together until each ends or the call stops at
@@ -704,12 +695,14 @@ class NodeRuntime:
         *,
         plan: Plan | None = None,
         service_s: float = 0.0,
-        ran_at: float | None = None,
-        handoff_s: float = 0.0,
+        call: Call | None = None,
     ) -> None:
-        """Count and answer ``outcomes``; ``plan``, the call that served them, started
-        at ``ran_at`` (node clock) after a hand-off of ``handoff_s`` and took
+        """Count and answer ``outcomes``; ``plan`` (a generation's) or ``call`` (an
+        inference's: its start, hand-off and abort wait) served them and took
         ``service_s`` of engine time."""
+        if call is not None:
+            plan = call.plan
+        ran_at = call.ran_at if call is not None else None  # None: no inference call ran
         for o in outcomes:
             self._counters[o.state.value] += 1
             gen = self._gens.live.get(o.request.id)
@@ -747,7 +740,8 @@ class NodeRuntime:
                 queue_s=queue_s,
                 service_s=service_s if plan is not None else 0.0,
                 batch_size=len(plan.requests) if plan is not None else 0,
-                handoff_s=handoff_s,
+                handoff_s=call.handoff_s if call is not None else 0.0,
+                abort_s=call.abort_s if call is not None else 0.0,
             )
             fut.set_result(reply)
             if o.state in (S.COMPLETED, S.FAILED) and r.started is not None:
@@ -811,16 +805,14 @@ class NodeRuntime:
 
 @dataclass(frozen=True)
 class _Ended:
-    """What one inference call ended, for the loop to settle (no plan: requests that
+    """What one inference call ended, for the loop to settle (no call: requests that
     expired while the engine thread took the next call)."""
 
-    plan: Plan | None
+    call: Call | None
     outcomes: tuple[Outcome, ...]
     outputs: Outputs | None = None  # one dict per request, when the call succeeded
     requeued: int = 0  # requests sent back to the queue by a preemption
     service_s: float = 0.0
-    ran_at: float | None = None  # when the engine started the call (None: it never ran)
-    handoff_s: float = 0.0
 
 
 def _forward(

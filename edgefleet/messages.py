@@ -61,6 +61,9 @@ class Reply:
     # the last part of queue_s: the engine ready for that call (the one before it ended,
     # or it was planned) to its start, the node's bookkeeping and thread hand-over
     handoff_s: float = 0.0
+    # within queue_s too: how long the call aborted on that engine just before that call
+    # (preempted, or cancelled) took to stop; 0 when the call before was not aborted
+    abort_s: float = 0.0
 
     def unwrap(self) -> dict[str, np.ndarray]:
         if self.error is not None:

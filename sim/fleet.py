@@ -134,7 +134,11 @@ class ModelCost:
     recorded call's hand-off: the node's time from being ready for the call (the call
     before it ended, or it was planned) to starting it, its own bookkeeping and thread
     hand-over; a drawn call starts that much later, the node doing nothing else
-    meanwhile. ``by_node``, when given, holds the same for each recorded node alone: a
+    meanwhile. ``abort_ms``, when given, are the recorded waits for an aborted call to
+    stop (``abort_ms`` of the lines of the calls that ran next, one per request): a node
+    that aborts a call for a more urgent arrival or a cancel lets it run on for one of
+    them, drawn at random (:meth:`abort_s`), as a live engine stops only at its next
+    look at the abort flag. ``by_node``, when given, holds the same for each recorded node alone: a
     node of that name draws its own device's calls first (:meth:`draw`), for a machine
     that runs slow often runs slow for one node and not the others."""
 
@@ -145,6 +149,7 @@ class ModelCost:
     samples_at_s: Mapping[int, Sequence[float]] = field(default_factory=dict)
     samples_outside_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
     samples_handoff_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
+    abort_ms: Sequence[float] = ()
     window_s: float = 0.0
     by_node: Mapping[str, ModelCost] = field(default_factory=dict)
 
@@ -184,6 +189,13 @@ class ModelCost:
             scale = _interpolate(self.call_ms, rows) / base if base > 0 else rows / size
             drawn = drawn._replace(seconds=drawn.seconds * scale)
         return drawn
+
+    def abort_s(self, rng: random.Random, node: str | None = None) -> float:
+        """Seconds an aborted call runs on before it stops: one of ``abort_ms`` drawn
+        from ``rng`` (those of ``node`` when it has any), 0 when none was recorded."""
+        own = self.by_node.get(node) if node is not None else None
+        waits = own.abort_ms if own is not None and own.abort_ms else self.abort_ms
+        return waits[rng.randrange(len(waits))] / 1000.0 if waits else 0.0
 
     def _into_run(self, size: int, now: float) -> float:
         """``now`` as a time into the recorded run of ``size``-row calls, which repeats."""
@@ -307,6 +319,7 @@ class _Call:
     left_s: float = 0.0  # inference on a shared host: engine work still to do
     outside_s: float | None = None  # inference: its requests' time outside the node, if drawn
     handoff_s: float = 0.0  # inference: from being planned to its engine start
+    aborting: bool = False  # inference: aborted, it stops at its end event or the abort's
 
 
 class SimNode:
@@ -417,7 +430,7 @@ class SimNode:
         self._held.add(req.id)
         admission = self.sched.admit(req)
         if admission.preempt:
-            self._abort()
+            self._abort(request.model)
         elif admission.join:
             self._stop_at_boundary()
         self._settle(admission.settled)
@@ -514,18 +527,37 @@ class SimNode:
         )
         self._serve()
 
-    def _abort(self) -> None:
-        """Abort the running inference call for a more urgent arrival (a generation is
-        paused at its next token instead)."""
+    def _abort(self, model: str | None = None) -> None:
+        """Abort the running inference call for a more urgent arrival of ``model`` or a
+        cancel (a generation is paused at its next token instead). It stops after a wait
+        drawn from the recorded ones of the next call's model (:meth:`ModelCost.abort_s`),
+        or at its own end when that comes first."""
         call = self._call
-        if call is None:
+        if call is None or call.aborting:
             return
         if call.gens:
             self._stop_at_boundary()
             return
+        cost = self._costs[model or call.plan.model]
+        wait = cost.abort_s(self._rng, self.spec.name) / self.speed
+        if wait > 0:
+            call.aborting = True
+            self.loop.at(self.loop.t + wait, self._aborted, call.token)
+        else:
+            self._aborted(call.token, serve=False)
+
+    def _aborted(self, token: int, *, serve: bool = True) -> None:
+        """An aborted call stops (unless it ended meanwhile); its requests go back to
+        the queue."""
+        call = self._call
+        if call is None or call.token != token or not self.alive:
+            return
         self._call = None
+        self.last_change = self.loop.t
         self._busy(call)
         self._settle(self.sched.finish(call.plan, aborted=True))
+        if serve:
+            self._serve()
 
     # ------------------------------------------------------------------ decoding
 

@@ -169,6 +169,7 @@ def _drawing(cost: ModelCost, calls: Mapping[int, Sequence[RecordedCall]]) -> Mo
             n: tuple(math.nan if call.handoff_ms is None else call.handoff_ms for call in c)
             for n, c in calls.items()
         },
+        abort_ms=tuple(call.abort_ms for c in calls.values() for call in c if call.abort_ms),
     )
 
 

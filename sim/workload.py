@@ -73,6 +73,7 @@ class RecordedCall(NamedTuple):
     outside_ms: float | None = None  # the request's time outside its node, when recorded
     node: str | None = None  # the node that ran it, when recorded
     handoff_ms: float | None = None  # its node's time from being ready for it to its start
+    abort_ms: float | None = None  # the wait for the call aborted just before it to stop
 
 
 # recorded calls: model -> batch size -> the calls, in the order they started
@@ -931,7 +932,8 @@ def read_engine_times(path: str | Path) -> EngineTimes:
     without ``latency_s``: a call slowed by a busy machine tends to come with a slow way
     back, and a simulation draws the two together. And the node that ran it (``node``)
     and the call's hand-off (``handoff_ms``: its node's time from being ready for it to
-    its start, the last part of ``queue_ms``), None on a line without them.
+    its start, the last part of ``queue_ms``) and abort wait (``abort_ms``: how long the
+    call aborted just before it took to stop), None on a line without them.
 
     ``path`` is a file or a folder of ``*.jsonl`` files, read as :func:`read_trace` reads
     them, each line checked as a trace line is. Lines without the figures (no node
@@ -966,9 +968,17 @@ def read_engine_times(path: str | Path) -> EngineTimes:
                 calls = out.setdefault(obj["model"], {}).setdefault(batch, [])
                 node = obj.get("node")
                 node = node if isinstance(node, str) else None
-                handoff = obj.get("handoff_ms")
-                handoff = float(handoff) if _number(handoff) else None
-                calls.append(RecordedCall(started, float(service), outside, node, handoff))
+                handoff, abort = obj.get("handoff_ms"), obj.get("abort_ms")
+                calls.append(
+                    RecordedCall(
+                        started,
+                        float(service),
+                        outside,
+                        node,
+                        float(handoff) if _number(handoff) else None,
+                        float(abort) if _number(abort) else None,
+                    )
+                )
     for by_size in out.values():
         for size, calls in by_size.items():
             by_size[size] = sorted(
@@ -988,6 +998,7 @@ _ENGINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "queue_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
     "batch": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
     "handoff_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
+    "abort_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
     "outcome": (lambda v: isinstance(v, str), "a string"),
 }
 

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,18 @@ class FakeEngine:
     """Doubles its input ``x``. A row whose first value is negative makes the call fail.
 
     ``cost_s`` is real time spent per call (waiting on the call's stop event, so an
-    abort ends it at once); keep it small.
+    abort ends it, ``stop_s`` later); keep both small.
     """
 
-    def __init__(self, name: str, *, batchable: bool = True, cost_s: float = 0.0) -> None:
+    def __init__(
+        self, name: str, *, batchable: bool = True, cost_s: float = 0.0, stop_s: float = 0.0
+    ) -> None:
         self.name = name
         shape: tuple[int | str | None, ...] = ("N", 4) if batchable else (4,)
         self._sig = Signature((TensorSpec("x", F32, shape),), (TensorSpec("y", F32, shape),))
         self.cost_s = cost_s
+        self.stop_s = stop_s
+        self.entered = 0  # calls that started running
         self.calls: list[int] = []  # rows per call
         self.closed = False
 
@@ -51,7 +56,11 @@ class FakeEngine:
         self, batch: Sequence[Mapping[str, np.ndarray]], stop: threading.Event | None = None
     ) -> list[dict[str, np.ndarray]]:
         stop = stop or threading.Event()
-        if stop.is_set() or (self.cost_s and stop.wait(self.cost_s)):
+        if stop.is_set():
+            raise RunAborted(self.name)
+        self.entered += 1
+        if self.cost_s and stop.wait(self.cost_s):
+            time.sleep(self.stop_s)
             raise RunAborted(self.name)
         x = [b["x"] for b in batch]
         self.calls.append(sum(a.shape[0] if a.ndim == 2 else 1 for a in x))

@@ -467,6 +467,28 @@ def test_queue_time_runs_to_the_engine_start_and_the_hand_off_is_its_last_part()
     run(main())
 
 
+def test_the_call_after_an_abort_reports_how_long_the_aborted_call_took_to_stop():
+    """The engine stops bg's call 0.1 s after the abort (as ONNX Runtime does at its next
+    look at the terminate flag): fg, whose arrival aborted it, reports that wait within
+    its queue time; bg, run again after fg, waited for no abort."""
+    stop_s = 0.1
+
+    async def main():
+        node, loader = await started(m={"cost_s": 0.5, "stop_s": stop_s})
+        engine = loader.engines["m"]
+        entered = engine.entered
+        bg = asyncio.create_task(node.infer(req(value=1.0, priority=3, id="bg")))
+        await until(lambda: engine.entered > entered)  # bg's call runs
+        fg = await node.infer(req(value=2.0, priority=10, id="fg"))
+        assert fg.error is None and stop_s <= fg.abort_s <= fg.queue_s
+        assert fg.handoff_s <= fg.queue_s - fg.abort_s
+        assert (await bg).error is None and (await bg).abort_s == 0.0
+        assert node.status().counters["preempted"] == 1
+        await node.stop()
+
+    run(main())
+
+
 def test_an_urgent_arrival_preempts_a_call_the_engine_thread_started_itself():
     async def main():
         node, loader = await started(m={"cost_s": 0.5})

@@ -28,7 +28,7 @@ from tests.fakes import x
 REFUSED = "refused"  # every node refuses this id
 SPILLED = "spilled"  # the first node asked refuses this id; the next takes it
 # what a scripted node says it measured: queued, engine time, requests in the call
-QUEUE_S, SERVICE_S, BATCH, HANDOFF_S = 0.0015, 0.00425, 2, 0.0002
+QUEUE_S, SERVICE_S, BATCH, HANDOFF_S, ABORT_S = 0.0015, 0.00425, 2, 0.0002, 0.0007
 
 
 class ScriptedNode(FutureCalls):
@@ -54,6 +54,7 @@ class ScriptedNode(FutureCalls):
             service_s=SERVICE_S,
             batch_size=BATCH,
             handoff_s=HANDOFF_S,
+            abort_s=ABORT_S,
         )
 
     def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
@@ -154,6 +155,7 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
         "queue_ms",
         "batch",
         "handoff_ms",
+        "abort_ms",
     ]
     assert all(before <= line["at"] <= time.time() for line in got.values())
     assert all(line["latency_s"] >= 0 for line in got.values())
@@ -182,12 +184,12 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
     assert (got["unknown"]["outcome"], got["unknown"]["node"]) == ("modelnotfound", "")
 
     # the figures the answering node measured, in ms; null where none answered
-    figures = ("service_ms", "queue_ms", "batch", "handoff_ms")
+    figures = ("service_ms", "queue_ms", "batch", "handoff_ms", "abort_ms")
     for rid in ("timed", "plain", SPILLED):
-        assert tuple(got[rid][k] for k in figures) == (4.25, 1.5, BATCH, 0.2), rid
-    assert tuple(chat[k] for k in figures) == (None, 1.5, None, None)  # a generation: queue
+        assert tuple(got[rid][k] for k in figures) == (4.25, 1.5, BATCH, 0.2, 0.7), rid
+    assert tuple(chat[k] for k in figures) == (None, 1.5, None, None, None)  # its queue
     for rid in (REFUSED, "unknown", "left"):  # no node answered; the caller walked away
-        assert tuple(got[rid][k] for k in figures) == (None, None, None, None), rid
+        assert tuple(got[rid][k] for k in figures) == (None,) * 5, rid
 
 
 def test_the_record_reads_back_as_the_arrivals_sent(tmp_path):
@@ -301,22 +303,25 @@ def test_lines_without_the_node_figures_still_replay(tmp_path):
     }
     new = dict(old, at=1767268801.0, id="r-2", service_ms=4.0, queue_ms=0.5, batch=1)
     newer = dict(new, at=1767268801.5, id="r-3", handoff_ms=0.25)
+    newest = dict(newer, at=1767268802.0, id="r-4", abort_ms=1.5)
     path = tmp_path / "calls.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in (old, new, newer)))
+    path.write_text("".join(json.dumps(line) + "\n" for line in (old, new, newer, newest)))
     assert read_trace(path) == [
         Arrival(0.0, "m", 10, id="r-1"),
         Arrival(0.5, "m", 10, id="r-2"),
         Arrival(1.0, "m", 10, id="r-3"),
+        Arrival(1.5, "m", 10, id="r-4"),
     ]
     # the old line has none; the new call started queue_ms after its arrival, and its
     # request spent latency_s less queue_ms and service_ms outside the node (a's); the
-    # newer line has the call's hand-off too
+    # newer lines have the call's hand-off too, the newest its abort wait
     outside = pytest.approx(12.3 - 0.5 - 4.0)
     assert read_engine_times(path) == {
         "m": {
             1: [
-                (pytest.approx(0.5005), 4.0, outside, "a", None),
-                (pytest.approx(1.0005), 4.0, outside, "a", 0.25),
+                (pytest.approx(0.5005), 4.0, outside, "a", None, None),
+                (pytest.approx(1.0005), 4.0, outside, "a", 0.25, None),
+                (pytest.approx(1.5005), 4.0, outside, "a", 0.25, 1.5),
             ]
         }
     }

@@ -839,6 +839,43 @@ def test_a_drawn_hand_off_delays_the_call_and_the_node_and_ends_its_queue_time()
     assert (second.queue_s, second.handoff_s) == pytest.approx((0.040, 0.005))
 
 
+@pytest.mark.parametrize("fg_at", [0.010, 0.025])
+def test_an_aborted_call_runs_on_for_a_recorded_abort_wait(fg_at):
+    # a live engine stops an aborted call only at its next look at the abort flag: the
+    # urgent request waits the recorded 8 ms for bg's 30 ms call to stop, unless the
+    # call ends by itself first (fg at 25 ms reaches the node at 27, bg ends at 32)
+    recorded = ModelCost({1: 4.0}, samples_ms={1: (30.0,)}, abort_ms=(8.0,))
+    config = local_config()
+    costs = dict(FLEET_COSTS, heavy=recorded)
+    fleet = SimFleet(
+        config, costs, specs=config.node_specs()[:1], network=Network(hop_s=0.002), seed=1
+    )
+    calls = Calls(fleet)
+    calls.at(0.0, infer("bg", "heavy", BG))
+    calls.at(fg_at, infer("fg", "heavy", FG))
+    fleet.loop.run(until=lambda: len(calls.answers) == 2)
+    fg, bg = calls.one("fg"), calls.one("bg")
+    assert fg.error is None and bg.error is None
+    if fg_at < 0.02:  # aborted at 12 ms, stopped at 20; bg runs again after fg
+        fg_start = 0.012 + 0.008
+        assert calls.answers["bg"][0][0] == pytest.approx(fg_start + 0.030 + 0.030 + 0.002)
+    else:  # bg completed before its abort took effect
+        fg_start = 0.002 + 0.030
+        assert calls.answers["bg"][0][0] == pytest.approx(fg_start + 0.002)
+    assert calls.answers["fg"][0][0] == pytest.approx(fg_start + 0.030 + 0.002)
+    assert fg.queue_s == pytest.approx(fg_start - fg_at - 0.002)
+
+
+def test_an_abort_wait_is_drawn_from_the_node_s_own_when_it_recorded_any():
+    own = ModelCost(abort_ms=(2.0,))
+    cost = ModelCost(abort_ms=(5.0, 7.0), by_node={"edge-1": own, "edge-2": ModelCost()})
+    rng = random.Random(3)
+    assert {cost.abort_s(rng, "edge-1") for _ in range(50)} == {0.002}
+    assert {cost.abort_s(rng, "edge-2") for _ in range(50)} == {0.005, 0.007}
+    assert {cost.abort_s(rng) for _ in range(50)} == {0.005, 0.007}
+    assert ModelCost().abort_s(rng, "edge-1") == 0.0  # none recorded: it stops at once
+
+
 def test_a_simulated_answer_spends_its_recorded_time_outside_the_node():
     recorded = ModelCost(
         {1: 4.0}, samples_ms={1: (30.0, 50.0)}, samples_outside_ms={1: (9.0, math.nan)}

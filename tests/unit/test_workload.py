@@ -449,17 +449,20 @@ def engine_ms(times):
 
 def test_recorded_calls_are_in_the_order_they_started(tmp_path):
     lines = [
-        call_line(at=10.0, service_ms=1.0, queue_ms=30.0, latency_s=0.04, handoff_ms=0.3),
+        call_line(
+            at=10.0, service_ms=1.0, queue_ms=30.0, latency_s=0.04, handoff_ms=0.3, abort_ms=2.5
+        ),
         call_line(at=10.01, service_ms=2.0, queue_ms=0.0),
         call_line(at=9.0, service_ms=3.0, queue_ms=None, node=None),
     ]
     times = read_engine_times(write(tmp_path, "".join(lines), "calls.jsonl"))
     # each with its request's time outside the node where the line has its latency
-    # (40 ms less 30 queued and 1 on the engine), the node that ran it and its hand-off
+    # (40 ms less 30 queued and 1 on the engine), the node that ran it, its hand-off and
+    # the wait for the call aborted before it
     assert times["m"][1] == [
-        (0.0, 3.0, None, None, None),
-        (pytest.approx(1.01), 2.0, None, "edge-0", None),
-        (pytest.approx(1.03), 1.0, pytest.approx(9.0), "edge-0", 0.3),  # started at 10.03
+        (0.0, 3.0, None, None, None, None),
+        (pytest.approx(1.01), 2.0, None, "edge-0", None, None),
+        (pytest.approx(1.03), 1.0, pytest.approx(9.0), "edge-0", 0.3, 2.5),  # at 10.03
     ]
 
 
@@ -521,6 +524,7 @@ def test_engine_times_come_from_completed_inferences_of_a_call_record(tmp_path):
         (call_line(batch=1.5), r":1: batch: must be null or an int >= 0, got 1.5"),
         (call_line(queue_ms="1"), r":1: queue_ms: must be null or a number >= 0"),
         (call_line(handoff_ms=-0.1), r":1: handoff_ms: must be null or a number >= 0"),
+        (call_line(abort_ms="2"), r":1: abort_ms: must be null or a number >= 0, got '2'"),
         (call_line() + call_line(priority=12), r":2: priority: must be an int 0-10"),
         (call_line(outcome="rejected"), r": no engine times in this call record"),
         (call_line(service_ms=None, batch=None), r": no engine times in this call record"),
