@@ -499,7 +499,10 @@ def _fidelity_part(f: Fidelity) -> Part:
         f"`edgefleet simulate`; {f.recorded_lines} lines in all), and its answers spend "
         "the time outside the node that the recorded call's request spent (its "
         "`latency_s` less `queue_ms` and `service_ms`: a call slowed by the busy machine "
-        "came with a slow way back, which drawn apart would be lost): a recorded run's "
+        "came with a slow way back, which drawn apart would be lost), after the hand-off "
+        "its node took to start it (`handoff_ms`); a call aborted for a more urgent "
+        "arrival runs on for a wait its node recorded for an aborted call to stop "
+        f"(`abort_ms`: {_abort_figures(f.recorded_costs)}): a recorded run's "
         "slow stretches come back together, on the nodes they slowed (this machine often "
         "runs one node's engine slow and not another's); the nodes report the warm-up "
         "tables as the real ones do, each node a device of its own (the recorded times carry the "
@@ -550,6 +553,18 @@ def _fidelity_part(f: Fidelity) -> Part:
         [table, counts],
         targets,
         notes,
+    )
+
+
+def _abort_figures(costs: Mapping[str, ModelCost]) -> str:
+    """The recorded abort waits in a few words: how many, mean, p50 and p99."""
+    waits = [w for cost in costs.values() for w in cost.abort_ms]
+    if not waits:
+        return "none recorded"
+    p50, p99 = np.percentile(waits, [50, 99])
+    return (
+        f"{len(waits)} in the recorded runs, mean {statistics.fmean(waits):.1f} ms, "
+        f"p50 {p50:.1f}, p99 {p99:.1f}"
     )
 
 
