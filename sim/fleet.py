@@ -138,9 +138,9 @@ class ModelCost:
     stop (``abort_ms`` of the lines of the calls that ran next, one per request): a node
     that aborts a call for a more urgent arrival or a cancel lets it run on for one of
     them, drawn at random (:meth:`abort_s`), as a live engine stops only at its next
-    look at the abort flag. ``by_node``, when given, holds the same for each recorded node alone: a
-    node of that name draws its own device's calls first (:meth:`draw`), for a machine
-    that runs slow often runs slow for one node and not the others."""
+    look at the abort flag. ``by_node``, when given, holds the same for each recorded
+    node alone: a node of that name draws its own device's calls first (:meth:`draw`),
+    for a machine that runs slow often runs slow for one node and not the others."""
 
     call_ms: Mapping[int, float] = field(default_factory=dict)
     prefill_ms_per_token: float = 0.0
