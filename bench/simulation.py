@@ -561,10 +561,9 @@ def _abort_figures(costs: Mapping[str, ModelCost]) -> str:
     waits = [w for cost in costs.values() for w in cost.abort_ms]
     if not waits:
         return "none recorded"
-    p50, p99 = np.percentile(waits, [50, 99])
     return (
         f"{len(waits)} in the recorded runs, mean {statistics.fmean(waits):.1f} ms, "
-        f"p50 {p50:.1f}, p99 {p99:.1f}"
+        f"p50 {_pct(waits, 50):.1f}, p99 {_pct(waits, 99):.1f}"
     )
 
 

@@ -161,16 +161,18 @@ def _drawing(cost: ModelCost, calls: Mapping[int, Sequence[RecordedCall]]) -> Mo
         cost,
         samples_ms={n: tuple(call.ms for call in c) for n, c in calls.items()},
         samples_at_s={n: tuple(call.at for call in c) for n, c in calls.items()},
-        samples_outside_ms={
-            n: tuple(math.nan if call.outside_ms is None else call.outside_ms for call in c)
-            for n, c in calls.items()
-        },
-        samples_handoff_ms={
-            n: tuple(math.nan if call.handoff_ms is None else call.handoff_ms for call in c)
-            for n, c in calls.items()
-        },
+        samples_outside_ms=_column(calls, "outside_ms"),
+        samples_handoff_ms=_column(calls, "handoff_ms"),
         abort_ms=tuple(call.abort_ms for c in calls.values() for call in c if call.abort_ms),
     )
+
+
+def _column(calls: Mapping[int, Sequence[RecordedCall]], name: str) -> dict[int, tuple[float, ...]]:
+    """Figure ``name`` of ``calls`` by batch size, NaN where a call has none."""
+    return {
+        n: tuple(math.nan if (v := getattr(call, name)) is None else v for call in c)
+        for n, c in calls.items()
+    }
 
 
 def is_call_record(path: str | Path) -> bool:

@@ -993,12 +993,16 @@ def read_engine_times(path: str | Path) -> EngineTimes:
 
 
 # field -> (is it valid, what it must be): the node's figures in a call record's line
+_MS: tuple[Callable[[Any], bool], str] = (
+    lambda v: v is None or (_number(v) and v >= 0),
+    "null or a number >= 0",
+)
 _ENGINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "service_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
-    "queue_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
+    "service_ms": _MS,
+    "queue_ms": _MS,
     "batch": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
-    "handoff_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
-    "abort_ms": (lambda v: v is None or (_number(v) and v >= 0), "null or a number >= 0"),
+    "handoff_ms": _MS,
+    "abort_ms": _MS,
     "outcome": (lambda v: isinstance(v, str), "a string"),
 }
 
