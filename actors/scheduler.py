@@ -81,6 +81,9 @@ class ModelRules:
     decode_rows: int = 1  # decoders: generations of one priority decoded together
 
 
+_NO_RULES = ModelRules()  # a model without rules of its own
+
+
 def configured_batch_limit(
     config: ModelConfig, batchable: bool, costs_s: Mapping[int, float]
 ) -> int:
@@ -234,7 +237,8 @@ class LocalScheduler:
         self._rules[model] = rules
 
     def rules(self, model: str) -> ModelRules:
-        return self._rules.get(model, ModelRules())
+        rules = self._rules.get(model)
+        return _NO_RULES if rules is None else rules
 
     # ------------------------------------------------------------------------ intake
 

@@ -252,22 +252,29 @@ class _Entry:
                 aged = ({}, {}, 0.0)
             self._aged, self._aged_at = aged, now
         work, backlog, running = self._aged
+        since, mine = self.since, self.mine
         unseen = 0.0
-        if unseen_per_s and (work or running > 0):
-            unseen = unseen_per_s * min(max(0.0, now - self.report_at), self.unseen_for_s)
-        # Idle, and nothing left to age: the view holds until a report, a send or an
-        # answer changes it (most nodes of a large fleet, most of the time).
-        idle = not (work or running > 0 or self.since or self.mine)
-        if self.since or self.mine:  # a view's dicts are its own: the aged ones are kept
+        if work or running > 0:
+            idle = False
+            if unseen_per_s:
+                unseen = unseen_per_s * min(max(0.0, now - self.report_at), self.unseen_for_s)
+        else:
+            # Idle, and nothing left to age: the view holds until a report, a send or an
+            # answer changes it (most nodes of a large fleet, most of the time).
+            idle = not (since or mine)
+        if since or mine:  # a view's dicts are its own: the aged ones are kept
             work, backlog = dict(work), dict(backlog)
-        for p, (n, s) in self.since.items():
-            work[p] = work.get(p, 0) + round(n)
-            backlog[p] = backlog.get(p, 0.0) + s
-        # What this caller itself has in flight there is known exactly: the node holds
-        # at least that, however old the report.
-        for p, (n, s) in self.mine.items():
-            work[p] = max(work.get(p, 0), round(n))
-            backlog[p] = max(backlog.get(p, 0.0), s)
+            for p, (n, s) in since.items():
+                work[p] = work.get(p, 0) + round(n)
+                backlog[p] = backlog.get(p, 0.0) + s
+            # What this caller itself has in flight there is known exactly: the node
+            # holds at least that, however old the report (conditionals, not max(): a
+            # view is built for every candidate of every request).
+            for p, (n, s) in mine.items():
+                had, sent = work.get(p, 0), round(n)
+                work[p] = had if had >= sent else sent
+                held = backlog.get(p, 0.0)
+                backlog[p] = held if held >= s else s
         self._view_at = math.inf if idle else now
         # Positional, in NodeView's field order: matching 17 keywords takes three times
         # as long as building the view.

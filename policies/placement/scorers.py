@@ -32,31 +32,41 @@ class ExpectedCompletion:
         self.lower_share = lower_share
 
     def cost(self, node: NodeView, request: PlacementRequest) -> float:
+        # Conditionals, not min() / max(): this runs for every candidate of every request.
         q = request.priority
-        gap = node.preempt_gap
         ahead = lower = blocking = 0.0
-        for p, seconds in node.backlog_s.items():
-            if p >= q:
-                ahead += seconds
-                continue
-            lower += seconds
-            count = node.work.get(p, 0)
-            if count and (gap is None or q - p < gap):
-                blocking = max(blocking, seconds / count)
+        backlog = node.backlog_s
+        if backlog:
+            gap = node.preempt_gap
+            work = node.work
+            for p, seconds in backlog.items():
+                if p >= q:
+                    ahead += seconds
+                    continue
+                lower += seconds
+                count = work.get(p, 0)
+                if count and (gap is None or q - p < gap):
+                    share = seconds / count
+                    if share > blocking:
+                        blocking = share
         running = node.running_left_s
         if running > 0 and node.running_priority is not None:
             blocking = 0.0  # what runs is known: no guess at what may be running
+            gap = node.preempt_gap
             if gap is not None and q - node.running_priority >= gap:
                 running = 0.0  # this request preempts it
         model = request.model
         # row_cost(), without the call for the usual case of a node that reported one
-        per_row = node.row_cost_s[model] if model in node.row_cost_s else row_cost(node, model)
+        per_row = node.row_cost_s.get(model)
+        if per_row is None:
+            per_row = row_cost(node, model)
         own = request.rows * per_row
         rho = 0.0
         for p, share in node.busy.items():
             if p > q:
                 rho += share
-        rho = min(MAX_OVERTAKEN, rho)
+        if rho > MAX_OVERTAKEN:
+            rho = MAX_OVERTAKEN
         wait = (running + ahead + BLOCKING_LEFT * blocking + own) / (1.0 - rho)
         return wait + self.lower_share * lower
 
