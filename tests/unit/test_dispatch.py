@@ -18,6 +18,7 @@ from cluster.router import CALLER_SEEN_S, Router
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.errors import Cancelled, Evicted, ModelNotFound, NodeLost, Rejected
+from edgefleet.messages import RunningStatus
 from edgefleet.request import InferRequest
 from policies.placement import PlacementRequest
 from tests.fakes import FakeLoader, LocalFleet, x
@@ -536,6 +537,36 @@ def test_a_view_counts_what_the_other_callers_likely_sent_since_its_report(fleet
     assert (a.unseen, b.unseen) == (pytest.approx(60 * 0.03), 0.0)
     clock.advance(0.1)  # a late report: at most two intervals' worth while a is busy
     assert d.views()[0].unseen == pytest.approx(60 * 0.1)
+    d.close()
+
+
+def test_a_view_carries_each_reported_figure_in_its_own_field(fleet):
+    """A view is built with positional arguments (it is built for every candidate of
+    every request): each figure of the report lands in the field of its name."""
+    f = fleet({"a": {"preemption": {"min_priority_gap": 4}}}, capacity=7)
+    clock = FakeClock()
+    d = Dispatcher(f.config, f.handles, clock=clock, rng=random.Random(0))
+    report = reported(f, a={3: 2})["a"]
+    (model,) = report.status.models
+    status = replace(
+        report.status,
+        models=(replace(model, loaded=False, row_ms=4.0, load_ms=900.0),),
+        sessions=("s1",),
+        busy={3: 0.25},
+        running=RunningStatus("m", ("r1", "r2"), 9, elapsed_s=0.001),
+    )
+    d.update(FleetView({"a": replace(report, status=status)}))
+    (v,) = d.views()
+    assert (v.name, v.models, v.loaded, v.sessions) == ("a", {"m"}, frozenset(), {"s1"})
+    assert (v.healthy, v.draining, v.capacity, v.unseen) == (True, False, 7, 0.0)
+    assert v.row_cost_s == {"m": pytest.approx(0.004)}
+    assert v.load_cost_s == {"m": pytest.approx(0.9)}
+    assert v.work == {3: 2, 9: 2} and v.backlog_s == {3: pytest.approx(0.008)}
+    assert v.running_left_s == pytest.approx(0.007) and v.running_priority == 9
+    assert v.busy == {3: 0.25} and v.preempt_gap == 4
+    assert v.guaranteed == f.config.node_specs()[0].starvation.params(
+        f.config.priorities
+    ).guaranteed()
     d.close()
 
 
