@@ -564,9 +564,8 @@ def test_a_view_carries_each_reported_figure_in_its_own_field(fleet):
     assert v.work == {3: 2, 9: 2} and v.backlog_s == {3: pytest.approx(0.008)}
     assert v.running_left_s == pytest.approx(0.007) and v.running_priority == 9
     assert v.busy == {3: 0.25} and v.preempt_gap == 4
-    assert v.guaranteed == f.config.node_specs()[0].starvation.params(
-        f.config.priorities
-    ).guaranteed()
+    (spec,) = f.config.node_specs()
+    assert v.guaranteed == spec.starvation.params(f.config.priorities).guaranteed()
     d.close()
 
 
