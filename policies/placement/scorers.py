@@ -34,10 +34,10 @@ class ExpectedCompletion:
     def cost(self, node: NodeView, request: PlacementRequest) -> float:
         # Conditionals, not min() / max(): this runs for every candidate of every request.
         q = request.priority
+        gap = node.preempt_gap
         ahead = lower = blocking = 0.0
         backlog = node.backlog_s
         if backlog:
-            gap = node.preempt_gap
             work = node.work
             for p, seconds in backlog.items():
                 if p >= q:
@@ -52,7 +52,6 @@ class ExpectedCompletion:
         running = node.running_left_s
         if running > 0 and node.running_priority is not None:
             blocking = 0.0  # what runs is known: no guess at what may be running
-            gap = node.preempt_gap
             if gap is not None and q - node.running_priority >= gap:
                 running = 0.0  # this request preempts it
         model = request.model
