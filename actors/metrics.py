@@ -234,6 +234,16 @@ NODE_HEALTHY = _gauge(
     "edgefleet_node_healthy", _NODE, "1 while the router hears from the node, 0 once it is lost"
 )
 NODES_LOST = _counter("edgefleet_nodes_lost_total", _NODE, "Times the router declared a node lost")
+NODE_UNRESPONSIVE = _gauge(
+    "edgefleet_node_unresponsive",
+    _NODE,
+    "1 while the node's actor is alive but does not answer the router, or its engine is stuck",
+)
+NODE_RESTARTS = _counter(
+    "edgefleet_node_restarts_total",
+    _NODE,
+    "Times the router killed an unresponsive or stuck node for Ray to start it again",
+)
 
 NODE_METRICS = (
     QUEUE_DEPTH,
@@ -269,6 +279,8 @@ ROUTER_METRICS = (
     ROUTER_SHED,
     NODE_HEALTHY,
     NODES_LOST,
+    NODE_UNRESPONSIVE,
+    NODE_RESTARTS,
 )
 CATALOGUE: tuple[MetricDef, ...] = NODE_METRICS + ROUTER_METRICS
 _BY_NAME = {d.name: d for d in CATALOGUE}

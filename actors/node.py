@@ -25,7 +25,7 @@ import resource
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -448,6 +448,13 @@ class NodeRuntime:
             self._settle([outcome])
             return True
         return running is not None and any(r.id == request_id for r in running.requests)
+
+    def probe(self, request_ids: Sequence[str] = ()) -> dict[str, bool]:
+        """Whether this node holds each request (queued, running, paused, or answered
+        and kept for a retry): a caller whose answer is overdue asks. Answered on the
+        event loop, so a node whose engine is busy answers at once; one that does not
+        answer is frozen or out of reach."""
+        return {r: r in self._waiters or self._recent.get(r) is not None for r in request_ids}
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)

@@ -85,7 +85,7 @@ class FleetClient:
         caller = new_request_id()
         # Each caller's random choices differ (callers that chose alike would herd).
         rng = random.Random(f"{config.router.placement.seed}/{caller}")
-        self._dispatcher = Dispatcher(config, handles, rng=rng)
+        self._dispatcher = Dispatcher(config, handles, rng=rng, watch=True)
         self._feed = _ViewFeed(router, self._dispatcher, config, caller)
 
     # ------------------------------------------------------------------ lifecycle
@@ -173,12 +173,15 @@ class FleetClient:
         key: str | None = None,
         request_id: str | None = None,
         at_most_once: bool = False,
+        timeout_s: float | None = None,
     ) -> dict[str, np.ndarray]:
         """Run one inference and return its outputs, or raise a typed EdgeFleetError.
 
-        A request whose node is lost while holding it is placed again under the same
-        id (inference is idempotent); ``at_most_once=True`` answers NodeLost instead,
-        for a caller that must never have it run twice."""
+        A request whose node is lost while holding it, or stops answering, is placed
+        again under the same id (inference is idempotent); ``at_most_once=True``
+        answers NodeLost instead, for a caller that must never have it run twice.
+        ``timeout_s`` bounds the whole wait: past it, :class:`TimedOut`, and the request
+        is cancelled where it was (``deadline_s`` bounds only the wait to start)."""
         return self.infer_reply(
             model,
             inputs,
@@ -187,13 +190,21 @@ class FleetClient:
             key=key,
             request_id=request_id,
             at_most_once=at_most_once,
+            timeout_s=timeout_s,
         ).unwrap()
 
-    def infer_reply(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> Reply:
+    def infer_reply(
+        self,
+        model: str,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        timeout_s: float | None = None,
+        **kw: Any,
+    ) -> Reply:
         """Like :meth:`infer`, but returns the :class:`Reply` (outputs or error, node,
         queue and service time, batch size) without raising."""
         request, inputs_ref = self._request(model, inputs, **kw)
-        return self._dispatcher.call(request, inputs_ref)
+        return self._dispatcher.call(request, inputs_ref, _timeout(timeout_s))
 
     def submit(
         self,
@@ -205,25 +216,26 @@ class FleetClient:
         key: str | None = None,
         request_id: str | None = None,
         at_most_once: bool = False,
+        timeout_s: float | None = None,
     ) -> cf.Future[Reply]:
         """Send one request without waiting; returns a future of its :class:`Reply`.
 
         For pipelining many requests from one thread (``concurrent.futures.wait``).
-        The future never raises: errors are in ``Reply.error``. Inputs larger than
-        1 MiB are put in Ray's object store once and the node reads them from there.
-        A retry with the same ``request_id`` is answered once by the node holding it.
+        The future never raises: errors are in ``Reply.error`` (:class:`TimedOut`
+        past ``timeout_s``). Inputs larger than 1 MiB are put in Ray's object store
+        once and the node reads them from there. A retry with the same ``request_id``
+        is answered once by the node holding it.
         """
-        return self._dispatcher.submit(
-            *self._request(
-                model,
-                inputs,
-                priority=priority,
-                deadline_s=deadline_s,
-                key=key,
-                request_id=request_id,
-                at_most_once=at_most_once,
-            )
+        request, inputs_ref = self._request(
+            model,
+            inputs,
+            priority=priority,
+            deadline_s=deadline_s,
+            key=key,
+            request_id=request_id,
+            at_most_once=at_most_once,
         )
+        return self._dispatcher.submit(request, inputs_ref, _timeout(timeout_s))
 
     def map_unordered(
         self,
@@ -233,6 +245,7 @@ class FleetClient:
         priority: str | int = "foreground",
         deadline_s: float | None = None,
         in_flight: int = 32,
+        timeout_s: float | None = None,
     ) -> Iterator[tuple[int, Reply]]:
         """Run ``model`` on each of ``inputs`` with up to ``in_flight`` requests
         outstanding; yields ``(index of the input, its Reply)`` as the answers come.
@@ -244,11 +257,13 @@ class FleetClient:
         is read lazily, as answers make room. Each reply is the one answer of its input
         (errors in ``Reply.error``, an input that is not a mapping of arrays included);
         stopping early leaves the requests already sent to finish on their nodes, unread.
-        An unknown model, priority or deadline raises at the call.
+        ``timeout_s`` bounds each request from when it is sent (:class:`TimedOut`).
+        An unknown model, priority, deadline or timeout raises at the call.
         """
         self._check_model(model)
         level = resolve_priority(priority, self.config.priorities)
         InferRequest.deadline_from_timeout(deadline_s)  # a bad one fails here, not per input
+        timeout_s = _timeout(timeout_s)
 
         def requests() -> Iterator[tuple[InferRequest, Any] | Reply]:
             for x in inputs:
@@ -257,7 +272,7 @@ class FleetClient:
                 except InvalidInput as exc:  # this input alone fails
                     yield Reply(new_request_id(), "", error=exc)
 
-        return self._dispatcher.pipeline(requests(), in_flight)
+        return self._dispatcher.pipeline(requests(), in_flight, timeout_s)
 
     def _request(
         self,
@@ -309,6 +324,7 @@ class FleetClient:
         key: str | None = None,
         request_id: str | None = None,
         at_most_once: bool = False,
+        timeout_s: float | None = None,
     ) -> dict[str, np.ndarray]:
         """Awaitable :meth:`infer`, for asyncio services."""
         future = self.submit(
@@ -319,6 +335,7 @@ class FleetClient:
             key=key,
             request_id=request_id,
             at_most_once=at_most_once,
+            timeout_s=timeout_s,
         )
         reply: Reply = await asyncio.wrap_future(future)
         return reply.unwrap()
@@ -339,6 +356,7 @@ class FleetClient:
         deadline_s: float | None = None,
         request_id: str | None = None,
         at_most_once: bool = False,
+        timeout_s: float | None = None,
     ) -> TokenStream:
         """Generate with a decoder model; iterate the result for token ids as they
         are produced. Afterwards ``finish_reason`` is ``stop``, ``length``, ``budget``
@@ -346,8 +364,10 @@ class FleetClient:
 
         ``session`` lets follow-up turns of a chat reuse the KV of earlier ones on the
         node that holds it; ``prefix_len`` marks a shared system prompt. ``deadline_s``
-        bounds the wait before the first step. A generation whose node is lost goes on
-        on another node from the tokens sent; ``at_most_once=True`` ends it NodeLost.
+        bounds the wait before the first step, ``timeout_s`` the whole generation
+        (:class:`TimedOut`, with the tokens sent). A generation whose node is lost, or
+        stops answering, goes on on another node from the tokens sent;
+        ``at_most_once=True`` ends it NodeLost.
         """
         self._check_model(model)
         request = GenerateRequest(
@@ -365,7 +385,7 @@ class FleetClient:
             deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
             at_most_once=bool(at_most_once),
         )
-        return TokenStream(request.id, self._dispatcher.stream(request))
+        return TokenStream(request.id, self._dispatcher.stream(request, _timeout(timeout_s)))
 
     # -------------------------------------------------------------------- control
 
@@ -565,6 +585,17 @@ class _ViewFeed:
             self._fetch(last=True)
         except Exception:  # the router is gone or busy: its counts miss this caller's last
             log.debug("could not hand over the last counters", exc_info=True)
+
+
+def _timeout(timeout_s: float | None) -> float | None:
+    """A request's ``timeout_s``, checked: None (no bound) or a positive number."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise InvalidInput(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise InvalidInput(f"timeout_s must be positive and finite, got {timeout_s!r}")
+    return float(timeout_s)
 
 
 def _get(refs: list[ray.ObjectRef], timeout_s: float | None, what: str) -> list[Any]:

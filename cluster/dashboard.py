@@ -216,8 +216,14 @@ def fleet_panels() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Node health",
-            [Query(current(m.NODE_HEALTHY, "node"), "{{node}}")],
-            description="1 while the router hears from the node; 0 once it is declared lost.",
+            [
+                Query(current(m.NODE_HEALTHY, "node"), "{{node}}"),
+                Query(current(m.NODE_UNRESPONSIVE, "node"), "unresponsive {{node}}"),
+                Query(per_second(m.NODE_RESTARTS, "node"), "restarts/s {{node}}"),
+            ],
+            description="Healthy: 1 while the router hears from the node, 0 once it is lost "
+            "or unresponsive. Unresponsive: 1 while its actor is alive but silent, or its "
+            "engine stuck. Restarts: unresponsive or stuck nodes killed for Ray to restart.",
         ),
         timeseries(
             "Preempted requests",

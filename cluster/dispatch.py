@@ -28,13 +28,14 @@ import math
 import random
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
+from cluster.limits import TIMED_OUT, UNRESPONSIVE, CallWatch, Flight
 from cluster.metrics import RouterMetrics
 from cluster.record import CallRecord
 from edgefleet.clock import Clock, MonotonicClock
@@ -46,6 +47,7 @@ from edgefleet.errors import (
     ModelNotFound,
     NodeLost,
     Rejected,
+    TimedOut,
 )
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
@@ -57,6 +59,7 @@ from policies.placement import (
     make_placement,
     row_cost,
 )
+from policies.placement.scorers import ExpectedCompletion, ModelLoad
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +103,35 @@ class NodeHandle(Protocol):
         thread."""
         ...
 
-    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
-        """Stream a generation; MUST raise NodeGone when the node died."""
+    def generate(
+        self, request: GenerateRequest, wait_s: float | None = None
+    ) -> Iterator[TokenChunk | GenerationResult | None]:
+        """Stream a generation; MUST raise NodeGone when the node died. With ``wait_s``,
+        MUST yield None after each ``wait_s`` in which nothing came (the caller looks at
+        the time meanwhile)."""
+        ...
+
+    def probe(self, request_ids: Sequence[str], timeout_s: float) -> Mapping[str, bool] | None:
+        """Whether the node holds each of ``request_ids``; None when it does not answer
+        within ``timeout_s`` (frozen, out of reach) or is dead. MUST NOT wait longer."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Cancel ``request_id`` on the node, best effort, without waiting (a request
+        given up there); MUST NOT raise."""
         ...
 
 
 class FutureCalls:
     """:meth:`NodeHandle.send` and :meth:`NodeHandle.wait` for a handle whose
-    ``infer`` futures complete by themselves (fakes in tests)."""
+    ``infer`` futures complete by themselves (fakes in tests), and a node that always
+    answers probes."""
+
+    def probe(self, request_ids: Sequence[str], timeout_s: float) -> Mapping[str, bool] | None:
+        return dict.fromkeys(request_ids, True)
+
+    def forget(self, request_id: str) -> None:
+        pass
 
     def infer(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
         raise NotImplementedError
@@ -378,10 +402,13 @@ class Dispatcher:
         metrics: RouterMetrics | None = None,
         executor: Executor | None = None,
         specs: Sequence[NodeSpec] | None = None,
+        watch: bool = False,
     ) -> None:
         """``executor`` runs further attempts after a node's answer (default: a thread
         of this dispatcher's own; the simulator runs them in simulated time); ``specs``
-        replaces the config's nodes (the simulator grows a fleet to any size)."""
+        replaces the config's nodes (the simulator grows a fleet to any size);
+        ``watch`` gives every call a limit (:mod:`cluster.limits`; real nodes can
+        freeze, the simulator's cannot)."""
         self.config = config
         pc = config.router.placement
         params = pc.params(config.priorities)
@@ -420,6 +447,8 @@ class Dispatcher:
         self._jitter = random.Random()
         directory = config.router.record_dir
         self._record = None if directory is None else CallRecord(directory)
+        self._watch = CallWatch(config.router.probe_timeout_s, self._clock) if watch else None
+        self._expected = (ExpectedCompletion(), ModelLoad())
 
     # -------------------------------------------------------------------- the view
 
@@ -488,6 +517,8 @@ class Dispatcher:
             if not (healthy and taken > entry.lost_at):
                 return
             entry.lost_at = None
+        if entry.healthy and not healthy and self._watch is not None:
+            self._watch.expedite(name)  # its calls are given up now, not at their limits
         entry.healthy = healthy
         before = entry.base.sessions
         entry.report(status, taken)
@@ -507,6 +538,8 @@ class Dispatcher:
         record (requests answered after this are not recorded)."""
         self.closed = True
         self._retries.shutdown(wait=False)
+        if self._watch is not None:
+            self._watch.close()
         self._metrics.flush()
         if self._record is not None:
             self._record.close()
@@ -557,25 +590,31 @@ class Dispatcher:
 
     # ------------------------------------------------------------------- requests
 
-    def submit(self, request: InferRequest, inputs: Any = None) -> cf.Future[Reply]:
+    def submit(
+        self, request: InferRequest, inputs: Any = None, timeout_s: float | None = None
+    ) -> cf.Future[Reply]:
         """Place ``request`` and return a future of its one :class:`Reply`.
 
         ``inputs`` optionally replaces ``request.inputs`` on the node (a Ray object
-        reference for a large request, resolved on the node). The future never fails:
-        every outcome, unexpected ones included, is a Reply.
+        reference for a large request, resolved on the node). ``timeout_s``: the longest
+        the request may take in all; past it, it ends :class:`TimedOut` and is cancelled
+        where it was. The future never fails: every outcome, unexpected ones included,
+        is a Reply.
         """
         out: cf.Future[Reply] = cf.Future()
-        self._try(_Attempt(self, request), out, inputs)
+        self._try(_Attempt(self, request, timeout_s), out, inputs)
         return out
 
     def _try(
         self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any, entry: _Entry | None = None
     ) -> None:
-        """Send the request (see :meth:`_send`); its answer comes to :meth:`_done`."""
+        """Send the request (see :meth:`_send`); its answer comes to :meth:`_done`, or,
+        first, the watch's verdict on it to :meth:`_overdue`."""
         sent = self._send(attempt, inputs, entry, "infer")
         if isinstance(sent, tuple):
             entry, call = sent
-            call.add_done_callback(partial(self._done, attempt, out, inputs, entry))
+            flight = attempt.watch(entry, partial(self._overdue, attempt, out, inputs, entry))
+            call.add_done_callback(partial(self._done, attempt, out, inputs, entry, flight))
         else:
             _resolve(out, sent)  # type: ignore[arg-type]
 
@@ -607,15 +646,40 @@ class Dispatcher:
         out: cf.Future[Reply],
         inputs: Any,
         entry: _Entry,
+        flight: Flight | None,
         call: cf.Future[Reply],
     ) -> None:
         """A node answered (on whatever thread completed the call). Further attempts
         go to the dispatcher's own thread: completion threads may belong to Ray."""
+        if flight is not None and not attempt.claim(flight):
+            return  # given up by the watch already: the request went on without it
         try:
             outcome = self._outcome(attempt, entry, call.exception() or call.result())
         except Exception as exc:
             log.exception("answer to %s failed", attempt.request.id)
             outcome = attempt.broken(exc)
+        self._then(attempt, out, inputs, entry, outcome)
+
+    def _overdue(
+        self, attempt: _Attempt, out: cf.Future[Reply], inputs: Any, entry: _Entry, why: str
+    ) -> None:
+        """The watch gave up the call on ``entry`` (on its thread)."""
+        try:
+            outcome = attempt.overdue(entry, why)
+        except Exception as exc:
+            log.exception("giving up %s failed", attempt.request.id)
+            outcome = attempt.broken(exc)
+        self._then(attempt, out, inputs, entry, outcome)
+
+    def _then(
+        self,
+        attempt: _Attempt,
+        out: cf.Future[Reply],
+        inputs: Any,
+        entry: _Entry,
+        outcome: Final | float | None,
+    ) -> None:
+        """Act on what a call's end means (see :meth:`_outcome`)."""
         if isinstance(outcome, float):  # out of reach: ask the same node again later
             again = threading.Timer(outcome, self._try, (attempt, out, inputs, entry))
             again.daemon = True
@@ -644,15 +708,20 @@ class Dispatcher:
             raise answer
         return attempt.settle(entry, answer)
 
-    def call(self, request: InferRequest, inputs: Any = None) -> Reply:
+    def call(
+        self, request: InferRequest, inputs: Any = None, timeout_s: float | None = None
+    ) -> Reply:
         """Place ``request`` and wait for its one :class:`Reply` on this thread: the
         same attempts as :meth:`submit`, without handing the reply between threads
         (what a sequential caller waits for)."""
-        ((_, reply),) = self.pipeline([(request, inputs)], 1)
+        ((_, reply),) = self.pipeline([(request, inputs)], 1, timeout_s)
         return reply
 
     def pipeline(
-        self, requests: Iterable[tuple[InferRequest, Any] | Reply], in_flight: int
+        self,
+        requests: Iterable[tuple[InferRequest, Any] | Reply],
+        in_flight: int,
+        timeout_s: float | None = None,
     ) -> Iterator[tuple[int, Reply]]:
         """Place each of ``requests`` (a request and its ``inputs``, as :meth:`submit`
         takes them) with at most ``in_flight`` unanswered, and yield each one's index
@@ -663,19 +732,25 @@ class Dispatcher:
         runs on another thread (where :meth:`submit` hands each reply over from Ray's):
         for a caller that keeps many requests in flight. Requests are drawn from
         ``requests`` only as answers make room. A consumer that stops early leaves the
-        requests it sent to finish on their nodes, unread.
+        requests it sent to finish on their nodes, unread. ``timeout_s``: the longest
+        each request may take, from when it is drawn (see :meth:`submit`).
         """
         if in_flight < 1:  # at the call, not at the first answer
             raise ValueError(f"in_flight must be at least 1, got {in_flight}")
-        return self._pipeline(requests, in_flight)
+        return self._pipeline(requests, in_flight, timeout_s)
 
     def _pipeline(
-        self, requests: Iterable[tuple[InferRequest, Any] | Reply], in_flight: int
+        self,
+        requests: Iterable[tuple[InferRequest, Any] | Reply],
+        in_flight: int,
+        timeout_s: float | None,
     ) -> Iterator[tuple[int, Reply]]:
         source = enumerate(requests)
-        flying: dict[Any, tuple[int, _Attempt, _Entry, Any]] = {}  # call -> its request
+        # call -> its request: (index, attempt, node, inputs, the watch's flight)
+        flying: dict[Any, tuple[int, _Attempt, _Entry, Any, Flight | None]] = {}
         later: list[tuple[float, int, _Attempt, _Entry, Any]] = []  # heap: asking again
         # (when, the request's index, ...): a request is in ``later`` at most once
+        overdue: deque[tuple[Any, str]] = deque()  # calls the watch gave up, and why
         answered: list[tuple[int, Reply]] = []
         unanswered = 0
         more = True
@@ -683,9 +758,20 @@ class Dispatcher:
         def send(i: int, attempt: _Attempt, inputs: Any, entry: _Entry | None = None) -> None:
             sent = self._send(attempt, inputs, entry, "send")
             if isinstance(sent, tuple):
-                flying[sent[1]] = (i, attempt, sent[0], inputs)
+                entry, call = sent
+                flight = attempt.watch(entry, lambda why: overdue.append((call, why)))
+                flying[call] = (i, attempt, entry, inputs, flight)
             else:
                 answered.append((i, sent))  # type: ignore[arg-type]
+
+        def act(i: int, attempt: _Attempt, entry: _Entry, inputs: Any, outcome: Any) -> None:
+            if isinstance(outcome, float):
+                due = self._clock.now() + outcome
+                heapq.heappush(later, (due, i, attempt, entry, inputs))
+            elif outcome is None:
+                send(i, attempt, inputs)
+            else:
+                answered.append((i, outcome))
 
         try:
             while True:
@@ -700,7 +786,17 @@ class Dispatcher:
                         answered.append((i, item))
                     else:
                         request, inputs = item
-                        send(i, _Attempt(self, request), inputs)
+                        send(i, _Attempt(self, request, timeout_s), inputs)
+                while overdue:
+                    call, why = overdue.popleft()
+                    i, attempt, entry, inputs, _ = flying.pop(call)
+                    outcome: Final | float | None
+                    try:
+                        outcome = attempt.overdue(entry, why)
+                    except Exception as exc:
+                        log.exception("giving up %s failed", attempt.request.id)
+                        outcome = attempt.broken(exc)
+                    act(i, attempt, entry, inputs, outcome)
                 if answered:
                     unanswered -= len(answered)
                     ready, answered[:] = answered[:], []
@@ -718,33 +814,36 @@ class Dispatcher:
                     continue
                 handle = next(iter(flying.values()))[2].handle
                 for call, answer in handle.wait(list(flying), wait_s):
-                    i, attempt, entry, inputs = flying.pop(call)
+                    i, attempt, entry, inputs, flight = flying[call]
+                    if flight is not None and not attempt.claim(flight):
+                        continue  # given up by the watch: ``overdue`` has it
+                    del flying[call]
                     try:
                         outcome = self._outcome(attempt, entry, answer)
                     except Exception as exc:
                         log.exception("answer to %s failed", attempt.request.id)
                         outcome = attempt.broken(exc)
-                    if isinstance(outcome, float):
-                        due = self._clock.now() + outcome
-                        heapq.heappush(later, (due, i, attempt, entry, inputs))
-                    elif outcome is None:
-                        send(i, attempt, inputs)
-                    else:
-                        answered.append((i, outcome))  # type: ignore[arg-type]
+                    act(i, attempt, entry, inputs, outcome)
         finally:  # the consumer stopped early (or failed): stop counting what is left
-            for _, attempt, entry, _ in flying.values():
+            for _, attempt, entry, _, flight in flying.values():
+                if flight is not None:
+                    attempt.claim(flight)  # the watch lets it be
                 attempt.abandoned(entry)
             for _, _, attempt, entry, _ in later:
                 attempt.abandoned(entry)
 
-    def stream(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+    def stream(
+        self, request: GenerateRequest, timeout_s: float | None = None
+    ) -> Iterator[TokenChunk | GenerationResult]:
         """Place a generation and yield its tokens; the last item is its result.
 
-        A refusal spills to the next node. When the node dies mid-stream, the
-        generation continues on another node from the tokens already sent (prompt plus
-        output so far), so the caller sees each token once.
+        A refusal spills to the next node. When the node dies mid-stream, or stays
+        silent past the stream's limit and does not answer a probe, the generation
+        continues on another node from the tokens already sent (prompt plus output so
+        far), so the caller sees each token once. ``timeout_s``: the longest the whole
+        generation may take; past it, it ends :class:`TimedOut` with the tokens sent.
         """
-        attempt = _Attempt(self, request)
+        attempt = _Attempt(self, request, timeout_s)
         while True:
             entry = attempt.next_node()
             if entry is None:
@@ -752,12 +851,14 @@ class Dispatcher:
                 return
             final: Final | None = None
             try:
-                for item in entry.handle.generate(attempt.request_now):  # type: ignore[arg-type]
+                for item in self._items(attempt, entry):
                     if isinstance(item, TokenChunk):
                         attempt.tokens.extend(item.tokens)
                         yield item
                     else:
                         final = item
+            except _Overdue as given_up:
+                final = attempt.overdue(entry, given_up.why)
             except NodeGone:
                 final = attempt.lost(entry)
             except Exception as exc:  # a typed answer, never a raw error (as call() gives)
@@ -772,10 +873,44 @@ class Dispatcher:
                 yield final  # type: ignore[misc]
                 return
 
+    def _items(
+        self, attempt: _Attempt, entry: _Entry
+    ) -> Iterator[TokenChunk | GenerationResult]:
+        """A generation's stream from ``entry``; with calls watched, a stream silent past
+        its limit (its budget, the request's deadline before the first token) has its
+        node probed, and raises :class:`_Overdue` past the request's timeout or when
+        the node does not answer."""
+        request = attempt.request_now
+        if self._watch is None:
+            yield from entry.handle.generate(request)  # type: ignore[misc,arg-type]
+            return
+        budget = attempt.budget_s()
+        due = self._clock.now() + budget
+        deadline = request.deadline_unix
+        if deadline is not None:
+            due = min(due, self._clock.now() + max(0.0, deadline - time.time()))
+        wait_s = min(PIPELINE_WAIT_S, budget)
+        for item in entry.handle.generate(request, wait_s):  # type: ignore[arg-type]
+            now = self._clock.now()
+            if item is not None:
+                due = now + budget
+                yield item
+            elif now >= attempt.give_up_at:
+                raise _Overdue(TIMED_OUT)
+            elif now >= due:
+                probe_s = self.config.router.probe_timeout_s
+                if not entry.healthy or entry.handle.probe([request.id], probe_s) is None:
+                    raise _Overdue(UNRESPONSIVE)
+                due = self._clock.now() + budget
+
     # -------------------------------------------------------------------- helpers
 
-    def _pick(self, request: PlacementRequest, tried: set[str], request_id: str) -> _Entry | None:
-        """The best node not tried yet; counts the request in flight there."""
+    def _pick(
+        self, request: PlacementRequest, tried: set[str], request_id: str
+    ) -> tuple[_Entry, float] | None:
+        """The best node not tried yet, and the seconds the request is expected to take
+        there (when calls are watched: their limits follow from it); counts the request
+        in flight there."""
         now = self._clock.now()
         with self._lock:
             views = [e.view(now, self._unseen_per_s) for e in self._considered(request, tried)]
@@ -789,7 +924,10 @@ class Dispatcher:
             entry = self._nodes[best.name]
             cost = request.rows * row_cost(best, request.model)
             entry.sent(request_id, _Sent(request.priority, cost, now))
-            return entry
+            expected = 0.0
+            if self._watch is not None:
+                expected = sum(scorer.cost(best, request) for scorer in self._expected)
+            return entry, expected
 
     def _considered(self, request: PlacementRequest, tried: set[str]) -> list[_Entry]:
         """The nodes placement weighs for ``request``: every node serving its model that
@@ -885,16 +1023,30 @@ class Dispatcher:
             heapq.heappop(self._shed_waiting)
 
 
+class _Overdue(Exception):
+    """A stream given up (see :mod:`cluster.limits`: ``why`` is TIMED_OUT or
+    UNRESPONSIVE)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 class _Attempt:
     """One request's way through the fleet: which nodes it tried, what they said, what
     it has streamed so far. The single place that decides spill, re-placement,
     continuation after a node loss and the final refusal."""
 
-    def __init__(self, dispatcher: Dispatcher, request: Request) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, request: Request, timeout_s: float | None = None
+    ) -> None:
         self.d = dispatcher
         self.request = request
         self.request_now: Request = request  # a continuation after a node loss differs
         self.started = dispatcher._clock.now()
+        self.timeout_s = timeout_s
+        self.give_up_at = math.inf if timeout_s is None else self.started + timeout_s
+        self.expected_s = 0.0  # on the node it was sent to last, as placement expected
         # Wall-clock arrival, for the call record: the dispatcher's clock may be monotonic.
         self.arrived = time.time() if dispatcher._record is not None else 0.0
         self.tried: set[str] = set()
@@ -910,11 +1062,62 @@ class _Attempt:
         dispatcher._count("received")
 
     def next_node(self) -> _Entry | None:
-        if self.d.closed and self.error is None:
-            self.error = Cancelled("the client was closed", request_id=self.request.id)
+        if self.error is None:
+            if self.d.closed:
+                self.error = Cancelled("the client was closed", request_id=self.request.id)
+            elif self.d._clock.now() >= self.give_up_at:
+                self.error = self.timed_out()
         if self.error is not None or self.attempts >= self.d.config.router.max_attempts:
             return None
-        return self.d._pick(self.preq, self.tried, self.request.id)
+        picked = self.d._pick(self.preq, self.tried, self.request.id)
+        if picked is None:
+            return None
+        entry, self.expected_s = picked
+        return entry
+
+    def timed_out(self) -> TimedOut:
+        return TimedOut(
+            f"no answer within timeout_s={self.timeout_s:g}; the request was cancelled "
+            f"where it was (tried: {', '.join(sorted(self.tried)) or 'none'})",
+            request_id=self.request.id,
+        )
+
+    def budget_s(self) -> float:
+        """How long a call may stay unanswered before its node is asked about it."""
+        cfg = self.d.config.router
+        return cfg.call_limit_factor * self.expected_s + cfg.call_grace_s
+
+    def watch(self, entry: _Entry, on_overdue: Callable[[str], None]) -> Flight | None:
+        """Give the call just sent to ``entry`` its limit: the request's deadline or its
+        budget (:meth:`budget_s`), whichever comes first; None when calls are not
+        watched."""
+        w = self.d._watch
+        if w is None:
+            return None
+        budget = self.budget_s()
+        due = self.d._clock.now() + budget
+        deadline = self.request.deadline_unix
+        if deadline is not None:
+            due = min(due, self.d._clock.now() + max(0.0, deadline - time.time()))
+        return w.add(entry, self.request.id, due, budget, self.give_up_at, on_overdue)
+
+    def claim(self, flight: Flight) -> bool:
+        """See :meth:`cluster.limits.CallWatch.claim`."""
+        assert self.d._watch is not None
+        return self.d._watch.claim(flight)
+
+    def overdue(self, entry: _Entry, why: str) -> Final | None:
+        """The watch gave up the call on ``entry``: past the request's timeout, its final
+        answer; its node unresponsive, as after a node loss (None: the next node). The
+        node is told to drop it, best effort."""
+        entry.handle.forget(self.request.id)
+        if why == TIMED_OUT:
+            return self.fail(self.timed_out())
+        return self.lost(
+            entry,
+            how=f"did not answer within {self.d.config.router.probe_timeout_s:g} s while it "
+            "held the request",
+        )
 
     def release(self, entry: _Entry) -> None:
         self.d._release(entry, self.request.id)
@@ -936,18 +1139,21 @@ class _Attempt:
         backoff = min(UNREACHABLE_MAX_WAIT_S, UNREACHABLE_FIRST_WAIT_S * 2**tries)
         return backoff * (0.5 + self.d._jitter.random())
 
-    def lost(self, entry: _Entry, *, sent: bool = True) -> Final | None:
-        """``entry``'s node died with the request: place it again (a generation goes on
-        from the tokens sent). None: try the next node. An at-most-once request the
-        node may have run (it was ``sent``) ends NodeLost instead."""
+    def lost(
+        self, entry: _Entry, *, sent: bool = True, how: str = "was lost while it held the request"
+    ) -> Final | None:
+        """``entry``'s node died with the request (or stopped answering: ``how``):
+        place it again (a generation goes on from the tokens sent). None: try the next
+        node. An at-most-once request the node may have run (it was ``sent``) ends
+        NodeLost instead."""
         self.release(entry)
         self.d._lose(entry)
         r = self.request
         if r.at_most_once and sent:
             return self.fail(
                 NodeLost(
-                    f"node {entry.name} was lost while it held the request, which may "
-                    "have run there; an at_most_once request is not sent again",
+                    f"node {entry.name} {how}, which may have run there; an at_most_once "
+                    "request is not sent again",
                     request_id=r.id,
                 )
             )

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from actors.metrics import (
     NODE_HEALTHY,
+    NODE_RESTARTS,
+    NODE_UNRESPONSIVE,
     NODES_LOST,
     ROUTER_LATENCY,
     ROUTER_REPLACED,
@@ -68,8 +70,13 @@ class RouterMetrics(Recorder):
         self.zero(ROUTER_REPLACED, priority=classes, reason=("evicted", "node_lost"))
 
     def watching(self, nodes: Iterable[str]) -> None:
-        """The router watches ``nodes``: their loss counters start at zero."""
+        """The router watches ``nodes``: their loss and restart counters start at zero,
+        and none is unresponsive."""
+        nodes = list(nodes)
         self.zero(NODES_LOST, node=nodes)
+        self.zero(NODE_RESTARTS, node=nodes)
+        for node in nodes:
+            self.node_unresponsive(node, False)
 
     def answered(
         self, request: InferRequest | GenerateRequest, error: Exception | None, seconds: float
@@ -98,6 +105,12 @@ class RouterMetrics(Recorder):
     def node_lost(self, node: str) -> None:
         self.emit(NODES_LOST, 1, node=node)
         self.node_health(node, False)
+
+    def node_unresponsive(self, node: str, unresponsive: bool) -> None:
+        self.emit(NODE_UNRESPONSIVE, 1 if unresponsive else 0, node=node)
+
+    def node_restarted(self, node: str) -> None:
+        self.emit(NODE_RESTARTS, 1, node=node)
 
 
 # ----------------------------------------------------------- Prometheus discovery

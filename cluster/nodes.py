@@ -104,11 +104,22 @@ class RayNode:
                     answers.append(exc)
         return [(by_ref[ref], a) for ref, a in zip(ready, answers, strict=True)]
 
-    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+    def generate(
+        self, request: GenerateRequest, wait_s: float | None = None
+    ) -> Iterator[TokenChunk | GenerationResult | None]:
         stream = self._handle().generate.remote(request)
         finished = False
         try:
-            for ref in stream:
+            while True:
+                try:
+                    # Ray's own iteration waits without a bound; this one returns a nil
+                    # reference after wait_s (-1: no bound).
+                    ref = stream._next_sync(-1 if wait_s is None else wait_s)
+                except StopIteration:
+                    return
+                if ref.is_nil():
+                    yield None
+                    continue
                 item = ray.get(ref)
                 finished = isinstance(item, GenerationResult)
                 yield item
@@ -118,6 +129,18 @@ class RayNode:
             if not finished:  # the consumer went away: the node stops generating for nobody
                 with contextlib.suppress(Exception):
                     ray.cancel(stream)
+
+    def probe(self, request_ids: Sequence[str], timeout_s: float) -> dict[str, bool] | None:
+        try:
+            ref = self._handle().probe.remote(list(request_ids))
+            answer: dict[str, bool] = ray.get(ref, timeout=timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, NodeGone):
+            return None
+        return answer
+
+    def forget(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            self._handle().cancel.remote(request_id)  # not waited for: it may never answer
 
     # ---------------------------------------------------------- control (router)
 
@@ -138,3 +161,8 @@ class RayNode:
 
     async def cancel(self, request_id: str) -> bool:
         return bool(await self._call("cancel", request_id))
+
+    async def restart(self) -> None:
+        """Kill the node's process; Ray starts the actor again in place (it is created
+        with ``max_restarts=-1``), and the router brings it back into service."""
+        ray.kill(self._handle(), no_restart=False)

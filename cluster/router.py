@@ -1,7 +1,10 @@
 """The fleet router: the placement authority, off the data path.
 
 One router per fleet, a named detached async Ray actor. It keeps the fleet's
-membership and health (polling every node's status), publishes the resulting view to
+membership and health (polling every node's status: a node that died is lost at once;
+one alive but silent for ``router.lost_after_s``, or whose engine is stuck, is
+unresponsive, and after ``router.restart_after_s`` of that it is killed for Ray to
+start it again in place), publishes the resulting view to
 every caller that places requests (:class:`cluster.dispatch.Dispatcher`, inside
 ``FleetClient``), gathers their counters into fleet-wide ones, and forwards control
 calls (cancel, lifecycle events). Requests and their payloads go straight from callers
@@ -15,7 +18,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cluster.dispatch import FleetView, NodeGone, NodeReport
@@ -47,6 +50,10 @@ class NodeControl(Protocol):
 
     async def set_lifecycle(self, state: str) -> NodeStatus: ...
 
+    async def restart(self) -> None:
+        """Kill the node's process so that Ray starts the node again in place."""
+        ...
+
 
 @dataclass
 class NodeEntry:
@@ -55,6 +62,7 @@ class NodeEntry:
     healthy: bool = False
     report: NodeStatus | None = None
     reported_at: float = 0.0
+    out_since: float | None = None  # unresponsive or stuck since (router's clock)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class RouterStatus:
     counters: dict[str, int]
     callers: int = 0  # callers that fetched the fleet view lately (they place requests)
     placement: str = ""  # the placement pipeline: scorers and picker
+    unresponsive: dict[str, float] = field(default_factory=dict)  # node -> seconds so
 
 
 class Router:
@@ -91,6 +100,7 @@ class Router:
         self._placed: dict[str, Mapping[int, int]] = {}  # caller id -> its last placements
         self._watchers: dict[str, asyncio.Task[None]] = {}  # one polling task per node
         self._starting: dict[str, asyncio.Task[NodeStatus]] = {}  # nodes being started
+        self._restarting: dict[str, asyncio.Task[None]] = {}  # nodes being killed
         self._stopping = False
         self._started: asyncio.Future[None] | None = None
         scorers, picker = config.router.placement.params(config.priorities).resolved()
@@ -116,7 +126,7 @@ class Router:
     async def stop(self) -> None:
         """Stop polling the nodes."""
         self._stopping = True
-        tasks = [*self._watchers.values(), *self._starting.values()]
+        tasks = [*self._watchers.values(), *self._starting.values(), *self._restarting.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -149,34 +159,80 @@ class Router:
 
     async def _poll(self, entry: NodeEntry) -> None:
         """Ask one node for its report. Never raises: a dead node is lost at once, a
-        silent one once it has been silent for ``lost_after_s``, one that fails in any
-        other way (its start failed, an unexpected error) is not healthy until it
-        reports again."""
-        timeout = self.config.router.lost_after_s
+        silent one unresponsive once it has been silent for ``lost_after_s``, one that
+        fails in any other way (its start failed, an unexpected error) is not healthy
+        until it reports again."""
+        cfg = self.config.router
         try:
-            report = await asyncio.wait_for(entry.handle.status(), timeout)
+            report = await asyncio.wait_for(
+                entry.handle.status(), min(cfg.probe_timeout_s, cfg.lost_after_s)
+            )
         except NodeGone:
             self._lose(entry)
             return
-        except TimeoutError:  # alive but silent: lost once it has been silent too long
-            if self._clock.now() - entry.reported_at >= timeout:
-                self._lose(entry)
+        except TimeoutError:  # alive but silent: unresponsive once silent too long
+            if self._clock.now() - entry.reported_at >= cfg.lost_after_s:
+                self._out(entry, f"has not reported for {cfg.lost_after_s:g} s")
             return
         except Exception as exc:  # its start failed, or worse: out of service for now
             if entry.healthy or entry.report is None:
                 log.warning("node %s: %s: %s", entry.spec.name, type(exc).__name__, exc)
             self._lose(entry)
             return
-        if report.state in ("starting", "failed"):
+        if report.state in ("starting", "failed", "stuck"):
             entry.report = report
+            if report.state == "stuck":  # its engine hangs: a restart is the cure
+                self._out(entry, f"is stuck: {report.failure}")
+                return
             self._lose(entry)
             if report.state == "starting":  # restarted by Ray: bring it back into service
                 self._bring_up(entry)
             return
+        if entry.out_since is not None:
+            log.info("node %s answers again", entry.spec.name)
+            entry.out_since = None
+            self._metrics.node_unresponsive(entry.spec.name, False)
         if not entry.healthy:
             self._counters["rejoined" if entry.report is not None else "joined"] += 1
         entry.report, entry.reported_at, entry.healthy = report, self._clock.now(), True
         self._metrics.node_health(entry.spec.name, True)
+
+    def _out(self, entry: NodeEntry, why: str) -> None:
+        """``entry``'s node is alive but out of service (silent, or stuck): callers stop
+        sending to it; after ``restart_after_s`` of that it is killed, and Ray starts it
+        again."""
+        name = entry.spec.name
+        now = self._clock.now()
+        if entry.out_since is None:
+            log.warning("node %s %s: unresponsive", name, why)
+            entry.out_since = now
+            self._counters["unresponsive"] += 1
+            self._metrics.node_unresponsive(name, True)
+        if entry.healthy:
+            entry.healthy = False
+            self._metrics.node_health(name, False)
+        after = self.config.router.restart_after_s
+        if after is not None and now - entry.out_since >= after and name not in self._restarting:
+            self._restart(entry)
+
+    def _restart(self, entry: NodeEntry) -> None:
+        """Kill ``entry``'s node (bounded, on its own task); Ray starts it again and
+        the router brings it back into service as any node Ray restarted."""
+        name = entry.spec.name
+        log.warning("node %s: restarting it", name)
+        self._counters["restarted"] += 1
+        self._metrics.node_restarted(name)
+        entry.out_since = self._clock.now()  # the next restart, if any, after as long again
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._restarting.pop(name, None)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("node %s could not be restarted: %s", name, task.exception())
+
+        timeout = self.config.router.probe_timeout_s
+        task = asyncio.create_task(asyncio.wait_for(entry.handle.restart(), timeout))
+        task.add_done_callback(done)
+        self._restarting[name] = task
 
     def _bring_up(self, entry: NodeEntry) -> None:
         """Start a node Ray restarted, on its own task (loading its models takes a
@@ -273,6 +329,9 @@ class Router:
             counters=dict(self._counters),
             callers=sum(1 for t in self._callers.values() if now - t <= CALLER_SEEN_S),
             placement=self._placement,
+            unresponsive={
+                n: now - e.out_since for n, e in self._nodes.items() if e.out_since is not None
+            },
         )
 
     async def status(self, counters: Mapping[str, int] | None = None) -> RouterStatus:

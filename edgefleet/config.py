@@ -304,7 +304,36 @@ class RouterConfig(_Strict):
     placement: PlacementConfig = PlacementConfig()
     max_attempts: int = Field(3, ge=1, le=64, description="nodes tried per request")
     report_interval_s: float = Field(0.5, gt=0, le=60, description="node status polling")
-    lost_after_s: float = Field(3.0, gt=0, description="no report for this long: node lost")
+    lost_after_s: float = Field(
+        3.0,
+        gt=0,
+        description="a node whose actor is alive but has not reported for this long is "
+        "unresponsive (callers stop sending to it); one that died is lost at once",
+    )
+    probe_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="how long the router polling a node, or a caller asking a node about a "
+        "request it holds, waits for the answer",
+    )
+    call_limit_factor: float = Field(
+        4.0,
+        ge=1,
+        description="a request in flight past its deadline or past its expected completion "
+        "x this + call_grace_s makes its caller ask the node about it: a node still holding "
+        "it extends the limit; a node that does not answer within probe_timeout_s is "
+        "unresponsive to that caller and the request is placed again (at_most_once ones end "
+        "NodeLost)",
+    )
+    call_grace_s: float = Field(
+        2.0, gt=0, description="added to every call's limit (see call_limit_factor)"
+    )
+    restart_after_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="a node unresponsive or stuck for this long is killed and Ray starts it "
+        "again in place (its requests follow the node-loss rules); null: never",
+    )
     num_cpus: float = Field(0, ge=0)
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources: pins the router to a machine"

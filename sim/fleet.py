@@ -774,8 +774,14 @@ class _Handle:
     def wait(self, calls: Any, timeout_s: float) -> Any:
         raise NotImplementedError("the simulator places with submit()")
 
-    def generate(self, request: Any) -> Iterator[Any]:
+    def generate(self, request: Any, wait_s: float | None = None) -> Iterator[Any]:
         raise NotImplementedError("the simulator places generations with submit()")
+
+    def probe(self, request_ids: Any, timeout_s: float) -> Any:
+        raise NotImplementedError("simulated nodes do not freeze: calls are not watched")
+
+    def forget(self, request_id: str) -> None:
+        raise NotImplementedError("simulated nodes do not freeze: calls are not watched")
 
 
 @dataclass(frozen=True)

@@ -125,14 +125,33 @@ def x(value: float, rows: int = 1) -> dict[str, np.ndarray]:
 class LocalNode(FutureCalls):
     """A NodeRuntime on a background event loop behind the handles a dispatcher and a
     router use; ``dead = True`` makes it behave like a dead actor (calls in progress
-    fail with NodeGone, as Ray's would)."""
+    fail with NodeGone, as Ray's would); ``frozen = True`` like a stopped process: calls
+    and probes get no answer until it is set back (answers made meanwhile come then)."""
 
     def __init__(self, node: NodeRuntime, loop: asyncio.AbstractEventLoop) -> None:
         self.node = node
         self.loop = loop
         self.dead = False
+        self.frozen = False
         self.unreachable = 0  # calls that run on the node but whose answer is lost
         self.calls = 0
+        self.probes: list[list[str]] = []  # the request ids of each probe answered
+        self.forgotten: list[str] = []
+        self.restarts = 0
+
+    async def _thawed(self) -> None:
+        while self.frozen:
+            await asyncio.sleep(0.01)
+
+    def probe(self, request_ids: Sequence[str], timeout_s: float) -> Mapping[str, bool] | None:
+        if self.dead or self.frozen:
+            return None
+        self.probes.append(list(request_ids))
+        return self.node.probe(request_ids)
+
+    def forget(self, request_id: str) -> None:
+        self.forgotten.append(request_id)
+        asyncio.run_coroutine_threadsafe(self.cancel(request_id), self.loop)
 
     def _gone(self) -> NodeGone:
         return NodeGone(self.node.spec.name)
@@ -151,44 +170,64 @@ class LocalNode(FutureCalls):
         return running
 
     async def _infer(self, request: InferRequest, inputs: Any) -> Reply:
+        await self._thawed()
         task = asyncio.ensure_future(self.node.infer(request, inputs))
-        while not task.done():
+        while not task.done() or self.frozen:
             await asyncio.wait({task}, timeout=0.01)
             if self.dead:
                 task.cancel()
                 raise self._gone()
         return task.result()
 
-    def generate(self, request: GenerateRequest) -> Iterator[TokenChunk | GenerationResult]:
+    def generate(
+        self, request: GenerateRequest, wait_s: float | None = None
+    ) -> Iterator[TokenChunk | GenerationResult | None]:
         self.calls += 1
         if self.dead:
             raise self._gone()
         stream = self.node.generate(request)
+
+        async def next_item() -> Any:
+            await self._thawed()
+            item = await stream.__anext__()
+            await self._thawed()
+            return item
+
         try:
             while True:
-                try:
-                    item = asyncio.run_coroutine_threadsafe(stream.__anext__(), self.loop).result(
-                        60
-                    )
-                except StopAsyncIteration:
-                    return
+                pending = asyncio.run_coroutine_threadsafe(next_item(), self.loop)
+                while True:
+                    try:
+                        item = pending.result(60 if wait_s is None else wait_s)
+                        break
+                    except cf.TimeoutError:
+                        yield None
+                    except StopAsyncIteration:
+                        return
                 if self.dead:
                     raise self._gone()
                 yield item
         finally:
-            asyncio.run_coroutine_threadsafe(stream.aclose(), self.loop).result(60)
+            if not self.frozen:
+                asyncio.run_coroutine_threadsafe(stream.aclose(), self.loop).result(60)
 
     # router side (on the loop)
     async def status(self) -> NodeStatus:
         if self.dead:
             raise self._gone()
+        await self._thawed()
         return self.node.status()
 
     async def start(self) -> NodeStatus:
         return await self.node.start()
 
     async def cancel(self, request_id: str) -> bool:
+        await self._thawed()
         return self.node.cancel(request_id)
+
+    async def restart(self) -> None:
+        self.restarts += 1
+        self.frozen = False  # the process was killed: what it held is lost with it
 
     async def set_lifecycle(self, state: str) -> NodeStatus:
         return self.node.set_lifecycle(state)
@@ -216,7 +255,7 @@ class LocalFleet:
             self.run(h.node.start())
         self.router = Router(config, self.handles, metrics=router_metrics)
         self.run(self.router.start())
-        self.dispatcher = Dispatcher(config, self.handles, metrics=metrics)
+        self.dispatcher = Dispatcher(config, self.handles, metrics=metrics, watch=True)
         self.refresh()
 
     def run(self, coro: Any, timeout: float = 60) -> Any:

@@ -257,8 +257,8 @@ def test_a_stream_whose_node_handle_breaks_ends_with_a_typed_error(lm_fleet):
     handle = f.handles["a"]
     streamed = handle.generate
 
-    def broken(request):  # not a node death: e.g. an item Ray could not fetch
-        items = streamed(request)
+    def broken(request, wait_s=None):  # not a node death: e.g. an item Ray could not fetch
+        items = streamed(request, wait_s)
         yield next(items)
         items.close()
         raise RuntimeError("object lost")
