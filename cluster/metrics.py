@@ -42,7 +42,7 @@ SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"
 OVERVIEW_WINDOW_S = 60.0  # the dashboard's default $window: 1m
 OUTCOMES = (  # how a caller's request ended: completed, or its error's class
     "completed", "rejected", "evicted", "superseded", "deadlineexceeded", "cancelled",
-    "invalidinput", "modelnotfound", "engineerror", "nodelost",
+    "invalidinput", "modelnotfound", "engineerror", "nodelost", "timedout",
 )  # fmt: skip
 
 

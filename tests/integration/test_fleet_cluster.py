@@ -63,6 +63,7 @@ def cluster_fleet(models_dir):
                 "resources": {"head": 0.5},
                 "report_interval_s": 0.2,
                 "lost_after_s": 2.0,
+                "restart_after_s": 6.0,
                 "placement": {"shed": {"background": 0.75}},
             },
         },
@@ -161,6 +162,82 @@ def test_background_is_shed_before_foreground(cluster_fleet):
     shed = [r.error for r in bg_replies if isinstance(r.error, Rejected) and "shed" in str(r.error)]
     assert shed, "background should have been shed at 75% occupancy"
     assert all(r.error is None for r in fg_replies), [r.error for r in fg_replies]
+    wait_idle(client)
+
+
+def _signal(pid, sig):
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _serves(client, node, timeout=120.0):
+    """Wait until ``node`` is in service again and answers a request placed on it."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if client.status().healthy.get(node):
+            replies = FleetClient.gather(
+                [client.submit("slow25", random_inputs("slow")) for _ in range(30)], 120
+            )
+            if any(r.node == node and r.error is None for r in replies):
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"{node} does not serve again")
+
+
+def test_a_frozen_node_holds_no_request_and_serves_again_after(cluster_fleet):
+    """A node's process stopped (SIGSTOP) under load: every request is answered once,
+    within its limit, none is placed there once it is known frozen, and it serves again
+    when continued; frozen for longer, the router restarts it."""
+    _, _, client = cluster_fleet
+    cfg = client.config.router
+    feed = random_inputs("slow")
+    pid = client.status().node("edge-2").pid
+    sent: list[tuple[float, object]] = []
+    frozen_at = 0.0
+    try:
+        for i in range(150):  # about 50 requests/s for 3 s, the node frozen after 1 s
+            if i == 50:
+                _signal(pid, signal.SIGSTOP)
+                frozen_at = time.monotonic()
+            sent.append((time.monotonic(), client.submit("slow25", feed, deadline_s=1.0)))
+            time.sleep(0.02)
+        replies = FleetClient.gather([f for _, f in sent], 120)
+        answered = time.monotonic()
+    finally:
+        _signal(pid, signal.SIGCONT)
+    assert len({r.request_id for r in replies}) == 150  # one answer each
+    kinds = Counter("ok" if r.error is None else type(r.error).__name__ for r in replies)
+    assert set(kinds) <= {"ok", "DeadlineExceeded"}, kinds
+    # Each within its limit: the deadline, one probe, and a second node's answer.
+    limit_s = 1.0 + cfg.probe_timeout_s + 5.0
+    late = [
+        r.request_id
+        for (at, fut), r in zip(sent, replies, strict=True)
+        if fut.done() and r.node == "edge-2" and at > frozen_at
+    ]
+    assert not late, f"placed on the frozen node and answered by it: {late[:3]}"
+    assert answered - sent[-1][0] < limit_s + 60  # nothing waited for the node to wake
+    assert client.counters().get("replaced", 0) >= 1
+    status = client.status()
+    assert status.router.get("unresponsive", 0) >= 1, status.router
+    _serves(client, "edge-2")
+
+    # Frozen past router.restart_after_s: killed, and Ray starts it again in place.
+    before = client.status().router.get("restarted", 0)
+    _signal(pid, signal.SIGSTOP)
+    try:
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            status = client.status()
+            if status.router.get("restarted", 0) > before and status.healthy.get("edge-2"):
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"edge-2 was not restarted: {status.router}")
+    finally:
+        _signal(pid, signal.SIGCONT)
+    assert status.node("edge-2").pid != pid
+    _serves(client, "edge-2")
     wait_idle(client)
 
 

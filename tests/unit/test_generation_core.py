@@ -118,13 +118,13 @@ def lm_path(tmp_path_factory) -> Path:
 def lm_fleet(lm_path):
     made = []
 
-    def make(names=("a", "b")):
+    def make(names=("a", "b"), **router):
         config = parse_config(
             {
                 "fleet": {"name": "g"},
                 "models": {"lm": {"path": str(lm_path), "kind": "decoder"}},
                 "nodes": [{"name": n} for n in names],
-                "router": {"report_interval_s": 0.02, "lost_after_s": 0.5},
+                "router": {"report_interval_s": 0.02, "lost_after_s": 0.5, **router},
             },
             lm_path.parent,
         )
@@ -194,6 +194,28 @@ def test_streams_spill_and_continue_after_node_loss(lm_path, lm_fleet):
 
     _, missing = collect(f, GenerateRequest("nope", prompt))
     assert isinstance(missing.error, ModelNotFound)
+
+
+def test_a_stream_whose_node_freezes_goes_on_elsewhere_with_each_token_once(lm_path, lm_fleet):
+    f = lm_fleet(probe_timeout_s=0.2, call_grace_s=0.3)
+    prompt = tuple(range(5, 25))
+    expected = reference(lm_path, prompt, 300)
+    frozen: list[str] = []
+
+    def freeze(sent):
+        if len(sent) >= 20 and not frozen:
+            handle = next(h for h in f.handles.values() if h.node._gens.live)
+            handle.frozen = True  # a stopped process: no token, no answer to a probe
+            frozen.append(handle.node.spec.name)
+
+    try:
+        tokens, result = collect(f, GenerateRequest("lm", prompt, max_new_tokens=300), freeze)
+    finally:
+        for h in f.handles.values():
+            h.frozen = False
+    assert frozen and result.node != frozen[0] and result.error is None
+    assert tokens == expected == list(result.tokens)  # each token once, none lost
+    assert f.dispatcher.counted()["replaced"] == 1
 
 
 def test_an_at_most_once_generation_ends_node_lost_with_its_tokens_when_its_node_dies(
