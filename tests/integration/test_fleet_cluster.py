@@ -63,7 +63,7 @@ def cluster_fleet(models_dir):
                 "resources": {"head": 0.5},
                 "report_interval_s": 0.2,
                 "lost_after_s": 2.0,
-                "restart_after_s": 6.0,
+                "restart_after_s": 10.0,
                 "placement": {"shed": {"background": 0.75}},
             },
         },
@@ -192,31 +192,45 @@ def test_a_frozen_node_holds_no_request_and_serves_again_after(cluster_fleet):
     cfg = client.config.router
     feed = random_inputs("slow")
     pid = client.status().node("edge-2").pid
-    sent: list[tuple[float, object]] = []
+    handle = client._dispatcher._nodes["edge-2"].handle
+    sends_there: list[float] = []
+    send = handle.infer
+
+    def recorded(*args, **kw):
+        sends_there.append(time.monotonic())
+        return send(*args, **kw)
+
+    handle.infer = recorded  # type: ignore[method-assign]
+    took: dict[str, float] = {}
+    futures = []
     frozen_at = 0.0
     try:
-        for i in range(150):  # about 50 requests/s for 3 s, the node frozen after 1 s
+        for i in range(350):  # about 50 requests/s: 1 s, then 6 s with the node frozen
             if i == 50:
                 _signal(pid, signal.SIGSTOP)
                 frozen_at = time.monotonic()
-            sent.append((time.monotonic(), client.submit("slow25", feed, deadline_s=1.0)))
+            fut = client.submit("slow25", feed, deadline_s=1.0)
+            t0 = time.monotonic()
+            fut.add_done_callback(
+                lambda f, t0=t0: took.update({f.result().request_id: time.monotonic() - t0})
+            )
+            futures.append(fut)
             time.sleep(0.02)
-        replies = FleetClient.gather([f for _, f in sent], 120)
-        answered = time.monotonic()
+        replies = FleetClient.gather(futures, 120)
     finally:
+        handle.infer = send  # type: ignore[method-assign]
         _signal(pid, signal.SIGCONT)
-    assert len({r.request_id for r in replies}) == 150  # one answer each
+    assert len({r.request_id for r in replies}) == 350  # one answer each
     kinds = Counter("ok" if r.error is None else type(r.error).__name__ for r in replies)
     assert set(kinds) <= {"ok", "DeadlineExceeded"}, kinds
-    # Each within its limit: the deadline, one probe, and a second node's answer.
-    limit_s = 1.0 + cfg.probe_timeout_s + 5.0
-    late = [
-        r.request_id
-        for (at, fut), r in zip(sent, replies, strict=True)
-        if fut.done() and r.node == "edge-2" and at > frozen_at
-    ]
-    assert not late, f"placed on the frozen node and answered by it: {late[:3]}"
-    assert answered - sent[-1][0] < limit_s + 60  # nothing waited for the node to wake
+    # Each within its limit (its deadline, one probe, another node's answer), with room
+    # for a busy machine; without limits, those the node held wait for it to wake.
+    limit_s = 1.0 + cfg.probe_timeout_s
+    slow = sorted(took.values())[-3:]
+    assert slow[-1] < limit_s + 4.0, slow
+    # Once the limit of the first requests it held passed, nothing more went there.
+    assert any(t > frozen_at for t in sends_there)  # it held some
+    assert max(sends_there) < frozen_at + limit_s + 2.0, max(sends_there) - frozen_at
     assert client.counters().get("replaced", 0) >= 1
     status = client.status()
     assert status.router.get("unresponsive", 0) >= 1, status.router
