@@ -415,7 +415,9 @@ class FleetClient:
             raise
         fresh = {n.name: NodeReport(n, rs.healthy.get(n.name, False), 0.0) for n in rs.nodes}
         self._dispatcher.update(FleetView(fresh))  # place on these fresh reports too
-        return FleetStatus(rs.fleet, rs.nodes, rs.healthy, rs.counters, rs.callers, rs.placement)
+        return FleetStatus(
+            rs.fleet, rs.nodes, rs.healthy, rs.counters, rs.callers, rs.placement, rs.unresponsive
+        )
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""

@@ -188,6 +188,8 @@ class FleetStatus:
     router: dict[str, int] = field(default_factory=dict)
     callers: int = 0  # processes placing requests lately
     placement: str = ""  # the placement pipeline
+    # nodes alive but not answering the router, or stuck: seconds they have been so
+    unresponsive: dict[str, float] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, int]:
