@@ -45,13 +45,21 @@ from edgefleet.errors import Cancelled, EdgeFleetError, EngineError, InvalidInpu
 from edgefleet.messages import (
     MAX_REPORTED_SESSIONS,
     NODE_COUNTERS,
+    NODE_MOVES,
     GenerationResult,
     ModelStatus,
+    NodeState,
     NodeStatus,
     Reply,
     TokenChunk,
 )
-from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
+from edgefleet.request import (
+    GenerateRequest,
+    IllegalTransition,
+    InferRequest,
+    Request,
+    RequestState,
+)
 from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
 
 S = RequestState
@@ -110,8 +118,8 @@ class NodeRuntime:
         self._callers: Counter[str] = Counter()  # callers awaiting each request id
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._switches: deque[tuple[str, asyncio.Future[None]]] = deque()
-        self._state = "starting"
-        self._failure = ""  # why the node is out of service ("failed")
+        self._state = NodeState.STARTING  # moved only by _move
+        self._failure = ""  # why the node is out of service (failed)
         self._start_error: Exception | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -128,7 +136,7 @@ class NodeRuntime:
             self._starting = asyncio.get_running_loop().create_future()
             try:
                 await self._start()
-            except Exception as exc:  # a later start() says so again; status says "failed"
+            except Exception as exc:  # a later start() says so again; status says failed
                 self._fail(f"start failed: {exc}")
                 self._start_error = exc
             finally:
@@ -150,7 +158,13 @@ class NodeRuntime:
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
         self._task.add_done_callback(self._serve_ended)
-        self._state = "serving"
+        self._move(NodeState.SERVING)
+
+    def _move(self, to: NodeState) -> None:
+        """Change the service state, along an edge of ``NODE_MOVES`` only."""
+        if to not in NODE_MOVES[self._state]:
+            raise IllegalTransition(f"node {self.spec.name}: {self._state.name} -> {to.name}")
+        self._state = to
 
     def _serve_ended(self, task: asyncio.Task[None]) -> None:
         """Supervision of the serve loop, which ends only when stopped: a loop that
@@ -164,9 +178,11 @@ class NodeRuntime:
     def _fail(self, reason: str) -> None:
         """Out of service for good: status says ``failed`` and why (the router then
         counts the node lost); queued and paused work ends Cancelled naming the reason,
-        so its callers can send it again (a retry under the same id runs elsewhere)."""
+        so its callers can send it again (a retry under the same id runs elsewhere). A
+        stopped node stays stopped."""
         self._failure = reason
-        self._state = "failed"
+        if self._state not in (NodeState.FAILED, NodeState.STOPPED):
+            self._move(NodeState.FAILED)
         self._sched.draining = True
         self._end_all(f"node {self.spec.name} failed ({reason}); send it again")
 
@@ -183,7 +199,9 @@ class NodeRuntime:
         self._settle(ended)
 
     async def stop(self) -> NodeStatus:
-        """Cancel queued work, abort the running call, unload models."""
+        """Cancel queued work, abort the running call, unload models. Idempotent."""
+        if self._state is NodeState.STOPPED:
+            return self.status()
         with self._lock:
             self._sched.draining = True
             cancelled = self._sched.cancel_all(f"node {self.spec.name} stopped")
@@ -196,20 +214,24 @@ class NodeRuntime:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._end_all(f"node {self.spec.name} stopped")
-        self._state = "stopped"
+        self._move(NodeState.STOPPED)
         if self._trace is not None:
             self._trace.close()
         await self._engine.close()
         return self.status()
 
     async def drain(self) -> NodeStatus:
-        """Refuse new work, finish what is queued and running, then return."""
+        """Refuse new work, finish what is queued and running, then return. A node that
+        is not serving (drained already, failed, stopped) has nothing to drain."""
         assert self._idle is not None and self._wake is not None, "start() first"
-        self._sched.draining = True
-        self._state = "draining"
-        self._wake.set()
-        await self._idle.wait()
-        self._state = "drained"
+        if self._state is NodeState.SERVING:
+            self._sched.draining = True
+            self._move(NodeState.DRAINING)
+            self._wake.set()
+        if self._state is NodeState.DRAINING:
+            await self._idle.wait()
+            if self._state is NodeState.DRAINING:
+                self._move(NodeState.DRAINED)
         return self.status()
 
     async def switch_model(self, model: str) -> NodeStatus:

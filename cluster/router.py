@@ -25,7 +25,7 @@ from cluster.nodes import RayNode
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import InvalidInput, NodeLost
-from edgefleet.messages import NodeStatus
+from edgefleet.messages import NodeState, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,10 @@ class Router:
                 log.warning("node %s: %s: %s", entry.spec.name, type(exc).__name__, exc)
             self._lose(entry)
             return
-        if report.state in ("starting", "failed"):
+        if report.state in (NodeState.STARTING, NodeState.FAILED):
             entry.report = report
             self._lose(entry)
-            if report.state == "starting":  # restarted by Ray: bring it back into service
+            if report.state == NodeState.STARTING:  # restarted by Ray: bring it back into service
                 self._bring_up(entry)
             return
         if not entry.healthy:
