@@ -70,7 +70,7 @@ UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at most this
 # A node in one of these states refuses new work: placement passes it over.
 _TAKES_NO_WORK = frozenset(
-    {NodeState.DRAINING, NodeState.DRAINED, NodeState.STOPPED, NodeState.STARTING}
+    {NodeState.DRAINING, NodeState.DRAINED, NodeState.STOPPED, NodeState.STARTING, NodeState.STUCK}
 )
 Final = Reply | GenerationResult
 
