@@ -80,8 +80,10 @@ STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together...
 BULK_STREAM_INTERVAL_S = 0.02
 LINGER_S = 0.002  # an engine thread with nothing to run waits this long for an arrival
 # The watchdog looks this many times per shortest time limit (a model's max_call_s, or
-# stuck_after_s): a call is terminated within a tenth of its limit past it.
+# stuck_after_s): a call is terminated within a tenth of its limit past it. It never
+# looks more often than every WATCH_MIN_S, whatever the limits.
 WATCH_STEPS = 10
+WATCH_MIN_S = 0.01
 
 
 class NodeRuntime:
@@ -171,7 +173,8 @@ class NodeRuntime:
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
         self._task.add_done_callback(self._supervised("serve loop"))
         limits = [self._call_limit_s(i.name, 1) for i in infos]
-        self._watch_s = min([*limits, self.spec.stuck_after_s]) / WATCH_STEPS
+        shortest = min([*limits, self.spec.stuck_after_s])
+        self._watch_s = max(WATCH_MIN_S, shortest / WATCH_STEPS)
         self._watchdog = asyncio.create_task(self._watch(), name=f"watch-{self.spec.name}")
         self._watchdog.add_done_callback(self._supervised("watchdog"))
         self._move(NodeState.SERVING)

@@ -4,6 +4,7 @@ goes stuck when one does not stop (fake engines, a fake clock)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from actors.node import NodeRuntime
 from edgefleet.clock import FakeClock
 from edgefleet.config import ModelConfig
 from edgefleet.errors import EngineTimeout, Evicted, Rejected
-from edgefleet.messages import NodeState
+from edgefleet.messages import GenerationResult, NodeState
+from edgefleet.modelgen import make_tiny_lm
+from edgefleet.request import GenerateRequest
 from tests.fakes import HANG, FakeLoader, fake_spec
 from tests.unit.test_node import req
 
@@ -141,6 +144,67 @@ def test_a_watchdog_that_dies_fails_the_node():
         await until(lambda: node.status().state == "failed")
         assert "watchdog" in node.status().failure and "watchdog bug" in node.status().failure
         assert isinstance((await node.infer(req())).error, Rejected)
+        await node.stop()
+
+    run(main())
+
+
+async def _result(node: NodeRuntime, request: GenerateRequest) -> GenerationResult:
+    items = [item async for item in node.generate(request)]
+    assert isinstance(items[-1], GenerationResult)
+    return items[-1]
+
+
+def test_a_generation_is_timed_from_its_last_token_and_ended_at_a_boundary(tmp_path):
+    """A generation may run as long as it makes tokens within max_call_s of each other;
+    one that makes none for longer is stopped and ends in EngineTimeout."""
+    lm = make_tiny_lm(tmp_path / "lm.onnx")
+    spec = fake_spec({"lm": {"path": lm, "kind": "decoder", "max_call_s": 1.0}})
+    clock = FakeClock()
+
+    async def main():
+        node = NodeRuntime(spec, clock=clock)
+        await node.start()
+        engine = node._models.resident("lm")
+        step = engine.step
+        watch = node._engine.watch
+        looked = threading.Event()
+
+        def watched(*args):
+            stuck = watch(*args)
+            looked.set()
+            return stuck
+
+        node._engine.watch = watched
+
+        def slow_step(gen, stop=None):  # each token 0.6 s after the last: 3 s in all
+            clock.advance(0.6)
+            for _ in range(2):  # the second look began after the clock moved
+                looked.clear()
+                looked.wait(30)
+            return step(gen, stop)
+
+        engine.step = slow_step
+        slow = await _result(node, GenerateRequest("lm", (1, 2, 3), max_new_tokens=5))
+        assert slow.error is None and len(slow.tokens) == 5
+
+        entered = threading.Event()
+
+        def hung_step(gen, stop=None):  # a step that never makes its token
+            entered.set()
+            stop.wait(30)
+
+        engine.step = hung_step
+        hung = asyncio.create_task(_result(node, GenerateRequest("lm", (1, 2, 3))))
+        await until(entered.is_set)
+        clock.advance(1.5)
+        result = await asyncio.wait_for(hung, 30)
+        assert isinstance(result.error, EngineTimeout) and "max_call_s" in str(result.error)
+
+        engine.step = step
+        again = await _result(node, GenerateRequest("lm", (1, 2, 3), max_new_tokens=3))
+        assert again.error is None and len(again.tokens) == 3
+        assert node.status().state is NodeState.SERVING
         await node.stop()
 
     run(main())
