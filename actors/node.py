@@ -304,8 +304,8 @@ class NodeRuntime:
         self._counters["received"] += 1
         try:
             req = self._make_request(request)
-        except EdgeFleetError as exc:
-            self._counters["invalid"] += 1
+        except EdgeFleetError as exc:  # refused (not serving) or invalid
+            self._counters["rejected" if isinstance(exc, Rejected) else "invalid"] += 1
             exc.request_id = request.id
             return Reply(request.id, self.spec.name, error=exc)
         return await self._wait(req.id, self._admit(req))
@@ -380,8 +380,8 @@ class NodeRuntime:
 
         try:
             req, gen = self._make_generation(request, emitted)
-        except EdgeFleetError as exc:
-            self._counters["invalid"] += 1
+        except EdgeFleetError as exc:  # refused (not serving) or invalid
+            self._counters["rejected" if isinstance(exc, Rejected) else "invalid"] += 1
             exc.request_id = request.id
             yield GenerationResult(request.id, self.spec.name, error=exc)
             return

@@ -12,10 +12,11 @@ import pytest
 from actors.engine import Signature
 from actors.models import ModelInfo
 from actors.node import NodeRuntime
+from cluster.cli import status_table
 from edgefleet.clock import FakeClock
 from edgefleet.config import ModelConfig
 from edgefleet.errors import EngineTimeout, Evicted, Rejected
-from edgefleet.messages import GenerationResult, NodeState
+from edgefleet.messages import FleetStatus, GenerationResult, NodeState
 from edgefleet.modelgen import make_tiny_lm
 from edgefleet.request import GenerateRequest
 from tests.fakes import HANG, FakeLoader, fake_spec
@@ -90,6 +91,10 @@ def test_a_call_that_does_not_stop_makes_the_node_stuck_until_it_returns():
             assert isinstance(q.error, Evicted) and "stuck" in str(q.error)
         refused = await node.infer(req())
         assert isinstance(refused.error, Rejected) and "is stuck" in str(refused.error)
+        status = node.status()
+        assert status.counters["rejected"] == 1 and status.counters["evicted"] == 2
+        table = status_table(FleetStatus("f", (status,), {status.name: True}))
+        assert "stuck: an engine call of model 'm'" in table
         assert (await node.drain()).state == "stuck"  # nothing to drain: no wait
 
         engine.unstick.set()  # the call returns at last
