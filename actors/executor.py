@@ -3,7 +3,8 @@
 The node's event loop never blocks: it hands every load and every call to the one
 engine thread here and awaits it. ``abort`` stops the call in progress (an inference
 call through ONNX Runtime's terminate flag, a generation at its next token boundary),
-or, when it comes first, the call that is about to start.
+or, when it comes first, the call that is about to start. ``watch`` does the same to a
+call that runs past its time limit, and tells when such a call does not stop.
 
 Inference calls can run back to back (``chain``): after each call the engine thread
 asks the node for the next one and starts it at once, so the engine does not idle
@@ -30,6 +31,7 @@ from actors.decoder import DecoderEngine, Generation
 from actors.engine import Engine, RunAborted
 from actors.models import ModelManager
 from edgefleet.clock import Clock
+from edgefleet.errors import EngineTimeout
 
 if TYPE_CHECKING:
     from actors.scheduler import Plan
@@ -53,6 +55,8 @@ class Call:
 # After each chained call, on the engine thread: (the call, its outputs or the exception
 # it raised, its engine seconds) -> the call to start next, or None to stop.
 Follow = Callable[[Call, "Outputs | Exception", float], "Call | None"]
+# (model, rows) -> the seconds one engine call of that model and size may run
+CallLimit = Callable[[str, int], float]
 
 
 def _gil_holding_write() -> Callable[[int, bytes, int], int] | None:
@@ -134,6 +138,14 @@ class EngineThread:
         self._loaded_at = -math.inf  # when the last load ended (node clock)
         self._abort_at: float | None = None  # when the call in progress was asked to abort
         self._aborted_s = 0.0  # the last aborted call's wait to stop, for the next call
+        # The call in progress, as the watchdog sees it: its model and rows (generations),
+        # when it began or (a generation) last made a token, None when no call runs; and,
+        # once it ran past its limit, when it was terminated and what its requests get.
+        self._model = ""
+        self._rows = 0
+        self._since: float | None = None
+        self._terminated_at: float | None = None
+        self._timeout: EngineTimeout | None = None
 
     async def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the engine thread (probing, closing)."""
@@ -179,20 +191,24 @@ class EngineThread:
             if engine is None:
                 return call
             self._abort_at = None  # first: abort() sets it only once the engine is set
+            self._terminated_at = self._timeout = None
             self._engine, self._stop = engine, call.stop
             t0 = self._clock.now()
             call.ran_at, call.handoff_s = t0, max(0.0, t0 - ready)
             call.abort_s, self._aborted_s = self._aborted_s, 0.0
+            self._model, self._rows, self._since = call.plan.model, call.plan.rows, t0
             result: Outputs | Exception
             try:
                 result = engine.run([r.inputs for r in call.plan.requests], call.stop)
             except Exception as exc:  # the node sorts aborts, input and engine failures
                 result = exc
             finally:
-                self._engine = self._stop = None
+                self._engine = self._stop = self._since = None
             ended = self._clock.now()
             if isinstance(result, RunAborted) and self._abort_at is not None:
                 self._aborted_s = max(0.0, ended - self._abort_at)
+            if isinstance(result, RunAborted) and self._timeout is not None:
+                result = self._timeout  # terminated by the watchdog
             following = follow(call, result, ended - t0)
             if following is None:
                 return None
@@ -204,17 +220,56 @@ class EngineThread:
     ) -> dict[str, str | None]:
         """Decode ``gens`` together until each ends (its finish reason, by request id)
         or the call is stopped (None: paused at a token boundary). ``before`` runs once
-        the model is resident."""
+        the model is resident. EngineTimeout when the watchdog terminated the call: it
+        went longer than its limit without a token (see ``progressed``)."""
         stop = self._stop = threading.Event()
         try:
             engine = await self.load(model)
             assert isinstance(engine, DecoderEngine), f"{model} is not a decoder"
             self._engine = engine
             before()
+            self._terminated_at = self._timeout = None
+            self._model, self._rows, self._since = model, len(gens), self._clock.now()
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pool, engine.advance_batch, gens, stop)
+            reasons = await loop.run_in_executor(self._pool, engine.advance_batch, gens, stop)
+            if self._timeout is not None:
+                raise self._timeout
+            return reasons
         finally:
-            self._engine = self._stop = None
+            self._engine = self._stop = self._since = None
+
+    def progressed(self, now: float) -> None:
+        """A generation made a token (on the engine thread): its call's time limit
+        counts from here."""
+        self._since = now
+
+    def watch(self, now: float, limit_s: CallLimit, grace_s: float) -> str | None:
+        """The watchdog's look at the call in progress (on the loop, under the lock
+        that keeps the engine thread from moving on to another call): terminate it
+        once it has run past ``limit_s(model, rows)``; its requests then get
+        EngineTimeout. Returns why the engine is stuck once the call has not stopped
+        ``grace_s`` after that; None otherwise."""
+        since = self._since
+        if since is None:
+            return None
+        model = self._model
+        if self._terminated_at is None:
+            limit = limit_s(model, self._rows)
+            if now - since > limit:
+                self._terminated_at = now
+                self._timeout = EngineTimeout(
+                    f"model {model!r}: the engine call ran past its max_call_s of {limit:g} s "
+                    f"and was terminated; if its calls may take longer, raise "
+                    f"models.{model}.max_call_s"
+                )
+                self.abort()
+            return None
+        if now - self._terminated_at < grace_s:
+            return None
+        return (
+            f"an engine call of model {model!r} ran past its max_call_s and has not "
+            f"stopped {now - self._terminated_at:.0f} s after it was terminated"
+        )
 
     def stop_at_boundary(self) -> None:
         """End a decode call at its next token boundary, letting a prefill in progress
@@ -234,7 +289,10 @@ class EngineThread:
         if engine is not None:
             engine.abort()
 
-    async def close(self) -> None:
-        """Unload every model, then let the thread go."""
-        await self.call(self._models.close)
+    async def close(self, timeout_s: float) -> None:
+        """Unload every model, then let the thread go. A thread a call still holds
+        after ``timeout_s`` (it did not stop when aborted) is let go as it is: its
+        models are unloaded if that call ever ends."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.call(self._models.close), timeout_s)
         self._pool.shutdown(wait=False)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from edgefleet.clock import Clock, MonotonicClock
-from edgefleet.messages import LATENCY_BUCKETS, MetricsSummary, NodeStatus
+from edgefleet.messages import LATENCY_BUCKETS, MetricsSummary, NodeState, NodeStatus
 from edgefleet.request import DEFAULT_PRIORITIES, TERMINAL_STATES, RequestState
 from policies.budget import LIFECYCLE_STATES
 
@@ -50,7 +50,7 @@ BATCH_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 # of a busy process contend for it, many from one thread at once much less.
 COUNTER_FLUSH_S = 1.0
 
-NODE_STATES = ("starting", "serving", "draining", "drained", "stopped", "failed")
+NODE_STATES = tuple(NodeState)
 
 
 @dataclass(frozen=True)
@@ -628,7 +628,7 @@ class NodeMetrics(Recorder):
         for kind, n in status.kv_bytes.items():
             self.emit(KV_BYTES, n, kind=kind)
         for s in {*NODE_STATES, status.state}:
-            self.emit(NODE_STATE, 1 if s == status.state else 0, state=s)
+            self.emit(NODE_STATE, 1 if s == status.state else 0, state=str(s))
         for m in status.models:
             self.emit(MODEL_RESIDENT, 1 if m.loaded else 0, model=m.name)
         self.emit(RSS_BYTES, status.rss_mb * 1024 * 1024)

@@ -52,6 +52,17 @@ class ModelInfo:
     stop_ids: tuple[int, ...] = ()  # the config's, else the model's eos_token_id
     exact_grouping: bool = False  # outputs depend on how tokens are grouped into calls
 
+    def max_call_s(self, rows: int, factor: float, floor_s: float) -> float:
+        """How long one engine call of ``rows`` rows (a decoder: generations) may run:
+        the configured ``max_call_s``, else ``factor`` times the measured cost of the
+        largest batch measured (scaled up by rows past it), and at least ``floor_s``."""
+        if self.config.max_call_s is not None:
+            return self.config.max_call_s
+        if not self.costs_s:
+            return floor_s
+        size, cost = max(self.costs_s.items())
+        return max(floor_s, factor * cost * max(1.0, rows / size))
+
 
 class ModelManager:
     """Keeps the node's resident models within ``budget_mb``, least recently used out first.

@@ -41,17 +41,32 @@ from actors.scheduler import LocalScheduler, Outcome, Plan, rules_for
 from actors.trace import NodeTrace
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import NodeSpec
-from edgefleet.errors import Cancelled, EdgeFleetError, EngineError, InvalidInput, Rejected
+from edgefleet.errors import (
+    Cancelled,
+    EdgeFleetError,
+    EngineError,
+    EngineTimeout,
+    InvalidInput,
+    Rejected,
+)
 from edgefleet.messages import (
     MAX_REPORTED_SESSIONS,
     NODE_COUNTERS,
+    NODE_MOVES,
     GenerationResult,
     ModelStatus,
+    NodeState,
     NodeStatus,
     Reply,
     TokenChunk,
 )
-from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
+from edgefleet.request import (
+    GenerateRequest,
+    IllegalTransition,
+    InferRequest,
+    Request,
+    RequestState,
+)
 from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
 
 S = RequestState
@@ -64,6 +79,11 @@ STREAM_INTERVAL_S = 0.002  # tokens made within this interval travel together...
 # at a time through a node, on 2 cores).
 BULK_STREAM_INTERVAL_S = 0.02
 LINGER_S = 0.002  # an engine thread with nothing to run waits this long for an arrival
+# The watchdog looks this many times per shortest time limit (a model's max_call_s, or
+# stuck_after_s): a call is terminated within a tenth of its limit past it. It never
+# looks more often than every WATCH_MIN_S, whatever the limits.
+WATCH_STEPS = 10
+WATCH_MIN_S = 0.01
 
 
 class NodeRuntime:
@@ -110,12 +130,14 @@ class NodeRuntime:
         self._callers: Counter[str] = Counter()  # callers awaiting each request id
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._switches: deque[tuple[str, asyncio.Future[None]]] = deque()
-        self._state = "starting"
-        self._failure = ""  # why the node is out of service ("failed")
+        self._state = NodeState.STARTING  # moved only by _move
+        self._failure = ""  # why the node is out of service (failed, stuck)
         self._start_error: Exception | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._watch_s = 1.0  # the watchdog's period (set at start from the time limits)
         self._starting: asyncio.Future[None] | None = None
         self._recent = RecentReplies()  # answers that serve retries of known ids
 
@@ -128,7 +150,7 @@ class NodeRuntime:
             self._starting = asyncio.get_running_loop().create_future()
             try:
                 await self._start()
-            except Exception as exc:  # a later start() says so again; status says "failed"
+            except Exception as exc:  # a later start() says so again; status says failed
                 self._fail(f"start failed: {exc}")
                 self._start_error = exc
             finally:
@@ -149,24 +171,42 @@ class NodeRuntime:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
-        self._task.add_done_callback(self._serve_ended)
-        self._state = "serving"
+        self._task.add_done_callback(self._supervised("serve loop"))
+        limits = [self._call_limit_s(i.name, 1) for i in infos]
+        shortest = min([*limits, self.spec.stuck_after_s])
+        self._watch_s = max(WATCH_MIN_S, shortest / WATCH_STEPS)
+        self._watchdog = asyncio.create_task(self._watch(), name=f"watch-{self.spec.name}")
+        self._watchdog.add_done_callback(self._supervised("watchdog"))
+        self._move(NodeState.SERVING)
 
-    def _serve_ended(self, task: asyncio.Task[None]) -> None:
-        """Supervision of the serve loop, which ends only when stopped: a loop that
-        died is logged, and the node stops taking work and answers what it held."""
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
-        log.error("node %s: the serve loop failed", self.spec.name, exc_info=exc)
-        self._fail(f"its serve loop stopped: {type(exc).__name__}: {exc}")
+    def _move(self, to: NodeState) -> None:
+        """Change the service state, along an edge of ``NODE_MOVES`` only."""
+        if to not in NODE_MOVES[self._state]:
+            raise IllegalTransition(f"node {self.spec.name}: {self._state.name} -> {to.name}")
+        self._state = to
+
+    def _supervised(self, what: str) -> Callable[[asyncio.Task[None]], None]:
+        """Supervision of a task that ends only when the node stops (the serve loop,
+        the watchdog): one that died is logged, and the node fails: it stops taking
+        work and answers what it held."""
+
+        def ended(task: asyncio.Task[None]) -> None:
+            if task.cancelled() or task.exception() is None:
+                return
+            exc = task.exception()
+            log.error("node %s: the %s failed", self.spec.name, what, exc_info=exc)
+            self._fail(f"its {what} stopped: {type(exc).__name__}: {exc}")
+
+        return ended
 
     def _fail(self, reason: str) -> None:
         """Out of service for good: status says ``failed`` and why (the router then
         counts the node lost); queued and paused work ends Cancelled naming the reason,
-        so its callers can send it again (a retry under the same id runs elsewhere)."""
+        so its callers can send it again (a retry under the same id runs elsewhere). A
+        stopped node stays stopped."""
         self._failure = reason
-        self._state = "failed"
+        if self._state not in (NodeState.FAILED, NodeState.STOPPED):
+            self._move(NodeState.FAILED)
         self._sched.draining = True
         self._end_all(f"node {self.spec.name} failed ({reason}); send it again")
 
@@ -183,7 +223,12 @@ class NodeRuntime:
         self._settle(ended)
 
     async def stop(self) -> NodeStatus:
-        """Cancel queued work, abort the running call, unload models."""
+        """Cancel queued work, abort the running call, unload models. Idempotent."""
+        if self._state is NodeState.STOPPED:
+            return self.status()
+        stuck = self._state is NodeState.STUCK
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         with self._lock:
             self._sched.draining = True
             cancelled = self._sched.cancel_all(f"node {self.spec.name} stopped")
@@ -196,26 +241,33 @@ class NodeRuntime:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._end_all(f"node {self.spec.name} stopped")
-        self._state = "stopped"
+        self._move(NodeState.STOPPED)
         if self._trace is not None:
             self._trace.close()
-        await self._engine.close()
+        # A call that does not stop holds the engine thread: wait for it no longer.
+        await self._engine.close(0.0 if stuck else self.spec.stuck_after_s)
         return self.status()
 
     async def drain(self) -> NodeStatus:
-        """Refuse new work, finish what is queued and running, then return."""
+        """Refuse new work, finish what is queued and running, then return. A node that
+        is not serving has nothing to drain (a stuck one is drained when its call
+        returns)."""
         assert self._idle is not None and self._wake is not None, "start() first"
         self._sched.draining = True
-        self._state = "draining"
-        self._wake.set()
-        await self._idle.wait()
-        self._state = "drained"
+        if self._state is NodeState.SERVING:
+            self._move(NodeState.DRAINING)
+            self._wake.set()
+        if self._state is NodeState.DRAINING:
+            await self._idle.wait()
+            if self._state is NodeState.DRAINING:
+                self._move(NodeState.DRAINED)
         return self.status()
 
     async def switch_model(self, model: str) -> NodeStatus:
         """Make ``model`` resident now: the current call finishes, new calls wait
         (they stay queued) while the model loads, then serving resumes."""
         self._models.info(model)  # ModelNotFound for a model this node does not serve
+        self._check_serving()
         assert self._wake is not None, "start() first"
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._switches.append((model, done))
@@ -252,8 +304,8 @@ class NodeRuntime:
         self._counters["received"] += 1
         try:
             req = self._make_request(request)
-        except EdgeFleetError as exc:
-            self._counters["invalid"] += 1
+        except EdgeFleetError as exc:  # refused (not serving) or invalid
+            self._counters["rejected" if isinstance(exc, Rejected) else "invalid"] += 1
             exc.request_id = request.id
             return Reply(request.id, self.spec.name, error=exc)
         return await self._wait(req.id, self._admit(req))
@@ -319,15 +371,17 @@ class NodeRuntime:
         listening = threading.Event()
 
         def emitted(token: int) -> None:  # on the engine thread, as each token is made
-            times.append(self._clock.now() - arrival)
+            now = self._clock.now()
+            times.append(now - arrival)
+            self._engine.progressed(now)
             if listening.is_set():
                 listening.clear()
                 loop.call_soon_threadsafe(ready.set)
 
         try:
             req, gen = self._make_generation(request, emitted)
-        except EdgeFleetError as exc:
-            self._counters["invalid"] += 1
+        except EdgeFleetError as exc:  # refused (not serving) or invalid
+            self._counters["rejected" if isinstance(exc, Rejected) else "invalid"] += 1
             exc.request_id = request.id
             yield GenerationResult(request.id, self.spec.name, error=exc)
             return
@@ -390,9 +444,10 @@ class NodeRuntime:
         return self.status()
 
     def _check_serving(self) -> None:
-        if self._failure:
+        if self._state in (NodeState.FAILED, NodeState.STUCK):
+            what = "failed" if self._state is NodeState.FAILED else "is stuck"
             raise Rejected(
-                f"node {self.spec.name} failed ({self._failure}); another node can take it",
+                f"node {self.spec.name} {what} ({self._failure}); another node can take it",
                 retry_after_s=1.0,
             )
         if self._wake is None:
@@ -526,6 +581,58 @@ class NodeRuntime:
         if self._call is not None:
             self._call.stop.set()  # first: a call about to start sees it and never runs
         self._engine.abort()
+
+    def _call_limit_s(self, model: str, rows: int) -> float:
+        spec = self.spec
+        info = self._models.info(model)
+        return info.max_call_s(rows, spec.call_timeout_factor, spec.call_timeout_floor_s)
+
+    async def _watch(self) -> None:
+        """The watchdog, for as long as the node runs: terminate an engine call that
+        runs past its time limit (its requests get EngineTimeout, the node goes on);
+        when one does not stop, the node is stuck until it does."""
+        while True:
+            await asyncio.sleep(self._watch_s)
+            with self._lock:  # the engine thread cannot move on to another call meanwhile
+                stuck = self._engine.watch(
+                    self._clock.now(), self._call_limit_s, self.spec.stuck_after_s
+                )
+            if stuck is not None:
+                if self._state in (NodeState.SERVING, NodeState.DRAINING):
+                    self._stuck(stuck)
+            elif self._state is NodeState.STUCK:
+                log.warning("node %s: the stuck engine call returned", self.spec.name)
+                self._failure = ""
+                self._move(NodeState.DRAINED if self._sched.draining else NodeState.SERVING)
+
+    def _stuck(self, reason: str) -> None:
+        """An engine call that does not stop holds the engine thread: refuse new work
+        (callers place it on another node), evict what is queued (it never ran), end the
+        held call's requests with EngineTimeout, and report ``stuck`` and why, for the
+        router to restart the node. Serving resumes if the call ever returns."""
+        log.error("node %s is stuck: %s", self.spec.name, reason)
+        self._move(NodeState.STUCK)
+        self._failure = reason
+        gone = f"node {self.spec.name} is stuck ({reason}); send it to another node"
+        with self._lock:
+            ended: tuple[Outcome, ...] = ()
+            plan = self._sched.running
+            if plan is not None:  # when the call returns, the node has ended it already
+                err = EngineTimeout(
+                    f"model {plan.model!r}: the engine call ran past its max_call_s and did "
+                    f"not stop when terminated; node {self.spec.name} is stuck. If its calls "
+                    f"may take longer, raise models.{plan.model}.max_call_s"
+                )
+                ended = self._sched.finish(plan, error=err)
+                self._call = None
+            ended += self._sched.evict_all(gone) + self._sched.cancel_all(gone)
+        self._settle(ended)
+        while self._switches:
+            _, done = self._switches.popleft()
+            if not done.done():
+                done.set_exception(Rejected(gone, retry_after_s=1.0))
+        assert self._idle is not None
+        self._idle.set()  # nothing is left to drain
 
     def _may_pipeline(self) -> bool:
         """Whether the engine thread may take the next call itself. Generations, model
@@ -670,6 +777,8 @@ class NodeRuntime:
                 gens[rid].finish_reason = reason
                 self._counters[f"finish_{reason}"] += 1
         with self._lock:
+            if self._sched.running is not plan:  # the node ended it meanwhile (stuck)
+                return
             preempted = self._sched.preempting
             if error is not None:
                 outcomes = self._sched.finish(plan, error=error)

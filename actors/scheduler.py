@@ -25,6 +25,7 @@ from edgefleet.errors import (
     Cancelled,
     DeadlineExceeded,
     EdgeFleetError,
+    EngineTimeout,
     Evicted,
     Rejected,
     Superseded,
@@ -433,7 +434,9 @@ class LocalScheduler:
         others completed) wait, with their state, to resume; a pause counts as a
         preemption unless ``preempted`` is False (stopped to let another generation
         join). A failed batch of several is split: each request is requeued to run
-        alone, so only the request that is really bad fails.
+        alone, so only the request that is really bad fails; not a call that ran past
+        its time limit (EngineTimeout): running its requests again would hold the
+        engine as long again, so they all fail.
         """
         pause = {r.id for r in plan.requests} if paused is True else set(paused or ())
         assert plan is self._running, "finish() must get the plan next_work() returned"
@@ -459,7 +462,11 @@ class LocalScheduler:
                 r.move(S.PAUSED)
                 r.preemptions += preempted
                 self._paused[r.id] = r
-            elif aborted or (error is not None and len(plan.requests) > 1):
+            elif aborted or (
+                error is not None
+                and len(plan.requests) > 1
+                and not isinstance(error, EngineTimeout)
+            ):
                 r.move(S.QUEUED)
                 r.preemptions += aborted
                 r.isolate |= not aborted
@@ -517,6 +524,14 @@ class LocalScheduler:
         if req is None or req.deadline is None or req.deadline > self._clock.now():
             return None
         return self._expire(req)
+
+    def evict_all(self, reason: str) -> tuple[Outcome, ...]:
+        """Evict everything queued (it never ran: its callers can place it elsewhere)."""
+        outcomes = []
+        for r in list(self._queued.values()):
+            self._remove(r, S.EVICTED)
+            outcomes.append(Outcome(r, S.EVICTED, Evicted(reason, request_id=r.id)))
+        return tuple(outcomes)
 
     def cancel_all(self, reason: str) -> tuple[Outcome, ...]:
         """Cancel everything queued or paused (the node is stopping)."""

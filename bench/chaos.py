@@ -66,7 +66,7 @@ from cluster.deploy import LOOPBACK, pin_loopback
 from cluster.names import NAMESPACE, actor_name, router_name
 from edgefleet.config import parse_config
 from edgefleet.errors import EdgeFleetError
-from edgefleet.messages import NodeStatus, Reply
+from edgefleet.messages import NodeState, NodeStatus, Reply
 from edgefleet.modelgen import calibrate_slow, make_classifier, make_tiny_lm, random_inputs
 from edgefleet.request import GenerateRequest
 
@@ -713,7 +713,7 @@ class Fleet:
             status: NodeStatus = ray.get(actor.status.remote(), timeout=2.0)
         except Exception:
             return None
-        return status if status.state == "serving" and status.pid else None
+        return status if status.state == NodeState.SERVING and status.pid else None
 
     @staticmethod
     def router_pid() -> int | None:

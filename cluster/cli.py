@@ -478,6 +478,8 @@ def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
         models = ", ".join(m.name + ("*" if m.loaded else "") for m in n.models)
         health = "ok" if status.healthy.get(n.name) else "LOST"
         lines.append(f"{n.name:<12}{health:<9}{n.state:<10}{queued:<28}{running:<22}{models}")
+        if n.failure:  # why a failed or stuck node is out of service
+            lines.append(f"{'':<12}{n.state}: {n.failure}")
         if n.paused or n.lifecycle != "foreground" or any(n.kv_bytes.values()):
             paused = " ".join(f"{p}:{c}" for p, c in sorted(n.paused.items(), reverse=True))
             kv = sum(n.kv_bytes.values()) / (1024 * 1024)

@@ -49,7 +49,7 @@ from edgefleet.errors import (
     Rejected,
     TimedOut,
 )
-from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
+from edgefleet.messages import GenerationResult, NodeState, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
 from policies.placement import (
     NodeView,
@@ -71,6 +71,10 @@ UNSEEN_INTERVALS = 2.0
 UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait...
 UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at most this
+# A node in one of these states refuses new work: placement passes it over.
+_TAKES_NO_WORK = frozenset(
+    {NodeState.DRAINING, NodeState.DRAINED, NodeState.STOPPED, NodeState.STARTING, NodeState.STUCK}
+)
 Final = Reply | GenerationResult
 
 
@@ -371,7 +375,7 @@ def _base(report: NodeStatus) -> _Base:
         running_left = max(0.0, expected - r.elapsed_s)
     return _Base(
         loaded=frozenset(m.name for m in report.models if m.loaded),
-        draining=report.state in ("draining", "drained", "stopped", "starting"),
+        draining=report.state in _TAKES_NO_WORK,
         work=dict(report.queued),
         backlog_s=backlog,
         running_left_s=running_left,

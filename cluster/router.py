@@ -28,7 +28,7 @@ from cluster.nodes import RayNode
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import InvalidInput, NodeLost
-from edgefleet.messages import NodeStatus
+from edgefleet.messages import NodeState, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +179,13 @@ class Router:
                 log.warning("node %s: %s: %s", entry.spec.name, type(exc).__name__, exc)
             self._lose(entry)
             return
-        if report.state in ("starting", "failed", "stuck"):
+        if report.state in (NodeState.STARTING, NodeState.FAILED, NodeState.STUCK):
             entry.report = report
-            if report.state == "stuck":  # its engine hangs: a restart is the cure
+            if report.state == NodeState.STUCK:  # its engine hangs: a restart is the cure
                 self._out(entry, f"is stuck: {report.failure}")
                 return
             self._lose(entry)
-            if report.state == "starting":  # restarted by Ray: bring it back into service
+            if report.state == NodeState.STARTING:  # restarted by Ray: bring it back into service
                 self._bring_up(entry)
             return
         if entry.out_since is not None:

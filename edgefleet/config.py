@@ -125,6 +125,18 @@ class ModelConfig(_Strict):
         None, gt=0, description="memory the loaded model takes; default: estimated at load"
     )
     warmup: bool = True
+    max_call_s: float | None = Field(
+        None,
+        gt=0,
+        description="the longest one engine call of this model may run (a decoder: the "
+        "longest a generation may go without making a token); a call past it is "
+        "terminated and its requests get EngineTimeout. Default: "
+        "node_defaults.call_timeout_factor times the cost measured at warm-up (of its "
+        "largest batch, scaled up for larger calls), at least "
+        "node_defaults.call_timeout_floor_s; the floor alone without warm-up. Warm-up "
+        "inputs give dynamic axes other than the batch axis a size of 16: set this for "
+        "a model whose calls grow with such an axis (large images) past the floor",
+    )
 
 
 class QueueConfig(_Strict):
@@ -236,6 +248,30 @@ class NodeDefaults(_Strict):
     )
     starvation: StarvationConfig = StarvationConfig()
     num_cpus: float = Field(0, ge=0, description="Ray CPUs reserved per node actor")
+    call_timeout_factor: float = Field(
+        10.0,
+        ge=1,
+        description="a model's default max_call_s: this many times its measured cost. "
+        "Warm-up measures an idle engine; on a busy or thermally throttled device calls "
+        "run a few times slower, and 10x leaves room for that while still ending a call "
+        "that will not finish",
+    )
+    call_timeout_floor_s: float = Field(
+        5.0,
+        gt=0,
+        description="the least default max_call_s: sub-millisecond models are measured "
+        "too finely to scale, and no call of a model that fits on an edge node should "
+        "take seconds unless it hangs",
+    )
+    stuck_after_s: float = Field(
+        10.0,
+        gt=0,
+        description="an engine call terminated for running past max_call_s that has not "
+        "stopped after this long (ONNX Runtime stops at the next operator; a wedged "
+        "driver never does) makes the node stuck: it refuses new work, evicts what is "
+        "queued, and reports state 'stuck' so that it can be restarted; it serves again "
+        "if the call ever returns",
+    )
     trace_dir: Path | None = Field(
         None,
         description="write a trace of every request each node settles (one JSON line "
@@ -389,6 +425,9 @@ class NodeSpec(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
     trace_dir: Path | None = None  # where the node writes its trace (None: no trace)
+    call_timeout_factor: float = 10.0  # see NodeDefaults
+    call_timeout_floor_s: float = 5.0
+    stuck_after_s: float = 10.0
 
 
 class FleetConfig(_Strict):
@@ -497,6 +536,9 @@ class FleetConfig(_Strict):
                 resources=dict(n.resources),
                 labels=dict(n.labels),
                 trace_dir=d.trace_dir,
+                call_timeout_factor=d.call_timeout_factor,
+                call_timeout_floor_s=d.call_timeout_floor_s,
+                stuck_after_s=d.stuck_after_s,
             )
             for n in nodes
         ]

@@ -74,6 +74,11 @@ class EngineError(EdgeFleetError):
     """The inference engine failed while running this request."""
 
 
+class EngineTimeout(EngineError):
+    """The engine call running this request ran past its model's ``max_call_s`` and
+    was terminated (or its node gave up on it: the engine did not stop)."""
+
+
 class NodeLost(EdgeFleetError):
     """The node holding the request died or stopped answering."""
 
@@ -103,6 +108,7 @@ __all__ = [
     "DeadlineExceeded",
     "EdgeFleetError",
     "EngineError",
+    "EngineTimeout",
     "Evicted",
     "FleetNotRunning",
     "FleetStartError",

@@ -7,6 +7,8 @@ runtime, so the router and clients import them without either.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,10 +146,40 @@ NODE_COUNTERS = (
 """Every counter a node reports, present from the start (at zero until it happens)."""
 
 
+class NodeState(enum.StrEnum):
+    """A node's service state. A str: it compares equal to (and prints, and goes into
+    JSON as) its value, as the bare strings it replaced did."""
+
+    STARTING = "starting"  # loading, warming up and measuring its models
+    SERVING = "serving"
+    DRAINING = "draining"  # refuses new work, finishes what it holds
+    DRAINED = "drained"  # ... and has finished it
+    # An engine call ran past its max_call_s and did not stop when terminated: refuses
+    # new work and has answered what it held; serves again if the call ever returns.
+    STUCK = "stuck"
+    FAILED = "failed"  # out of service for good: its start failed, or its serve loop died
+    STOPPED = "stopped"
+
+
+N = NodeState
+NODE_MOVES: Mapping[NodeState, frozenset[NodeState]] = {
+    N.STARTING: frozenset({N.SERVING, N.FAILED, N.STOPPED}),
+    N.SERVING: frozenset({N.DRAINING, N.STUCK, N.FAILED, N.STOPPED}),
+    N.DRAINING: frozenset({N.DRAINED, N.STUCK, N.FAILED, N.STOPPED}),
+    N.DRAINED: frozenset({N.FAILED, N.STOPPED}),
+    # The call came back: serving again (drained, when a drain had begun).
+    N.STUCK: frozenset({N.SERVING, N.DRAINED, N.FAILED, N.STOPPED}),
+    N.FAILED: frozenset({N.STOPPED}),
+    N.STOPPED: frozenset(),
+}
+"""The moves a node's service state may make, written down once."""
+del N
+
+
 @dataclass(frozen=True)
 class NodeStatus:
     name: str
-    state: str  # starting | serving | draining | drained | stopped | failed
+    state: NodeState
     queued: dict[int, int]  # priority -> requests
     queued_bytes: int
     running: RunningStatus | None
@@ -166,7 +198,7 @@ class NodeStatus:
     queued_rows: dict[int, dict[str, int]] = field(default_factory=dict)
     busy: dict[int, float] = field(default_factory=dict)  # priority -> share of engine time
     at: float = 0.0  # when the node made this report, on its own clock (orders its reports)
-    failure: str = ""  # why a "failed" node is out of service
+    failure: str = ""  # why a failed or stuck node is out of service
 
     @property
     def queue_length(self) -> int:

@@ -15,6 +15,9 @@ Builtin models (see :data:`BUILTIN_MODELS`):
 * ``tiny_lm``    -- a GPT-style causal LM with a KV cache in the Hugging Face Optimum
   decoder-with-past layout (``input_ids``, ``attention_mask``, ``position_ids``,
   ``past_key_values.{i}.key/value`` -> ``logits``, ``present.{i}.key/value``)
+
+Not a builtin: :func:`make_spin` writes a model that loops for as long as it is asked
+(for tests of engine calls that do not end).
 """
 
 from __future__ import annotations
@@ -692,6 +695,53 @@ def make_heavy(path: PathLike, *, seed: int = DEFAULT_SEED) -> Path:
     return make_slow(path, layers=HEAVY_LAYERS, seed=seed)
 
 
+SPIN_WIDTH = 4
+
+
+def make_spin(path: PathLike) -> Path:
+    """Write a model that runs as long as it is asked to and return its path: a test
+    of what a node does with an engine call that does not end (a model that loops, a
+    wedged accelerator). Not a builtin: nothing should serve it by accident.
+
+    Signature: ``x`` float32 ``[N, 4]``, ``steps`` int64 ``[]`` -> ``y`` float32
+    ``[N, 4]``: a ``Loop`` applies ``Tanh`` to ``x`` ``steps`` times (a few microseconds
+    a step on a CPU: ``steps = 10**15`` runs for years). ONNX Runtime checks its
+    terminate flag at every step. Zero steps (what warm-up feeds an int64 input) cost
+    nothing.
+    """
+    width = SPIN_WIDTH
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond"], ["cond_out"]),
+            helper.make_node("Tanh", ["h"], ["h_out"]),
+        ],
+        "spin_step",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            _value_info("h", ["N", width]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            _value_info("h_out", ["N", width]),
+        ],
+    )
+    always = helper.make_tensor("always", TensorProto.BOOL, [], [True])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["true"], value=always),
+            helper.make_node("Loop", ["steps", "true", "x"], ["y"], body=body),
+        ],
+        "spin",
+        [
+            _value_info("x", ["N", width]),
+            helper.make_tensor_value_info("steps", TensorProto.INT64, []),
+        ],
+        [_value_info("y", ["N", width])],
+    )
+    return _finish(graph, path)
+
+
 def _classifier_inputs(
     rng: np.random.Generator, batch: int, height: int, width: int
 ) -> dict[str, np.ndarray]:
@@ -832,6 +882,7 @@ __all__ = [
     "make_heavy",
     "make_missing_models",
     "make_slow",
+    "make_spin",
     "make_stateful",
     "make_tiny_lm",
     "random_inputs",

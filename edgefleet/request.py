@@ -112,7 +112,8 @@ del S
 
 
 class IllegalTransition(RuntimeError):
-    """A bug: code tried to move a request along an edge the lifecycle does not have."""
+    """A bug: code tried to move a request (or a node: see ``NODE_MOVES``) along an
+    edge its lifecycle does not have."""
 
 
 def new_request_id() -> str:

@@ -40,6 +40,7 @@ from edgefleet.messages import (
     MAX_REPORTED_SESSIONS,
     GenerationResult,
     ModelStatus,
+    NodeState,
     NodeStatus,
     Reply,
 )
@@ -718,7 +719,7 @@ class SimNode:
             )
             return NodeStatus(
                 name=self.spec.name,
-                state="serving" if self.alive else "stopped",
+                state=NodeState.SERVING if self.alive else NodeState.STOPPED,
                 queued=sched.queued_by_priority(),
                 queued_bytes=sched.queued_bytes,
                 running=None if running is None else running.status(at),

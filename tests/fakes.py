@@ -24,23 +24,34 @@ from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
 
 F32 = np.dtype(np.float32)
+HANG = 1000.0  # a row whose first value is this makes the call hang (see FakeEngine)
 
 
 class FakeEngine:
     """Doubles its input ``x``. A row whose first value is negative makes the call fail.
 
     ``cost_s`` is real time spent per call (waiting on the call's stop event, so an
-    abort ends it, ``stop_s`` later); keep both small.
+    abort ends it, ``stop_s`` later); keep both small. A row whose first value is
+    ``HANG`` makes the call hang until it is aborted (at most a minute) or, when the
+    engine is ``deaf`` to aborts, until the test sets ``unstick``.
     """
 
     def __init__(
-        self, name: str, *, batchable: bool = True, cost_s: float = 0.0, stop_s: float = 0.0
+        self,
+        name: str,
+        *,
+        batchable: bool = True,
+        cost_s: float = 0.0,
+        stop_s: float = 0.0,
+        deaf: bool = False,
     ) -> None:
         self.name = name
         shape: tuple[int | str | None, ...] = ("N", 4) if batchable else (4,)
         self._sig = Signature((TensorSpec("x", F32, shape),), (TensorSpec("y", F32, shape),))
         self.cost_s = cost_s
         self.stop_s = stop_s
+        self.deaf = deaf
+        self.unstick = threading.Event()
         self.entered = 0  # calls that started running
         self.calls: list[int] = []  # rows per call
         self.closed = False
@@ -59,10 +70,14 @@ class FakeEngine:
         if stop.is_set():
             raise RunAborted(self.name)
         self.entered += 1
+        x = [b["x"] for b in batch]
+        if any(float(a.reshape(-1)[0]) == HANG for a in x):
+            (self.unstick if self.deaf else stop).wait(60)
+            if stop.is_set():
+                raise RunAborted(self.name)
         if self.cost_s and stop.wait(self.cost_s):
             time.sleep(self.stop_s)
             raise RunAborted(self.name)
-        x = [b["x"] for b in batch]
         self.calls.append(sum(a.shape[0] if a.ndim == 2 else 1 for a in x))
         if any(float(a.reshape(-1)[0]) < 0 for a in x):
             raise EngineError("negative input")

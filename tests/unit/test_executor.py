@@ -53,7 +53,7 @@ def test_a_chain_runs_each_call_follow_hands_it_on_the_engine_thread():
         assert await engines.chain(calls[0], follow) is None
         assert [(c, y) for c, y, _ in seen] == [(c, 2.0 * (i + 1)) for i, c in enumerate(calls)]
         assert len({t for *_, t in seen}) == 1 and seen[0][2] != threading.current_thread().name
-        await engines.close()
+        await engines.close(10.0)
 
     run(main())
 
@@ -65,7 +65,7 @@ def test_a_chain_returns_a_call_whose_model_is_not_resident_without_running_it()
         returned = await engines.chain(first, lambda done, result, s: other)
         assert returned is other
         assert loader.loads == ["a", "b"]  # the probe only: the chain loads nothing
-        await engines.close()
+        await engines.close(10.0)
 
     run(main())
 
@@ -87,7 +87,7 @@ def test_a_chain_hands_failures_and_aborts_to_follow_and_a_stopped_call_never_ru
         assert isinstance(results[0], EngineError) and isinstance(results[1], RunAborted)
         assert not isinstance(results[2], Exception)
         assert len(loader.engines["a"].calls) - calls_before == 2  # bad ran, stopped did not
-        await engines.close()
+        await engines.close(10.0)
 
     run(main())
 

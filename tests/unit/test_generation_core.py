@@ -21,7 +21,7 @@ from cluster.client import TokenStream
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost
-from edgefleet.messages import GenerationResult, TokenChunk
+from edgefleet.messages import GenerationResult, NodeState, TokenChunk
 from edgefleet.modelgen import TINY_LM_VOCAB, make_tiny_lm
 from edgefleet.request import GenerateRequest, Request
 from tests.fakes import LocalFleet, fake_spec
@@ -183,7 +183,7 @@ def test_streams_spill_and_continue_after_node_loss(lm_path, lm_fleet):
     assert result.error is not None and "refused" in str(result.error)
     for name in ("a", "b"):  # back in service
         f.node(name)._sched.draining = False
-        f.node(name)._state = "serving"
+        f.node(name)._state = NodeState.SERVING
     f.refresh()
 
     victim, kill_after_some = node_killer(f)

@@ -20,6 +20,7 @@ from edgefleet.modelgen import (
     make_classifier,
     make_detector,
     make_slow,
+    make_spin,
     make_stateful,
     make_tiny_lm,
     random_inputs,
@@ -175,6 +176,17 @@ def test_models_are_checked_opset17_ir8(tmp_path: Path, factory: Callable[[Path]
     onnx.checker.check_model(model, full_check=True)
     assert model.ir_version == 8
     assert [(o.domain, o.version) for o in model.opset_import] == [("", 17)]
+
+
+def test_spin_runs_as_many_steps_as_asked_and_is_byte_identical(tmp_path: Path) -> None:
+    path = make_spin(tmp_path / "spin.onnx")
+    assert make_spin(tmp_path / "again.onnx").read_bytes() == path.read_bytes()
+    x = np.linspace(-2, 2, 8, dtype=np.float32).reshape(2, 4)
+    sess = _session(path)
+    (y,) = sess.run(None, {"x": x, "steps": np.array(3, np.int64)})
+    np.testing.assert_allclose(y, np.tanh(np.tanh(np.tanh(x))), rtol=1e-6)
+    (y0,) = sess.run(None, {"x": x, "steps": np.array(0, np.int64)})
+    np.testing.assert_array_equal(y0, x)
 
 
 # --------------------------------------------------------------------------- batching

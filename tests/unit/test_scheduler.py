@@ -11,7 +11,7 @@ from actors.models import ModelInfo
 from actors.scheduler import LocalScheduler, ModelRules, rules_for
 from edgefleet.clock import FakeClock
 from edgefleet.config import BatchingConfig, ModelConfig
-from edgefleet.errors import EngineError, Evicted, Rejected, Superseded
+from edgefleet.errors import EngineError, EngineTimeout, Evicted, Rejected, Superseded
 from edgefleet.request import Request, RequestState
 from policies import (
     BatchParams,
@@ -266,6 +266,17 @@ def test_failing_batch_is_split_so_only_the_bad_request_fails():
     assert h.run_next() == ["c"]
     assert [h.state(r) for r in "abc"] == [S.COMPLETED, S.FAILED, S.COMPLETED]
     assert str(h.settled["b"][0].error) == "bad b"
+
+
+def test_a_batch_that_ran_past_its_time_limit_fails_whole_and_evict_all_empties_the_queue():
+    h = Harness(batching=BatchParams(window_s=0.0, max_rows=2))
+    for rid in "abc":
+        h.admit(rid, 3)
+    assert h.run_next(error=EngineTimeout("too long")) == ["a", "b"]  # not split: rerun
+    assert [h.state(r) for r in "ab"] == [S.FAILED, S.FAILED]  # would take as long again
+    h.record(h.sched.evict_all("stuck"))
+    assert h.state("c") is S.EVICTED and isinstance(h.settled["c"][0].error, Evicted)
+    assert h.sched.idle
 
 
 @pytest.mark.parametrize(
