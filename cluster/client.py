@@ -9,7 +9,6 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -270,7 +269,8 @@ class FleetClient:
         request_id: str | None = None,
         at_most_once: bool = False,
     ) -> tuple[InferRequest, Any]:
-        """The request, and an object reference of its inputs when they are large."""
+        """The request, and an object reference of its inputs when they are large (the
+        dispatcher prices the request by its inputs and sends it without them)."""
         self._check_model(model)
         if not isinstance(inputs, Mapping):
             raise InvalidInput(
@@ -286,7 +286,7 @@ class FleetClient:
             at_most_once=bool(at_most_once),
         )
         if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
-            return replace(request, inputs={}), ray.put(dict(inputs))
+            return request, ray.put(dict(inputs))
         return request, None
 
     @staticmethod

@@ -561,11 +561,12 @@ class Dispatcher:
         """Place ``request`` and return a future of its one :class:`Reply`.
 
         ``inputs`` optionally replaces ``request.inputs`` on the node (a Ray object
-        reference for a large request, resolved on the node). The future never fails:
-        every outcome, unexpected ones included, is a Reply.
+        reference of them for a large request, resolved on the node): the request is
+        priced by the rows of ``request.inputs`` and sent without them. The future
+        never fails: every outcome, unexpected ones included, is a Reply.
         """
         out: cf.Future[Reply] = cf.Future()
-        self._try(_Attempt(self, request), out, inputs)
+        self._try(_Attempt(self, request, inputs), out, inputs)
         return out
 
     def _try(
@@ -700,7 +701,7 @@ class Dispatcher:
                         answered.append((i, item))
                     else:
                         request, inputs = item
-                        send(i, _Attempt(self, request), inputs)
+                        send(i, _Attempt(self, request, inputs), inputs)
                 if answered:
                     unanswered -= len(answered)
                     ready, answered[:] = answered[:], []
@@ -890,8 +891,14 @@ class _Attempt:
     it has streamed so far. The single place that decides spill, re-placement,
     continuation after a node loss and the final refusal."""
 
-    def __init__(self, dispatcher: Dispatcher, request: Request) -> None:
+    def __init__(self, dispatcher: Dispatcher, request: Request, inputs: Any = None) -> None:
         self.d = dispatcher
+        session = request.session if isinstance(request, GenerateRequest) else None
+        rows = _rows(request)
+        self.preq = PlacementRequest(request.model, request.priority, rows, session)
+        if inputs is not None and isinstance(request, InferRequest):
+            # The inputs travel apart (an object reference): priced above, not sent twice.
+            request = replace(request, inputs={})
         self.request = request
         self.request_now: Request = request  # a continuation after a node loss differs
         self.started = dispatcher._clock.now()
@@ -903,9 +910,6 @@ class _Attempt:
         self.tokens: list[int] = []  # streamed to the caller so far
         self.attempts = 0
         self.unreachable: tuple[str, float, int] | None = None  # node, since, retries
-        session = request.session if isinstance(request, GenerateRequest) else None
-        rows = _rows(request)
-        self.preq = PlacementRequest(request.model, request.priority, rows, session)
         self.error: EdgeFleetError | None = dispatcher.unknown_model(request)
         dispatcher._count("received")
 

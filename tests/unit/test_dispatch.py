@@ -3,6 +3,7 @@ and the router's membership, over real node runtimes with fake engines (no Ray).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import random
 import time
 from collections import Counter
@@ -13,12 +14,12 @@ import numpy as np
 import pytest
 
 from actors.node import NodeRuntime
-from cluster.dispatch import Dispatcher, FleetView, NodeReport
+from cluster.dispatch import Dispatcher, FleetView, FutureCalls, NodeReport
 from cluster.router import CALLER_SEEN_S, Router
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.errors import Cancelled, Evicted, ModelNotFound, NodeLost, Rejected
-from edgefleet.messages import RunningStatus
+from edgefleet.messages import ModelStatus, NodeStatus, Reply, RunningStatus
 from edgefleet.request import InferRequest
 from policies.placement import PlacementRequest
 from tests.fakes import FakeLoader, LocalFleet, x
@@ -627,3 +628,39 @@ def test_the_nodes_holding_a_session_are_weighed_in_name_order(fleet):
     sampled, added = considered[:2], considered[2:]
     assert added == sorted(added)
     assert set(added) == holders - set(sampled)
+
+
+class HeldNode(FutureCalls):
+    """A node handle that keeps each request it is sent, with its inputs, and answers
+    only when the test resolves the call's future."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[InferRequest, object, cf.Future[Reply]]] = []
+
+    def infer(self, request: InferRequest, inputs: object = None) -> cf.Future[Reply]:
+        fut: cf.Future[Reply] = cf.Future()
+        self.sent.append((request, inputs, fut))
+        return fut
+
+
+def one_node_report(batchable: bool = True, row_ms: float = 2.0) -> FleetView:
+    model = ModelStatus("m", True, batchable, 8, {1: row_ms}, None, 1)
+    status = NodeStatus("a", "serving", {}, 0, None, (model,))
+    return FleetView({"a": NodeReport(status, True, 0.0)})
+
+
+def test_inputs_sent_apart_are_priced_by_their_rows_and_not_sent_twice():
+    """Large inputs travel as an object reference (``inputs``): the request is priced
+    by the rows of its inputs, and sent without them."""
+    node = HeldNode()
+    d = Dispatcher(make_config({"a": {}}), {"a": node}, clock=FakeClock())
+    d.update(one_node_report(row_ms=2.0))
+    request = InferRequest(model="m", inputs=x(1.0, rows=5), priority=10)
+    reply = d.submit(request, "inputs-ref")
+    ((sent, inputs, fut),) = node.sent
+    assert sent.id == request.id and dict(sent.inputs) == {} and inputs == "inputs-ref"
+    (view,) = d.views()
+    assert view.work == {10: 1} and view.backlog_s == {10: pytest.approx(5 * 0.002)}
+    fut.set_result(Reply(request.id, "a"))
+    assert reply.result(30).error is None
+    d.close()
