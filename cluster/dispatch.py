@@ -48,7 +48,7 @@ from edgefleet.errors import (
     Rejected,
 )
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
-from edgefleet.request import GenerateRequest, InferRequest
+from edgefleet.request import GenerateRequest, InferRequest, input_rows
 from policies.placement import (
     NodeView,
     PlacementRequest,
@@ -401,6 +401,7 @@ class Dispatcher:
                 self._serving.setdefault(m, []).append(e)
         self._served = set(self._serving)
         self._sessions: dict[str, set[str]] = {}  # session -> nodes reporting its KV
+        self._batchable: dict[str, bool] = {}  # model -> batches, as its nodes report
         self._lock = threading.Lock()
         self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
         self._counted: Counter[str] = Counter()  # everything counted, never handed over
@@ -489,6 +490,9 @@ class Dispatcher:
                 return
             entry.lost_at = None
         entry.healthy = healthy
+        if status is not None:
+            for m in status.models:
+                self._batchable[m.name] = m.batchable
         before = entry.base.sessions
         entry.report(status, taken)
         after = entry.base.sessions
@@ -530,6 +534,13 @@ class Dispatcher:
             views = [e.view(now, self._unseen_per_s) for e in self._nodes.values()]
             ranked = self._placement.rank(views, request, self._rng, self._crowd(request.priority))
             return [v.name for v in ranked]
+
+    def rows(self, request: Request) -> int:
+        """The rows ``request`` is priced at: as its node will count them (a model no
+        node reported yet is taken to batch)."""
+        if isinstance(request, GenerateRequest):
+            return 1
+        return input_rows(request.inputs, self._batchable.get(request.model, True))
 
     def healthy(self) -> dict[str, bool]:
         return {n: e.healthy for n, e in self._nodes.items()}
@@ -894,7 +905,7 @@ class _Attempt:
     def __init__(self, dispatcher: Dispatcher, request: Request, inputs: Any = None) -> None:
         self.d = dispatcher
         session = request.session if isinstance(request, GenerateRequest) else None
-        rows = _rows(request)
+        rows = dispatcher.rows(request)
         self.preq = PlacementRequest(request.model, request.priority, rows, session)
         if inputs is not None and isinstance(request, InferRequest):
             # The inputs travel apart (an object reference): priced above, not sent twice.
@@ -1037,15 +1048,6 @@ class _Attempt:
                 node=node,
                 answer=answer,
             )
-
-
-def _rows(request: Request) -> int:
-    if isinstance(request, GenerateRequest):
-        return 1
-    for v in request.inputs.values():
-        shape: tuple[int, ...] = tuple(getattr(v, "shape", ()))
-        return int(shape[0]) if len(shape) > 1 else 1
-    return 1
 
 
 def _failure(request: Request, error: EdgeFleetError) -> Final:
