@@ -68,6 +68,9 @@ UNSEEN_INTERVALS = 2.0
 UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait...
 UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at most this
+# Every node serving a model drains: come back no sooner (nor before the next report
+# could show one back in service); a draining node refuses with the same hint.
+DRAINING_RETRY_S = 1.0
 Final = Reply | GenerationResult
 
 
@@ -860,13 +863,23 @@ class Dispatcher:
                 f"no healthy node serves model {request.model!r} right now",
                 request_id=request.id,
             )
+        with self._lock:
+            open_ = [e for e in healthy if not e.base.draining]
+        if not open_:
+            wait_s = max(DRAINING_RETRY_S, self.config.router.report_interval_s)
+            return Rejected(
+                f"every node serving {request.model!r} is draining (or starting) and takes "
+                f"no new work; try again in {wait_s:g} s",
+                retry_after_s=wait_s,
+                request_id=request.id,
+            )
         limit = self._shed.limit(request.priority)
         self._count("shed")
         self._metrics.shed(request.priority)
         return Rejected(
             f"shed: every node serving {request.model!r} is over {limit:.0%} full, the share "
             f"priority-{request.priority} work may use; capacity is kept for urgent work",
-            retry_after_s=self._shed_retry_after(healthy, limit),
+            retry_after_s=self._shed_retry_after(open_, limit),
             request_id=request.id,
         )
 

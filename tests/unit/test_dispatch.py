@@ -664,3 +664,17 @@ def test_inputs_sent_apart_are_priced_by_their_rows_and_not_sent_twice():
     fut.set_result(Reply(request.id, "a"))
     assert reply.result(30).error is None
     d.close()
+
+
+def test_when_every_node_serving_the_model_drains_callers_hear_so_and_nothing_is_shed(fleet):
+    f = fleet({"a": {}, "b": {}})
+    for name in ("a", "b"):
+        f.run(f.node(name).drain())
+    f.refresh()
+    reply = f.infer(req(10))
+    assert isinstance(reply.error, Rejected)
+    assert "every node serving 'm' is draining" in str(reply.error)
+    assert reply.error.retry_after_s >= 1.0
+    counted = f.dispatcher.counted()
+    assert counted["shed"] == 0 and counted["rejected"] == 1
+    assert f.dispatcher.shed_waiting() == 0
