@@ -167,16 +167,21 @@ class Router:
                 log.warning("node %s: %s: %s", entry.spec.name, type(exc).__name__, exc)
             self._lose(entry)
             return
+        first = entry.report is None
+        self._keep(entry, report)
         if report.state in ("starting", "failed"):
-            entry.report = report
             self._lose(entry)
             if report.state == "starting":  # restarted by Ray: bring it back into service
                 self._bring_up(entry)
             return
         if not entry.healthy:
-            self._counters["rejoined" if entry.report is not None else "joined"] += 1
-        entry.report, entry.reported_at, entry.healthy = report, self._clock.now(), True
+            self._counters["joined" if first else "rejoined"] += 1
+        entry.healthy = True
         self._metrics.node_health(entry.spec.name, True)
+
+    def _keep(self, entry: NodeEntry, report: NodeStatus) -> None:
+        """Keep ``report`` as the node's latest, dated now: callers age its work from then."""
+        entry.report, entry.reported_at = report, self._clock.now()
 
     def _bring_up(self, entry: NodeEntry) -> None:
         """Start a node Ray restarted, on its own task (loading its models takes a
@@ -252,7 +257,7 @@ class Router:
         except NodeGone:
             self._lose(entry)
             raise NodeLost(f"node {node} is gone; its lifecycle state was not set") from None
-        entry.report = report
+        self._keep(entry, report)
         return report
 
     async def cancel(self, request_id: str) -> bool:

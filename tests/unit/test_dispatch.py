@@ -3,6 +3,7 @@ and the router's membership, over real node runtimes with fake engines (no Ray).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import random
 import time
@@ -678,3 +679,56 @@ def test_when_every_node_serving_the_model_drains_callers_hear_so_and_nothing_is
     counted = f.dispatcher.counted()
     assert counted["shed"] == 0 and counted["rejected"] == 1
     assert f.dispatcher.shed_waiting() == 0
+
+
+class ScriptedControl:
+    """A node as the router talks to it: answers with ``report`` (which the test sets),
+    and holds the request ids in ``holds``."""
+
+    def __init__(self, report: NodeStatus, holds: set[str] | None = None) -> None:
+        self.report = report
+        self.holds = holds or set()
+        self.starts = 0
+
+    async def status(self) -> NodeStatus:
+        return self.report
+
+    async def start(self) -> NodeStatus:
+        self.starts += 1
+        return self.report
+
+    async def cancel(self, request_id: str) -> bool:
+        return request_id in self.holds
+
+    async def set_lifecycle(self, state: str) -> NodeStatus:
+        self.report = replace(self.report, lifecycle=state)
+        return self.report
+
+
+def node_status(name: str, state: str = "serving", queued: int = 0) -> NodeStatus:
+    return NodeStatus(name, state, {10: queued} if queued else {}, 0, None, ())
+
+
+def test_every_report_the_router_keeps_is_dated_when_it_came():
+    """A report's age tells callers how much of its work is done by now: a report the
+    router keeps must be dated when it came, whatever the node's state or the call."""
+    clock = FakeClock()
+    node = ScriptedControl(node_status("a"))
+    router = Router(make_config({"a": {}}), {"a": node}, clock=clock)
+
+    async def main() -> None:
+        await router.status()
+        clock.advance(5.0)
+        node.report = node_status("a", "starting", queued=3)  # restarted by Ray
+        await router.status()
+        view = router.fleet_view("c").nodes["a"]
+        assert view.status is not None and view.status.state == "starting"
+        assert view.age_s == 0.0
+        clock.advance(5.0)
+        await router.set_lifecycle("a", "background")
+        view = router.fleet_view("c").nodes["a"]
+        assert view.status is not None and view.status.lifecycle == "background"
+        assert view.age_s == 0.0
+        await router.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
