@@ -261,8 +261,13 @@ class Router:
         return report
 
     async def cancel(self, request_id: str) -> bool:
+        """Cancel ``request_id`` wherever it is; True when a node cancelled it. Every
+        node is asked, those out of service too (a silent node may still hold it), each
+        for at most ``lost_after_s``: one that fails or does not answer in time is taken
+        not to hold it."""
+        timeout = self.config.router.lost_after_s
         results = await asyncio.gather(
-            *(e.handle.cancel(request_id) for e in self._nodes.values() if e.healthy),
+            *(asyncio.wait_for(e.handle.cancel(request_id), timeout) for e in self._nodes.values()),
             return_exceptions=True,
         )
         return any(r is True for r in results)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from actors.node import NodeRuntime
-from cluster.dispatch import Dispatcher, FleetView, FutureCalls, NodeReport
+from cluster.dispatch import Dispatcher, FleetView, FutureCalls, NodeGone, NodeReport
 from cluster.router import CALLER_SEEN_S, Router
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
@@ -732,3 +732,33 @@ def test_every_report_the_router_keeps_is_dated_when_it_came():
         await router.stop()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class SilentControl(ScriptedControl):
+    """A node alive but silent: its calls never end."""
+
+    async def cancel(self, request_id: str) -> bool:
+        await asyncio.Event().wait()
+        return True
+
+
+class GoneControl(ScriptedControl):
+    async def cancel(self, request_id: str) -> bool:
+        raise NodeGone("gone")
+
+
+def test_cancel_asks_every_node_and_a_silent_or_dead_one_holds_nobody_up():
+    """A node out of service (silent, say) may still hold the request: every node is
+    asked, each for a bounded time, and failures count as 'not here'."""
+    nodes = {
+        "a": SilentControl(node_status("a")),
+        "b": ScriptedControl(node_status("b"), holds={"r1"}),
+        "c": GoneControl(node_status("c")),
+    }
+    router = Router(make_config(dict.fromkeys(nodes, {})), nodes, clock=FakeClock())
+    assert not any(router.status_now().healthy.values())  # none has reported yet
+
+    async def main() -> tuple[bool, bool]:
+        return await router.cancel("r1"), await router.cancel("r2")
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == (True, False)
