@@ -367,8 +367,8 @@ class Dispatcher:
 
     Thread-safe: callers on any thread, completions on Ray's threads. Counters
     (received, completed, spilled, replaced, shed, ...) accumulate here; the caller
-    hands them to the router with :meth:`take_counters` so the fleet's status counts
-    every caller's work.
+    hands all of them (:meth:`counted`) to the router, which adds up every caller's
+    for the fleet's status (``Router._merge`` says how a delivery counts once).
     """
 
     def __init__(
@@ -406,8 +406,7 @@ class Dispatcher:
         self._sessions: dict[str, set[str]] = {}  # session -> nodes reporting its KV
         self._batchable: dict[str, bool] = {}  # model -> batches, as its nodes report
         self._lock = threading.Lock()
-        self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
-        self._counted: Counter[str] = Counter()  # everything counted, never handed over
+        self._counted: Counter[str] = Counter()  # everything counted since it was made
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
         self._shed_elsewhere = 0  # shed requests of other callers still to come back
         # Placements by priority: this caller's since it last reported them, its own in
@@ -553,20 +552,8 @@ class Dispatcher:
         with self._lock:
             return Counter(self._counted)
 
-    def take_counters(self) -> Counter[str]:
-        """What was counted since the last call (for the router's fleet-wide counts)."""
-        with self._lock:
-            out, self._pending = self._pending, Counter()
-        return out
-
-    def give_back(self, counters: Counter[str]) -> None:
-        """Counters taken but not delivered: counted again with the next ones."""
-        with self._lock:
-            self._pending.update(counters)
-
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self._pending[key] += n
             self._counted[key] += n
 
     # ------------------------------------------------------------------- requests

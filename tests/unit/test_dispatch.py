@@ -10,10 +10,12 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import cluster.client as client_module
 from actors.node import NodeRuntime
 from cluster.dispatch import Dispatcher, FleetView, FutureCalls, NodeGone, NodeReport
 from cluster.router import CALLER_SEEN_S, Router
@@ -385,7 +387,7 @@ def test_a_caller_keeps_its_own_counts_after_handing_them_to_the_router(fleet):
     for _ in range(3):
         assert f.infer(req(10)).error is None
     assert f.counters()["completed"] == 3  # handed over to the router...
-    assert f.dispatcher.take_counters() == {}
+    assert f.counters()["completed"] == 3  # (each time: counted once)
     counted = f.dispatcher.counted()  # ...and still this caller's own
     assert counted["received"] == 3 and counted["completed"] == 3
 
@@ -762,3 +764,61 @@ def test_cancel_asks_every_node_and_a_silent_or_dead_one_holds_nobody_up():
         return await router.cancel("r1"), await router.cancel("r2")
 
     assert asyncio.run(asyncio.wait_for(main(), 30)) == (True, False)
+
+
+LOST = object()  # a call whose reply never came back
+
+
+class RouterHandle:
+    """The router as a client's view feed reaches it (a Ray actor handle, without Ray):
+    ``lose`` makes the next calls reach the router and lose their reply."""
+
+    def __init__(self, fleet: LocalFleet) -> None:
+        self.fleet = fleet
+        self.lose = 0
+        self.fleet_view = SimpleNamespace(remote=self._fleet_view)
+
+    def _fleet_view(self, *args):
+        async def call():  # on the router's loop, as its actor would
+            return self.fleet.router.fleet_view(*args)
+
+        view = self.fleet.run(call())
+        if self.lose:
+            self.lose -= 1
+            return LOST
+        return view
+
+
+def test_counts_whose_delivery_reached_the_router_are_counted_once(fleet, monkeypatch):
+    """A view fetch that hands the router this caller's counts and times out on the way
+    back is sent again: the router counts what it carries once."""
+
+    def get(refs, timeout_s, what):
+        if refs[0] is LOST:
+            raise NodeLost(f"{what}: a node did not answer within {timeout_s:.0f} s")
+        return refs
+
+    monkeypatch.setattr(client_module, "_get", get)
+    f = fleet({"a": {}})
+    slow = f.config.router.model_copy(update={"report_interval_s": 60.0})  # fetched by hand
+    router = RouterHandle(f)
+    feed = client_module._ViewFeed(
+        router, f.dispatcher, f.config.model_copy(update={"router": slow}), "feed"
+    )
+    try:
+        for _ in range(3):
+            assert f.infer(req(10)).error is None
+        router.lose = 2
+        for _ in range(2):
+            with pytest.raises(NodeLost):
+                feed._fetch()
+        feed._fetch()
+        assert f.router.status_now().counters["completed"] == 3
+        assert f.infer(req(10)).error is None
+        feed._fetch()
+        feed._fetch()
+        assert f.router.status_now().counters["completed"] == 4
+    finally:
+        feed.stop()
+    assert f.router.status_now().counters["completed"] == 4
+    assert f.dispatcher.counted()["completed"] == 4  # the caller's own, as ever

@@ -127,7 +127,7 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
     d = dispatcher(make_config(tmp_path))
     before = time.time()
     answers = send_every_kind(d)
-    assert d.take_counters()["spilled"] == 3  # SPILLED once, REFUSED by both nodes
+    assert d.counted()["spilled"] == 3  # SPILLED once, REFUSED by both nodes
     d.close()
     path = only_file(tmp_path / "calls")
     assert re.fullmatch(
