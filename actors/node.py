@@ -144,8 +144,10 @@ class NodeRuntime:
         decoders = [i.name for i in infos if i.config.kind == "decoder"]
         self._gens.exact_models = {i.name for i in infos if i.exact_grouping}
         self._metrics.start([i.name for i in infos], decoders)
-        for info in infos:
-            self._sched.set_rules(info.name, rules_for(info.config, info.batch_limit, info.costs_s))
+        with self._lock:
+            for info in infos:
+                rules = rules_for(info.config, info.batch_limit, info.costs_s)
+                self._sched.set_rules(info.name, rules)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
@@ -167,7 +169,8 @@ class NodeRuntime:
         so its callers can send it again (a retry under the same id runs elsewhere)."""
         self._failure = reason
         self._state = "failed"
-        self._sched.draining = True
+        with self._lock:
+            self._sched.draining = True
         self._end_all(f"node {self.spec.name} failed ({reason}); send it again")
 
     def _end_all(self, reason: str) -> None:
@@ -205,7 +208,8 @@ class NodeRuntime:
     async def drain(self) -> NodeStatus:
         """Refuse new work, finish what is queued and running, then return."""
         assert self._idle is not None and self._wake is not None, "start() first"
-        self._sched.draining = True
+        with self._lock:
+            self._sched.draining = True
         self._state = "draining"
         self._wake.set()
         await self._idle.wait()
@@ -470,12 +474,13 @@ class NodeRuntime:
                     step = self._sched.next_work()
                     if step.plan is not None and not step.plan.requests[0].pausable:
                         self._call = Call(step.plan)
+                    idle = self._sched.idle
                 self._settle(step.settled)
                 if step.plan is not None:
                     self._idle.clear()
                     await self._execute(step.plan)
                     continue
-                if self._sched.idle:
+                if idle:
                     self._idle.set()
                 timeout = None
                 if step.wake_at is not None:
