@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+import actors.executor as executor_module
 import actors.metrics as metrics
 import actors.node as node_module
 from actors.metrics import COUNTER_FLUSH_S, MemorySink, NodeMetrics, RaySink
@@ -682,3 +683,18 @@ def test_every_use_of_the_scheduler_holds_the_nodes_lock():
         return sched.unlocked + failed.unlocked
 
     assert run(main()) == []
+
+
+def test_a_node_whose_wake_up_writes_fail_still_answers(monkeypatch):
+    """The engine thread wakes the loop to settle the calls it ended; a wake-up byte
+    that cannot be written (a full pipe) must not leave the node without answers."""
+    monkeypatch.setattr(executor_module, "_WRITE", lambda fd, data, n: -1)
+
+    async def main():
+        node, _ = await started()
+        for i in range(3):
+            reply = await asyncio.wait_for(node.infer(req(value=i + 1)), 10)
+            assert reply.error is None
+        await node.stop()
+
+    run(main())
