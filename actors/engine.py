@@ -18,6 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgefleet.errors import EngineError, InvalidInput, ModelNotFound
+from edgefleet.request import input_rows
 
 Dim = int | str | None  # a fixed size, or a named / unnamed dynamic axis
 
@@ -176,12 +177,12 @@ def check_inputs(
         raise InvalidInput(
             f"inputs of model {model!r} take {nbytes} bytes; the limit is {max_bytes} bytes"
         )
+    n = input_rows(inputs, sig.batchable)
     if not sig.batchable:
-        return InputInfo(nbytes, 1, None)
+        return InputInfo(nbytes, n, None)
     if len(set(rows.values())) > 1:
-        detail = ", ".join(f"{n} has {r}" for n, r in rows.items())
+        detail = ", ".join(f"{name} has {r}" for name, r in rows.items())
         raise InvalidInput(f"inputs disagree on the batch axis (axis 0): {detail}")
-    n = next(iter(rows.values()))
     if n < 1:
         raise InvalidInput("inputs have an empty batch axis (0 rows)")
     group = (model,) + tuple((s.name, inputs[s.name].shape[1:]) for s in sig.inputs)

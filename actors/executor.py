@@ -82,7 +82,9 @@ class Waker:
     (0.2-0.5 ms per call measured on a busy 2-core machine: 10-20 % of a 1 ms model's
     engine time). Here the wake-up byte goes through libc's ``write`` with the GIL held,
     so the loop takes the GIL only once the engine thread is back in ONNX Runtime.
-    Without such a ``write`` (not POSIX), and once closed, it is ``call_soon_threadsafe``.
+    Without such a ``write`` (not POSIX), once closed, and for a byte that could not be
+    written (a full pipe, an error), it is ``call_soon_threadsafe``: a wake-up is never
+    lost.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
@@ -100,8 +102,7 @@ class Waker:
     def wake(self) -> None:
         """Run the callback on the loop soon; from any thread, MUST NOT block."""
         with self._lock:
-            if self._fds is not None and _WRITE is not None:
-                _WRITE(self._fds[1], b"w", 1)  # the pipe cannot fill: one byte a loop turn
+            if self._fds is not None and _WRITE is not None and _WRITE(self._fds[1], b"w", 1) == 1:
                 return
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left
             self._loop.call_soon_threadsafe(self._callback)

@@ -166,8 +166,10 @@ class NodeRuntime:
         decoders = [i.name for i in infos if i.config.kind == "decoder"]
         self._gens.exact_models = {i.name for i in infos if i.exact_grouping}
         self._metrics.start([i.name for i in infos], decoders)
-        for info in infos:
-            self._sched.set_rules(info.name, rules_for(info.config, info.batch_limit, info.costs_s))
+        with self._lock:
+            for info in infos:
+                rules = rules_for(info.config, info.batch_limit, info.costs_s)
+                self._sched.set_rules(info.name, rules)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._task = asyncio.create_task(self._serve(), name=f"node-{self.spec.name}")
@@ -207,7 +209,8 @@ class NodeRuntime:
         self._failure = reason
         if self._state not in (NodeState.FAILED, NodeState.STOPPED):
             self._move(NodeState.FAILED)
-        self._sched.draining = True
+        with self._lock:
+            self._sched.draining = True
         self._end_all(f"node {self.spec.name} failed ({reason}); send it again")
 
     def _end_all(self, reason: str) -> None:
@@ -253,7 +256,8 @@ class NodeRuntime:
         is not serving has nothing to drain (a stuck one is drained when its call
         returns)."""
         assert self._idle is not None and self._wake is not None, "start() first"
-        self._sched.draining = True
+        with self._lock:
+            self._sched.draining = True
         if self._state is NodeState.SERVING:
             self._move(NodeState.DRAINING)
             self._wake.set()
@@ -532,12 +536,13 @@ class NodeRuntime:
                     step = self._sched.next_work()
                     if step.plan is not None and not step.plan.requests[0].pausable:
                         self._call = Call(step.plan)
+                    idle = self._sched.idle
                 self._settle(step.settled)
                 if step.plan is not None:
                     self._idle.clear()
                     await self._execute(step.plan)
                     continue
-                if self._sched.idle:
+                if idle:
                     self._idle.set()
                 timeout = None
                 if step.wake_at is not None:
@@ -603,7 +608,9 @@ class NodeRuntime:
             elif self._state is NodeState.STUCK:
                 log.warning("node %s: the stuck engine call returned", self.spec.name)
                 self._failure = ""
-                self._move(NodeState.DRAINED if self._sched.draining else NodeState.SERVING)
+                with self._lock:
+                    draining = self._sched.draining
+                self._move(NodeState.DRAINED if draining else NodeState.SERVING)
 
     def _stuck(self, reason: str) -> None:
         """An engine call that does not stop holds the engine thread: refuse new work

@@ -9,7 +9,6 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +81,7 @@ class FleetClient:
             name: RayNode(actor_name(config.fleet.name, name), NAMESPACE, actor)
             for name, actor in self._nodes.items()
         }
-        caller = new_request_id()
+        caller = self._caller = new_request_id()
         # Each caller's random choices differ (callers that chose alike would herd).
         rng = random.Random(f"{config.router.placement.seed}/{caller}")
         self._dispatcher = Dispatcher(config, handles, rng=rng, watch=True)
@@ -285,7 +284,8 @@ class FleetClient:
         request_id: str | None = None,
         at_most_once: bool = False,
     ) -> tuple[InferRequest, Any]:
-        """The request, and an object reference of its inputs when they are large."""
+        """The request, and an object reference of its inputs when they are large (the
+        dispatcher prices the request by its inputs and sends it without them)."""
         self._check_model(model)
         if not isinstance(inputs, Mapping):
             raise InvalidInput(
@@ -301,7 +301,7 @@ class FleetClient:
             at_most_once=bool(at_most_once),
         )
         if sum(getattr(v, "nbytes", 0) for v in inputs.values()) > LARGE_INPUT_BYTES:
-            return replace(request, inputs={}), ray.put(dict(inputs))
+            return request, ray.put(dict(inputs))
         return request, None
 
     @staticmethod
@@ -407,12 +407,8 @@ class FleetClient:
     def status(self, timeout_s: float = CONTROL_TIMEOUT_S) -> FleetStatus:
         """Fresh reports from every reachable node, with the fleet-wide counters (this
         client's included)."""
-        counters = self._dispatcher.take_counters()
-        try:
-            rs = self._ask_router("status", timeout_s, dict(counters))
-        except BaseException:
-            self._dispatcher.give_back(counters)
-            raise
+        counted = dict(self._dispatcher.counted())
+        rs = self._ask_router("status", timeout_s, self._caller, counted)
         fresh = {n.name: NodeReport(n, rs.healthy.get(n.name, False), 0.0) for n in rs.nodes}
         self._dispatcher.update(FleetView(fresh))  # place on these fresh reports too
         return FleetStatus(
@@ -525,7 +521,7 @@ class TokenStream(Iterator[int]):
 
 class _ViewFeed:
     """Keeps a dispatcher's fleet view fresh: fetches the router's view every
-    ``report_interval_s``, handing over the counters counted meanwhile, the shed
+    ``report_interval_s``, handing over every counter counted so far, the shed
     requests still to come back and the requests placed, by priority (and flushes the
     dispatcher's metrics and call record as often). A router that does not answer
     (restarting, say) is asked again with exponential backoff and jitter; meanwhile
@@ -547,17 +543,11 @@ class _ViewFeed:
         self._thread.start()
 
     def _fetch(self, last: bool = False) -> None:
-        counters = self._dispatcher.take_counters()
+        counted = dict(self._dispatcher.counted())  # all of them: the router counts each once
         waiting = 0 if last else self._dispatcher.shed_waiting()  # closing: none come back
         placed = self._dispatcher.take_placed()
-        try:
-            ref = self._router.fleet_view.remote(
-                self._caller, dict(counters), waiting, {} if last else placed
-            )
-            (view,) = _get([ref], self._timeout, "fleet view")
-        except BaseException:
-            self._dispatcher.give_back(counters)
-            raise
+        ref = self._router.fleet_view.remote(self._caller, counted, waiting, {} if last else placed)
+        (view,) = _get([ref], self._timeout, "fleet view")
         self._dispatcher.update(view)
 
     def _run(self) -> None:

@@ -50,7 +50,7 @@ from edgefleet.errors import (
     TimedOut,
 )
 from edgefleet.messages import GenerationResult, NodeState, NodeStatus, Reply, TokenChunk
-from edgefleet.request import GenerateRequest, InferRequest
+from edgefleet.request import GenerateRequest, InferRequest, input_rows
 from policies.placement import (
     NodeView,
     PlacementRequest,
@@ -75,6 +75,9 @@ PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at m
 _TAKES_NO_WORK = frozenset(
     {NodeState.DRAINING, NodeState.DRAINED, NodeState.STOPPED, NodeState.STARTING, NodeState.STUCK}
 )
+# Every node serving a model drains: come back no sooner (nor before the next report
+# could show one back in service); a draining node refuses with the same hint.
+DRAINING_RETRY_S = 1.0
 Final = Reply | GenerationResult
 
 
@@ -392,8 +395,8 @@ class Dispatcher:
 
     Thread-safe: callers on any thread, completions on Ray's threads. Counters
     (received, completed, spilled, replaced, shed, ...) accumulate here; the caller
-    hands them to the router with :meth:`take_counters` so the fleet's status counts
-    every caller's work.
+    hands all of them (:meth:`counted`) to the router, which adds up every caller's
+    for the fleet's status (``Router._merge`` says how a delivery counts once).
     """
 
     def __init__(
@@ -432,9 +435,9 @@ class Dispatcher:
                 self._serving.setdefault(m, []).append(e)
         self._served = set(self._serving)
         self._sessions: dict[str, set[str]] = {}  # session -> nodes reporting its KV
+        self._batchable: dict[str, bool] = {}  # model -> batches, as its nodes report
         self._lock = threading.Lock()
-        self._pending: Counter[str] = Counter()  # counted, not yet handed to the router
-        self._counted: Counter[str] = Counter()  # everything counted, never handed over
+        self._counted: Counter[str] = Counter()  # everything counted since it was made
         self._shed_waiting: list[float] = []  # heap: when each shed request was told to retry
         self._shed_elsewhere = 0  # shed requests of other callers still to come back
         # Placements by priority: this caller's since it last reported them, its own in
@@ -524,6 +527,9 @@ class Dispatcher:
         if entry.healthy and not healthy and self._watch is not None:
             self._watch.expedite(name)  # its calls are given up now, not at their limits
         entry.healthy = healthy
+        if status is not None:
+            for m in status.models:
+                self._batchable[m.name] = m.batchable
         before = entry.base.sessions
         entry.report(status, taken)
         after = entry.base.sessions
@@ -568,6 +574,13 @@ class Dispatcher:
             ranked = self._placement.rank(views, request, self._rng, self._crowd(request.priority))
             return [v.name for v in ranked]
 
+    def rows(self, request: Request) -> int:
+        """The rows ``request`` is priced at: as its node will count them (a model no
+        node reported yet is taken to batch)."""
+        if isinstance(request, GenerateRequest):
+            return 1
+        return input_rows(request.inputs, self._batchable.get(request.model, True))
+
     def healthy(self) -> dict[str, bool]:
         return {n: e.healthy for n, e in self._nodes.items()}
 
@@ -576,20 +589,8 @@ class Dispatcher:
         with self._lock:
             return Counter(self._counted)
 
-    def take_counters(self) -> Counter[str]:
-        """What was counted since the last call (for the router's fleet-wide counts)."""
-        with self._lock:
-            out, self._pending = self._pending, Counter()
-        return out
-
-    def give_back(self, counters: Counter[str]) -> None:
-        """Counters taken but not delivered: counted again with the next ones."""
-        with self._lock:
-            self._pending.update(counters)
-
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
-            self._pending[key] += n
             self._counted[key] += n
 
     # ------------------------------------------------------------------- requests
@@ -600,13 +601,14 @@ class Dispatcher:
         """Place ``request`` and return a future of its one :class:`Reply`.
 
         ``inputs`` optionally replaces ``request.inputs`` on the node (a Ray object
-        reference for a large request, resolved on the node). ``timeout_s``: the longest
-        the request may take in all; past it, it ends :class:`TimedOut` and is cancelled
-        where it was. The future never fails: every outcome, unexpected ones included,
-        is a Reply.
+        reference of them for a large request, resolved on the node): the request is
+        priced by the rows of ``request.inputs`` and sent without them. ``timeout_s``:
+        the longest the request may take in all; past it, it ends :class:`TimedOut` and
+        is cancelled where it was. The future never fails: every outcome, unexpected
+        ones included, is a Reply.
         """
         out: cf.Future[Reply] = cf.Future()
-        self._try(_Attempt(self, request, timeout_s), out, inputs)
+        self._try(_Attempt(self, request, inputs, timeout_s), out, inputs)
         return out
 
     def _try(
@@ -790,7 +792,7 @@ class Dispatcher:
                         answered.append((i, item))
                     else:
                         request, inputs = item
-                        send(i, _Attempt(self, request, timeout_s), inputs)
+                        send(i, _Attempt(self, request, inputs, timeout_s), inputs)
                 while overdue:
                     call, why = overdue.popleft()
                     i, attempt, entry, inputs, _ = flying.pop(call)
@@ -847,7 +849,7 @@ class Dispatcher:
         far), so the caller sees each token once. ``timeout_s``: the longest the whole
         generation may take; past it, it ends :class:`TimedOut` with the tokens sent.
         """
-        attempt = _Attempt(self, request, timeout_s)
+        attempt = _Attempt(self, request, timeout_s=timeout_s)
         while True:
             entry = attempt.next_node()
             if entry is None:
@@ -990,13 +992,23 @@ class Dispatcher:
                 f"no healthy node serves model {request.model!r} right now",
                 request_id=request.id,
             )
+        with self._lock:
+            open_ = [e for e in healthy if not e.base.draining]
+        if not open_:
+            wait_s = max(DRAINING_RETRY_S, self.config.router.report_interval_s)
+            return Rejected(
+                f"every node serving {request.model!r} is draining (or starting) and takes "
+                f"no new work; try again in {wait_s:g} s",
+                retry_after_s=wait_s,
+                request_id=request.id,
+            )
         limit = self._shed.limit(request.priority)
         self._count("shed")
         self._metrics.shed(request.priority)
         return Rejected(
             f"shed: every node serving {request.model!r} is over {limit:.0%} full, the share "
             f"priority-{request.priority} work may use; capacity is kept for urgent work",
-            retry_after_s=self._shed_retry_after(healthy, limit),
+            retry_after_s=self._shed_retry_after(open_, limit),
             request_id=request.id,
         )
 
@@ -1042,9 +1054,19 @@ class _Attempt:
     continuation after a node loss and the final refusal."""
 
     def __init__(
-        self, dispatcher: Dispatcher, request: Request, timeout_s: float | None = None
+        self,
+        dispatcher: Dispatcher,
+        request: Request,
+        inputs: Any = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.d = dispatcher
+        session = request.session if isinstance(request, GenerateRequest) else None
+        rows = dispatcher.rows(request)
+        self.preq = PlacementRequest(request.model, request.priority, rows, session)
+        if inputs is not None and isinstance(request, InferRequest):
+            # The inputs travel apart (an object reference): priced above, not sent twice.
+            request = replace(request, inputs={})
         self.request = request
         self.request_now: Request = request  # a continuation after a node loss differs
         self.started = dispatcher._clock.now()
@@ -1059,9 +1081,6 @@ class _Attempt:
         self.tokens: list[int] = []  # streamed to the caller so far
         self.attempts = 0
         self.unreachable: tuple[str, float, int] | None = None  # node, since, retries
-        session = request.session if isinstance(request, GenerateRequest) else None
-        rows = _rows(request)
-        self.preq = PlacementRequest(request.model, request.priority, rows, session)
         self.error: EdgeFleetError | None = dispatcher.unknown_model(request)
         dispatcher._count("received")
 
@@ -1243,15 +1262,6 @@ class _Attempt:
                 node=node,
                 answer=answer,
             )
-
-
-def _rows(request: Request) -> int:
-    if isinstance(request, GenerateRequest):
-        return 1
-    for v in request.inputs.values():
-        shape: tuple[int, ...] = tuple(getattr(v, "shape", ()))
-        return int(shape[0]) if len(shape) > 1 else 1
-    return 1
 
 
 def _failure(request: Request, error: EdgeFleetError) -> Final:

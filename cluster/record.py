@@ -59,8 +59,10 @@ Lines are buffered and flushed at least once a second while requests are answere
 (and on every fleet view a ``FleetClient`` fetches), and when the dispatcher closes; a
 process that is killed loses the lines not flushed yet, and a reader skips a last line
 cut short. Requests answered after the dispatcher closed are not recorded. Recording
-never fails a request: the first error (a folder that cannot be created, a full disk)
-is logged and turns recording off for that dispatcher.
+never fails a request: the first error writing the file (a folder that cannot be
+created, a full disk) is logged and turns recording off for that dispatcher; a request
+no line can carry (an id that is not a string, say) costs its own line only: counted
+(``CallRecord.skipped``), the first one logged.
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ class CallRecord:
         self._off = False  # closed, or failed: lines are dropped
         self._flushed_at = time.monotonic()
         self._close: weakref.finalize[[], CallRecord] | None = None
+        self.skipped = 0  # requests no line could carry
 
     def _open(self) -> IO[str] | None:
         """Open the file for the first line (a caller that sends nothing leaves none);
@@ -223,7 +226,15 @@ class CallRecord:
             )
         except Exception:  # a request no JSON can carry (a caller's own id type)
             with self._lock:
-                self._fail()
+                self.skipped += 1
+                if self.skipped == 1:
+                    log.warning(
+                        "call record: request %r cannot be recorded; such requests are "
+                        "left out of %s (counted)",
+                        request.id,
+                        self.path,
+                        exc_info=True,
+                    )
             return
         self.write(line)
 

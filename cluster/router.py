@@ -33,6 +33,7 @@ from edgefleet.messages import NodeState, NodeStatus
 log = logging.getLogger(__name__)
 
 CALLER_SEEN_S = 10.0  # a caller that asked for the view this recently is counted active
+CALLER_COUNTS_KEPT_S = 3600.0  # a caller's counts are known this long after it last sent them
 CALLER_REPORTS_KEPT = 4  # what a caller reports counts for this many report intervals
 NODE_START_TIMEOUT_S = 300.0  # a node restarted by Ray loads and measures its models
 
@@ -94,7 +95,10 @@ class Router:
         self._nodes = {
             spec.name: NodeEntry(spec, handles[spec.name]) for spec in config.node_specs()
         }
+        # Fleet-wide: the router's own counts (nodes lost, joined, rejoined) and every
+        # caller's, added up by _merge.
         self._counters: Counter[str] = Counter()
+        self._caller_counts: dict[str, tuple[float, dict[str, int]]] = {}  # see _merge
         self._callers: dict[str, float] = {}  # caller id -> when it last fetched the view
         self._shed_waiting: dict[str, int] = {}  # caller id -> its shed requests still out
         self._placed: dict[str, Mapping[int, int]] = {}  # caller id -> its last placements
@@ -179,8 +183,9 @@ class Router:
                 log.warning("node %s: %s: %s", entry.spec.name, type(exc).__name__, exc)
             self._lose(entry)
             return
+        first = entry.report is None
+        self._keep(entry, report)
         if report.state in (NodeState.STARTING, NodeState.FAILED, NodeState.STUCK):
-            entry.report = report
             if report.state == NodeState.STUCK:  # its engine hangs: a restart is the cure
                 self._out(entry, f"is stuck: {report.failure}")
                 return
@@ -193,8 +198,8 @@ class Router:
             entry.out_since = None
             self._metrics.node_unresponsive(entry.spec.name, False)
         if not entry.healthy:
-            self._counters["rejoined" if entry.report is not None else "joined"] += 1
-        entry.report, entry.reported_at, entry.healthy = report, self._clock.now(), True
+            self._counters["joined" if first else "rejoined"] += 1
+        entry.healthy = True
         self._metrics.node_health(entry.spec.name, True)
 
     def _out(self, entry: NodeEntry, why: str) -> None:
@@ -234,6 +239,10 @@ class Router:
         task.add_done_callback(done)
         self._restarting[name] = task
 
+    def _keep(self, entry: NodeEntry, report: NodeStatus) -> None:
+        """Keep ``report`` as the node's latest, dated now: callers age its work from then."""
+        entry.report, entry.reported_at = report, self._clock.now()
+
     def _bring_up(self, entry: NodeEntry) -> None:
         """Start a node Ray restarted, on its own task (loading its models takes a
         while); it rejoins when it reports serving."""
@@ -258,26 +267,50 @@ class Router:
 
     # ------------------------------------------------------------------- callers
 
+    def _merge(self, caller: str, counted: Mapping[str, int] | None, now: float) -> None:
+        """Add ``caller``'s counts to the fleet-wide ones, once, however often they come.
+
+        The contract: a caller sends its id and everything it counted since it was made
+        (totals, which only grow), never what it counted since it last sent. The router
+        adds what a delivery has beyond the largest totals it holds of that caller, key
+        by key. So a delivery sent again because its reply was lost (with more counts
+        or not) and deliveries that overtake each other add each count once. A caller
+        with no id sends none. The router holds a caller's totals for
+        CALLER_COUNTS_KEPT_S after its last delivery: the counts of a caller silent for
+        longer would be added again. A restarted router counts from zero, and then from
+        the start of each caller still running."""
+        if not caller or counted is None:
+            return
+        held = self._caller_counts.get(caller, (now, {}))[1]
+        for key, total in counted.items():
+            new = total - held.get(key, 0)
+            if new > 0:
+                self._counters[key] += new
+                held[key] = total
+        self._caller_counts[caller] = (now, held)
+        stale = [c for c, (t, _) in self._caller_counts.items() if now - t > CALLER_COUNTS_KEPT_S]
+        for c in stale:
+            del self._caller_counts[c]
+
     def fleet_view(
         self,
         caller: str = "",
-        counters: Mapping[str, int] | None = None,
+        counted: Mapping[str, int] | None = None,
         shed_waiting: int = 0,
         placed: Mapping[int, int] | None = None,
     ) -> FleetView:
         """The latest report and health of every node, for a caller that places
-        requests; ``counters`` are what that caller counted since it last asked,
-        ``shed_waiting`` the requests it shed that are still to come back and ``placed``
-        the requests it placed since it last asked, by priority. The view carries the
-        other callers' sums: shed requests come back in turn fleet-wide, and a caller
-        among many widens its choice of near-best nodes."""
+        requests; ``counted`` is everything that caller counted since it was made (see
+        :meth:`_merge`), ``shed_waiting`` the requests it shed that are still to come
+        back and ``placed`` the requests it placed since it last asked, by priority. The
+        view carries the other callers' sums: shed requests come back in turn
+        fleet-wide, and a caller among many widens its choice of near-best nodes."""
         now = self._clock.now()
         if caller:
             self._callers[caller] = now
             self._shed_waiting[caller] = shed_waiting
             self._placed[caller] = placed or {}
-        if counters:
-            self._counters.update(counters)
+        self._merge(caller, counted, now)
         fresh = CALLER_REPORTS_KEPT * self.config.router.report_interval_s
         gone = [c for c, t in self._callers.items() if now - t > max(fresh, CALLER_SEEN_S)]
         for c in gone:  # a caller that stopped asking (closed, or its process ended)
@@ -308,12 +341,17 @@ class Router:
         except NodeGone:
             self._lose(entry)
             raise NodeLost(f"node {node} is gone; its lifecycle state was not set") from None
-        entry.report = report
+        self._keep(entry, report)
         return report
 
     async def cancel(self, request_id: str) -> bool:
+        """Cancel ``request_id`` wherever it is; True when a node cancelled it. Every
+        node is asked, those out of service too (a silent node may still hold it), each
+        for at most ``lost_after_s``: one that fails or does not answer in time is taken
+        not to hold it."""
+        timeout = self.config.router.lost_after_s
         results = await asyncio.gather(
-            *(e.handle.cancel(request_id) for e in self._nodes.values() if e.healthy),
+            *(asyncio.wait_for(e.handle.cancel(request_id), timeout) for e in self._nodes.values()),
             return_exceptions=True,
         )
         return any(r is True for r in results)
@@ -334,10 +372,12 @@ class Router:
             },
         )
 
-    async def status(self, counters: Mapping[str, int] | None = None) -> RouterStatus:
-        """Fresh reports from every reachable node, plus the fleet-wide counters."""
-        if counters:
-            self._counters.update(counters)
+    async def status(
+        self, caller: str = "", counted: Mapping[str, int] | None = None
+    ) -> RouterStatus:
+        """Fresh reports from every reachable node, plus the fleet-wide counters, with
+        ``caller``'s ``counted`` (as :meth:`fleet_view` takes them)."""
+        self._merge(caller, counted, self._clock.now())
         await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
         return self.status_now()
 
@@ -364,19 +404,21 @@ class RouterActor:
     async def fleet_view(
         self,
         caller: str = "",
-        counters: Mapping[str, int] | None = None,
+        counted: Mapping[str, int] | None = None,
         shed_waiting: int = 0,
         placed: Mapping[int, int] | None = None,
     ) -> FleetView:
         await self._router.start()  # after a restart of the router itself
-        return self._router.fleet_view(caller, counters, shed_waiting, placed)
+        return self._router.fleet_view(caller, counted, shed_waiting, placed)
 
     async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
         await self._router.start()
         return await self._router.set_lifecycle(node, state)
 
-    async def status(self, counters: Mapping[str, int] | None = None) -> RouterStatus:
-        return await self._router.status(counters)
+    async def status(
+        self, caller: str = "", counted: Mapping[str, int] | None = None
+    ) -> RouterStatus:
+        return await self._router.status(caller, counted)
 
     async def cancel(self, request_id: str) -> bool:
         return await self._router.cancel(request_id)

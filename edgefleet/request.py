@@ -58,6 +58,21 @@ def token_ids(values: Iterable[int], what: str) -> tuple[int, ...]:
     return tuple(int(t) for t in ids)
 
 
+def input_rows(inputs: Mapping[str, object], batchable: bool) -> int:
+    """The rows a request's inputs put on a node's batch axis, counted as the node
+    counts them (the node is the authority; callers price requests and the simulator
+    runs them by this same count): 1 for a model that cannot batch (it runs each
+    request alone), else the size of axis 0, which every input of such a model has
+    and shares (a node refuses inputs that disagree, or that have no row). Inputs with
+    no shape at all count 1."""
+    if batchable:
+        for value in inputs.values():
+            shape: tuple[int, ...] = tuple(getattr(value, "shape", ()))
+            if shape:
+                return int(shape[0])
+    return 1
+
+
 def priority_name(priority: int, classes: Mapping[str, int] = DEFAULT_PRIORITIES) -> str:
     """The class name of an integer priority, or the number itself when no class has it."""
     for name, value in classes.items():

@@ -44,7 +44,7 @@ from edgefleet.messages import (
     NodeStatus,
     Reply,
 )
-from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState
+from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState, input_rows
 from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits, call_cost
 from policies.budget import TokenBudgets, token_limit
 
@@ -366,12 +366,13 @@ class SimNode:
             table = {}  # what this node measures at warm-up: its own speed
             if cfg.kind == "tensor":
                 table = {n: c / speed for n, c in cost.table_s(cfg.batching.max_batch_size).items()}
-            limit = configured_batch_limit(cfg, cfg.kind == "tensor", table)
+            batchable = cfg.kind == "tensor"  # no signature here: every tensor model batches
+            limit = configured_batch_limit(cfg, batchable, table)
             self._rules[name] = rules_for(cfg, limit, table)
             self._model_status[name] = ModelStatus(
                 name,
                 True,
-                limit > 1,
+                batchable,
                 limit,
                 {k: v * 1000 for k, v in table.items()},
                 None,
@@ -415,7 +416,8 @@ class SimNode:
             self._gens[request.id] = _Gen(request, max(0, limit - request.continued))
             req = Request.generation(request, now, deadline)
         else:
-            rows = _rows(request)
+            model = self._model_status.get(request.model)
+            rows = input_rows(request.inputs, model is None or model.batchable)
             req = Request(
                 id=request.id,
                 model=request.model,
@@ -744,13 +746,6 @@ def _generation_result(r: Request, node: str, o: Outcome, gen: _Gen) -> Generati
     if o.state is S.COMPLETED:
         reason = "length" if gen.limit >= gen.request.max_new_tokens else "budget"
     return GenerationResult(r.id, node, error=o.error, finish_reason=reason)
-
-
-def _rows(request: InferRequest) -> int:
-    for v in request.inputs.values():
-        shape: tuple[int, ...] = tuple(getattr(v, "shape", ()))
-        return int(shape[0]) if len(shape) > 1 else 1
-    return 1
 
 
 # ------------------------------------------------------------------------------ fleet

@@ -309,7 +309,7 @@ def simulate(
     wall = time.perf_counter() - wall
     counters: Counter[str] = Counter()
     for d in fleet.dispatchers:
-        counters.update(d.take_counters())
+        counters.update(d.counted())
     for name in ("spilled", "shed", "replaced"):
         if counters[name]:
             recorder.counter(name, counters[name])

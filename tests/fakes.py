@@ -285,9 +285,7 @@ class LocalFleet:
         async def view() -> Any:
             await self.router.status()  # polls every node now
             d = self.dispatcher
-            return self.router.fleet_view(
-                "test", d.take_counters(), d.shed_waiting(), d.take_placed()
-            )
+            return self.router.fleet_view("test", d.counted(), d.shed_waiting(), d.take_placed())
 
         self.dispatcher.update(self.run(view()))
 

@@ -338,17 +338,26 @@ def test_another_caller_with_other_placement_on_the_same_fleet(make_fleet):
     assert status.router.get("completed", 0) >= 5  # both callers' answers are counted
 
 
-def test_large_inputs_travel_by_object_reference_and_are_answered(make_fleet):
-    fleet = make_fleet({"models": {"detector": {"path": "detector.onnx"}}})
-    big = {"images": np.random.default_rng(0).random((1, 3, 400, 400), dtype=np.float32)}
+def test_large_inputs_travel_by_object_reference_and_are_answered(make_fleet, tmp_path):
+    fleet = make_fleet(
+        {
+            "models": {"detector": {"path": "detector.onnx"}},
+            "router": {"record_dir": str(tmp_path)},
+        }
+    )
+    big = {"images": np.random.default_rng(0).random((3, 3, 400, 400), dtype=np.float32)}
     assert big["images"].nbytes > 1024 * 1024  # over the client's by-reference size
     small = {"images": big["images"][:, :, :64, :64].copy()}
     for inputs in (big, small):
         sync = fleet.infer("detector", inputs)
         (piped,) = FleetClient.gather([fleet.submit("detector", inputs)], 60)
         assert piped.error is None
-        assert sync["scores"].shape == (1, 5)
+        assert sync["scores"].shape == (3, 5)
         np.testing.assert_allclose(sync["scores"], piped.outputs["scores"], rtol=1e-5)
+    fleet.close()  # writes out the call record
+    (record,) = tmp_path.glob("*.jsonl")
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [line["rows"] for line in lines] == [3, 3, 3, 3]  # by reference too
 
 
 @ray.remote

@@ -3,22 +3,26 @@ and the router's membership, over real node runtimes with fake engines (no Ray).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
 import random
 import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import cluster.client as client_module
 from actors.node import NodeRuntime
-from cluster.dispatch import Dispatcher, FleetView, NodeReport
+from cluster.dispatch import Dispatcher, FleetView, FutureCalls, NodeGone, NodeReport
 from cluster.router import CALLER_SEEN_S, Router
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.errors import Cancelled, Evicted, ModelNotFound, NodeLost, Rejected
-from edgefleet.messages import RunningStatus
+from edgefleet.messages import ModelStatus, NodeStatus, Reply, RunningStatus
 from edgefleet.request import InferRequest
 from policies.placement import PlacementRequest
 from tests.fakes import FakeLoader, LocalFleet, x
@@ -383,7 +387,7 @@ def test_a_caller_keeps_its_own_counts_after_handing_them_to_the_router(fleet):
     for _ in range(3):
         assert f.infer(req(10)).error is None
     assert f.counters()["completed"] == 3  # handed over to the router...
-    assert f.dispatcher.take_counters() == {}
+    assert f.counters()["completed"] == 3  # (each time: counted once)
     counted = f.dispatcher.counted()  # ...and still this caller's own
     assert counted["received"] == 3 and counted["completed"] == 3
 
@@ -627,3 +631,194 @@ def test_the_nodes_holding_a_session_are_weighed_in_name_order(fleet):
     sampled, added = considered[:2], considered[2:]
     assert added == sorted(added)
     assert set(added) == holders - set(sampled)
+
+
+class HeldNode(FutureCalls):
+    """A node handle that keeps each request it is sent, with its inputs, and answers
+    only when the test resolves the call's future."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[InferRequest, object, cf.Future[Reply]]] = []
+
+    def infer(self, request: InferRequest, inputs: object = None) -> cf.Future[Reply]:
+        fut: cf.Future[Reply] = cf.Future()
+        self.sent.append((request, inputs, fut))
+        return fut
+
+
+def one_node_report(batchable: bool = True, row_ms: float = 2.0) -> FleetView:
+    model = ModelStatus("m", True, batchable, 8, {1: row_ms}, None, 1)
+    status = NodeStatus("a", "serving", {}, 0, None, (model,))
+    return FleetView({"a": NodeReport(status, True, 0.0)})
+
+
+def test_inputs_sent_apart_are_priced_by_their_rows_and_not_sent_twice():
+    """Large inputs travel as an object reference (``inputs``): the request is priced
+    by the rows of its inputs, and sent without them."""
+    node = HeldNode()
+    d = Dispatcher(make_config({"a": {}}), {"a": node}, clock=FakeClock())
+    d.update(one_node_report(row_ms=2.0))
+    request = InferRequest(model="m", inputs=x(1.0, rows=5), priority=10)
+    reply = d.submit(request, "inputs-ref")
+    ((sent, inputs, fut),) = node.sent
+    assert sent.id == request.id and dict(sent.inputs) == {} and inputs == "inputs-ref"
+    (view,) = d.views()
+    assert view.work == {10: 1} and view.backlog_s == {10: pytest.approx(5 * 0.002)}
+    fut.set_result(Reply(request.id, "a"))
+    assert reply.result(30).error is None
+    d.close()
+
+
+def test_when_every_node_serving_the_model_drains_callers_hear_so_and_nothing_is_shed(fleet):
+    f = fleet({"a": {}, "b": {}})
+    for name in ("a", "b"):
+        f.run(f.node(name).drain())
+    f.refresh()
+    reply = f.infer(req(10))
+    assert isinstance(reply.error, Rejected)
+    assert "every node serving 'm' is draining" in str(reply.error)
+    assert reply.error.retry_after_s >= 1.0
+    counted = f.dispatcher.counted()
+    assert counted["shed"] == 0 and counted["rejected"] == 1
+    assert f.dispatcher.shed_waiting() == 0
+
+
+class ScriptedControl:
+    """A node as the router talks to it: answers with ``report`` (which the test sets),
+    and holds the request ids in ``holds``."""
+
+    def __init__(self, report: NodeStatus, holds: set[str] | None = None) -> None:
+        self.report = report
+        self.holds = holds or set()
+        self.starts = 0
+
+    async def status(self) -> NodeStatus:
+        return self.report
+
+    async def start(self) -> NodeStatus:
+        self.starts += 1
+        return self.report
+
+    async def cancel(self, request_id: str) -> bool:
+        return request_id in self.holds
+
+    async def set_lifecycle(self, state: str) -> NodeStatus:
+        self.report = replace(self.report, lifecycle=state)
+        return self.report
+
+
+def node_status(name: str, state: str = "serving", queued: int = 0) -> NodeStatus:
+    return NodeStatus(name, state, {10: queued} if queued else {}, 0, None, ())
+
+
+def test_every_report_the_router_keeps_is_dated_when_it_came():
+    """A report's age tells callers how much of its work is done by now: a report the
+    router keeps must be dated when it came, whatever the node's state or the call."""
+    clock = FakeClock()
+    node = ScriptedControl(node_status("a"))
+    router = Router(make_config({"a": {}}), {"a": node}, clock=clock)
+
+    async def main() -> None:
+        await router.status()
+        clock.advance(5.0)
+        node.report = node_status("a", "starting", queued=3)  # restarted by Ray
+        await router.status()
+        view = router.fleet_view("c").nodes["a"]
+        assert view.status is not None and view.status.state == "starting"
+        assert view.age_s == 0.0
+        clock.advance(5.0)
+        await router.set_lifecycle("a", "background")
+        view = router.fleet_view("c").nodes["a"]
+        assert view.status is not None and view.status.lifecycle == "background"
+        assert view.age_s == 0.0
+        await router.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class SilentControl(ScriptedControl):
+    """A node alive but silent: its calls never end."""
+
+    async def cancel(self, request_id: str) -> bool:
+        await asyncio.Event().wait()
+        return True
+
+
+class GoneControl(ScriptedControl):
+    async def cancel(self, request_id: str) -> bool:
+        raise NodeGone("gone")
+
+
+def test_cancel_asks_every_node_and_a_silent_or_dead_one_holds_nobody_up():
+    """A node out of service (silent, say) may still hold the request: every node is
+    asked, each for a bounded time, and failures count as 'not here'."""
+    nodes = {
+        "a": SilentControl(node_status("a")),
+        "b": ScriptedControl(node_status("b"), holds={"r1"}),
+        "c": GoneControl(node_status("c")),
+    }
+    router = Router(make_config(dict.fromkeys(nodes, {})), nodes, clock=FakeClock())
+    assert not any(router.status_now().healthy.values())  # none has reported yet
+
+    async def main() -> tuple[bool, bool]:
+        return await router.cancel("r1"), await router.cancel("r2")
+
+    assert asyncio.run(asyncio.wait_for(main(), 30)) == (True, False)
+
+
+LOST = object()  # a call whose reply never came back
+
+
+class RouterHandle:
+    """The router as a client's view feed reaches it (a Ray actor handle, without Ray):
+    ``lose`` makes the next calls reach the router and lose their reply."""
+
+    def __init__(self, fleet: LocalFleet) -> None:
+        self.fleet = fleet
+        self.lose = 0
+        self.fleet_view = SimpleNamespace(remote=self._fleet_view)
+
+    def _fleet_view(self, *args):
+        async def call():  # on the router's loop, as its actor would
+            return self.fleet.router.fleet_view(*args)
+
+        view = self.fleet.run(call())
+        if self.lose:
+            self.lose -= 1
+            return LOST
+        return view
+
+
+def test_counts_whose_delivery_reached_the_router_are_counted_once(fleet, monkeypatch):
+    """A view fetch that hands the router this caller's counts and times out on the way
+    back is sent again: the router counts what it carries once."""
+
+    def get(refs, timeout_s, what):
+        if refs[0] is LOST:
+            raise NodeLost(f"{what}: a node did not answer within {timeout_s:.0f} s")
+        return refs
+
+    monkeypatch.setattr(client_module, "_get", get)
+    f = fleet({"a": {}})
+    slow = f.config.router.model_copy(update={"report_interval_s": 60.0})  # fetched by hand
+    router = RouterHandle(f)
+    feed = client_module._ViewFeed(
+        router, f.dispatcher, f.config.model_copy(update={"router": slow}), "feed"
+    )
+    try:
+        for _ in range(3):
+            assert f.infer(req(10)).error is None
+        router.lose = 2
+        for _ in range(2):
+            with pytest.raises(NodeLost):
+                feed._fetch()
+        feed._fetch()
+        assert f.router.status_now().counters["completed"] == 3
+        assert f.infer(req(10)).error is None
+        feed._fetch()
+        feed._fetch()
+        assert f.router.status_now().counters["completed"] == 4
+    finally:
+        feed.stop()
+    assert f.router.status_now().counters["completed"] == 4
+    assert f.dispatcher.counted()["completed"] == 4  # the caller's own, as ever

@@ -119,3 +119,25 @@ def test_the_waker_runs_its_callback_on_the_loop_from_another_thread(monkeypatch
         assert len(ran) == (3 if gil_holding else 2)
 
     run(main())
+
+
+@pytest.mark.parametrize("written", [-1, 0], ids=["EAGAIN", "nothing written"])
+def test_a_wake_up_byte_that_is_not_written_still_wakes_the_loop(monkeypatch, written):
+    if executor._WRITE is None:
+        pytest.skip("no libc write here: wake-ups go through call_soon_threadsafe")
+    tried: list[int] = []
+
+    def failing_write(fd: int, data: bytes, n: int) -> int:
+        tried.append(fd)
+        return written
+
+    async def main() -> None:
+        woken = asyncio.Event()
+        waker = Waker(asyncio.get_running_loop(), woken.set)
+        monkeypatch.setattr(executor, "_WRITE", failing_write)
+        threading.Thread(target=waker.wake, name="engine").start()
+        await asyncio.wait_for(woken.wait(), 10)
+        assert tried  # the pipe was tried first
+        waker.close()
+
+    run(main())

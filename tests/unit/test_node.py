@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+import actors.executor as executor_module
 import actors.metrics as metrics
 import actors.node as node_module
 from actors.metrics import COUNTER_FLUSH_S, MemorySink, NodeMetrics, RaySink
@@ -631,6 +632,69 @@ def test_a_call_whose_answer_fails_to_settle_fails_the_node_and_its_callers_hear
         assert isinstance(reply.error, Cancelled) and "settlement bug" in str(reply.error)
         status = node.status()
         assert status.state == "failed" and "settlement bug" in status.failure
+        await node.stop()
+
+    run(main())
+
+
+class LockedOnly:
+    """Stands in for a node's scheduler and notes each use of it made without the
+    node's lock held (the loop and the engine thread both drive the scheduler)."""
+
+    def __init__(self, sched, lock) -> None:
+        object.__setattr__(self, "_sched", sched)
+        object.__setattr__(self, "_lock", lock)
+        object.__setattr__(self, "unlocked", [])
+
+    def __getattr__(self, name):
+        if not self._lock.locked():
+            self.unlocked.append(name)
+        return getattr(self._sched, name)
+
+    def __setattr__(self, name, value):
+        if not self._lock.locked():
+            self.unlocked.append(name)
+        setattr(self._sched, name, value)
+
+
+def guarded(node: NodeRuntime) -> LockedOnly:
+    node._sched = LockedOnly(node._sched, node._lock)
+    return node._sched
+
+
+def test_every_use_of_the_scheduler_holds_the_nodes_lock():
+    def cannot_load(name, config):
+        raise EngineError(f"{name}: no such file")
+
+    async def main():
+        node = NodeRuntime(fake_spec(), loader=FakeLoader(m={"cost_s": 0.01}))
+        sched = guarded(node)
+        await node.start()
+        replies = await asyncio.gather(*(node.infer(req(value=i + 1)) for i in range(4)))
+        assert all(r.error is None for r in replies)
+        node.cancel("nobody")
+        await node.drain()
+        await node.stop()
+        failing = NodeRuntime(fake_spec(), loader=cannot_load)
+        failed = guarded(failing)
+        with pytest.raises(EngineError):
+            await failing.start()
+        assert failing.status().state == "failed"
+        return sched.unlocked + failed.unlocked
+
+    assert run(main()) == []
+
+
+def test_a_node_whose_wake_up_writes_fail_still_answers(monkeypatch):
+    """The engine thread wakes the loop to settle the calls it ended; a wake-up byte
+    that cannot be written (a full pipe) must not leave the node without answers."""
+    monkeypatch.setattr(executor_module, "_WRITE", lambda fd, data, n: -1)
+
+    async def main():
+        node, _ = await started()
+        for i in range(3):
+            reply = await asyncio.wait_for(node.infer(req(value=i + 1)), 10)
+            assert reply.error is None
         await node.stop()
 
     run(main())

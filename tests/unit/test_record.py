@@ -127,7 +127,7 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
     d = dispatcher(make_config(tmp_path))
     before = time.time()
     answers = send_every_kind(d)
-    assert d.take_counters()["spilled"] == 3  # SPILLED once, REFUSED by both nodes
+    assert d.counted()["spilled"] == 3  # SPILLED once, REFUSED by both nodes
     d.close()
     path = only_file(tmp_path / "calls")
     assert re.fullmatch(
@@ -325,3 +325,17 @@ def test_lines_without_the_node_figures_still_replay(tmp_path):
             ]
         }
     }
+
+
+def test_a_request_that_cannot_be_recorded_costs_its_own_line_only(tmp_path, caplog):
+    d = dispatcher(make_config(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="cluster.record"):
+        assert d.call(InferRequest("m", x(1.0), id="before")).error is None
+        for bad in (7, 8):  # a caller's own id type: no JSON string
+            assert d.call(InferRequest("m", x(1.0), id=bad)).error is None  # type: ignore[arg-type]
+        assert d.call(InferRequest("m", x(1.0), id="after")).error is None
+        d.close()
+    assert [line["id"] for line in lines(only_file(tmp_path / "calls"))] == ["before", "after"]
+    assert d._record is not None and d._record.skipped == 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.record"]
+    assert len(warnings) == 1 and "cannot be recorded" in warnings[0]

@@ -491,7 +491,7 @@ def test_a_node_failure_gives_every_request_it_held_one_answer_replaced_or_node_
             assert rid not in lost or answer.node == "edge-1"  # placed again elsewhere
     # no node answered a request twice; those lost at most once ran nowhere after
     assert ran == Counter(set(ids) - once)
-    counters = fleet.dispatcher.take_counters()
+    counters = fleet.dispatcher.counted()
     assert counters["replaced"] == len(lost - once)
     assert counters["nodelost"] == len(once)
 
@@ -534,7 +534,7 @@ def test_a_request_refused_by_a_full_node_spills_to_another():
     # was taken by the node running "long"
     assert calls.one("r").error is None
     assert calls.node("r") == calls.node("long") == fleet.nodes[1 - other[0]].spec.name
-    assert fleet.dispatcher.take_counters()["spilled"] == 1
+    assert fleet.dispatcher.counted()["spilled"] == 1
 
 
 def test_background_work_is_shed_when_every_node_is_past_its_share_but_foreground_is_not():
@@ -551,7 +551,7 @@ def test_background_work_is_shed_when_every_node_is_past_its_share_but_foregroun
     assert "shed" in str(calls.one("bg6").error)
     assert calls.answers["bg6"][0][0] == 0.0  # refused at once, no node was asked
     assert calls.one("fg").error is None
-    assert fleet.dispatcher.take_counters()["shed"] == 1
+    assert fleet.dispatcher.counted()["shed"] == 1
 
 
 def test_a_deadline_passing_while_queued_reaches_the_caller_one_hop_after_it():
