@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
@@ -418,6 +419,7 @@ class FleetClient:
         """Call the router, waiting out a restart (Ray restarts it after a crash) with
         exponential backoff and jitter, for at most ``timeout_s`` in all. Control calls
         are idempotent, so asking again after "may or may not have run" is safe."""
+        deadline = time.monotonic() + timeout_s
         try:
             for attempt in Retrying(
                 retry=retry_if_exception_type(ray.exceptions.ActorUnavailableError),
@@ -427,7 +429,7 @@ class FleetClient:
             ):
                 with attempt:
                     ref = getattr(self._router, method).remote(*args)
-                    return ray.get(ref, timeout=timeout_s)
+                    return ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
             raise NodeLost(
                 f"{method}: the router did not answer within {timeout_s:.0f} s"
@@ -532,7 +534,7 @@ class _ViewFeed:
             ref = self._router.fleet_view.remote(
                 self._caller, dict(counters), waiting, {} if last else placed
             )
-            (view,) = _get([ref], self._timeout, "fleet view")
+            (view,) = _get([ref], self._timeout, "fleet view", who="the router")
         except BaseException:
             self._dispatcher.give_back(counters)
             raise
@@ -567,11 +569,16 @@ class _ViewFeed:
             log.debug("could not hand over the last counters", exc_info=True)
 
 
-def _get(refs: list[ray.ObjectRef], timeout_s: float | None, what: str) -> list[Any]:
-    """``ray.get`` bounded in time; a node that died or does not answer is NodeLost."""
+def _get(
+    refs: list[ray.ObjectRef], timeout_s: float | None, what: str, who: str = "a node"
+) -> list[Any]:
+    """``ray.get`` bounded in time; an actor that died, is out of reach or does not
+    answer is NodeLost."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise NodeLost(f"{what}: a node did not answer within {timeout_s:.0f} s") from None
+        raise NodeLost(f"{what}: {who} did not answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.ActorUnavailableError as exc:
+        raise NodeLost(f"{what}: {who} is out of reach for now: {exc}") from None
     except ray.exceptions.RayActorError as exc:
-        raise NodeLost(f"{what}: a node died: {exc}") from None
+        raise NodeLost(f"{what}: {who} died: {exc}") from None
