@@ -161,6 +161,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 config.local.num_cpus or max(2, len(specs)),
                 dashboard_port=config.ray.dashboard_port,
                 token_auth=token_auth,
+                redis=args.redis or config.ray.redis,
             )
             port = config.ray.dashboard_port
             jobs = f"; dashboard and job API on http://127.0.0.1:{port}" if port else ""
@@ -735,6 +736,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--address", help="Ray cluster address (default: start one on 127.0.0.1)")
     up.add_argument("--detach", action="store_true", help="return and leave the fleet serving")
     up.add_argument("--interval", type=float, default=2.0, help="seconds between status lines")
+    up.add_argument(
+        "--redis",
+        action="store_true",
+        help="with --detach: the head keeps its state in Redis and can restart (ray.redis)",
+    )
     up.add_argument(
         "--start-timeout",
         type=float,

@@ -7,6 +7,7 @@ import concurrent.futures as cf
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -436,6 +437,7 @@ class FleetClient:
         """Call the router, waiting out a restart (Ray restarts it after a crash) with
         exponential backoff and jitter, for at most ``timeout_s`` in all. Control calls
         are idempotent, so asking again after "may or may not have run" is safe."""
+        deadline = time.monotonic() + timeout_s
         try:
             for attempt in Retrying(
                 retry=retry_if_exception_type(ray.exceptions.ActorUnavailableError),
@@ -445,7 +447,7 @@ class FleetClient:
             ):
                 with attempt:
                     ref = getattr(self._router, method).remote(*args)
-                    return ray.get(ref, timeout=timeout_s)
+                    return ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
         except ray.exceptions.GetTimeoutError:
             raise NodeLost(
                 f"{method}: the router did not answer within {timeout_s:.0f} s"
@@ -547,7 +549,7 @@ class _ViewFeed:
         waiting = 0 if last else self._dispatcher.shed_waiting()  # closing: none come back
         placed = self._dispatcher.take_placed()
         ref = self._router.fleet_view.remote(self._caller, counted, waiting, {} if last else placed)
-        (view,) = _get([ref], self._timeout, "fleet view")
+        (view,) = _get([ref], self._timeout, "fleet view", who="the router")
         self._dispatcher.update(view)
 
     def _run(self) -> None:
@@ -590,11 +592,16 @@ def _timeout(timeout_s: float | None) -> float | None:
     return float(timeout_s)
 
 
-def _get(refs: list[ray.ObjectRef], timeout_s: float | None, what: str) -> list[Any]:
-    """``ray.get`` bounded in time; a node that died or does not answer is NodeLost."""
+def _get(
+    refs: list[ray.ObjectRef], timeout_s: float | None, what: str, who: str = "a node"
+) -> list[Any]:
+    """``ray.get`` bounded in time; an actor that died, is out of reach or does not
+    answer is NodeLost."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-        raise NodeLost(f"{what}: a node did not answer within {timeout_s:.0f} s") from None
+        raise NodeLost(f"{what}: {who} did not answer within {timeout_s:.0f} s") from None
+    except ray.exceptions.ActorUnavailableError as exc:
+        raise NodeLost(f"{what}: {who} is out of reach for now: {exc}") from None
     except ray.exceptions.RayActorError as exc:
-        raise NodeLost(f"{what}: a node died: {exc}") from None
+        raise NodeLost(f"{what}: {who} died: {exc}") from None

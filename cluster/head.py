@@ -1,7 +1,9 @@
 """A Ray head on loopback that outlives the command which started it (``up --detach``).
 
 Each fleet's head gets its own Ray temporary folder, so ``down`` can stop exactly the
-processes ``up`` started, and nothing else on the machine.
+processes ``up`` started, and nothing else on the machine. With ``ray.redis`` the head
+keeps the cluster's state in a Redis of its own (Ray's GCS fault tolerance), so it can
+be restarted (:func:`restart_head`) while the nodes on other machines keep serving.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from pathlib import Path
 
 import psutil
 
-from edgefleet.errors import FleetStartError
+from edgefleet.errors import FleetNotRunning, FleetStartError
 
 LOOPBACK = "127.0.0.1"
+REDIS_READY_S = 10.0  # a redis-server that does not accept connections by then failed
+RAY_START_TIMEOUT_S = 120.0
 
 
 def head_dir(fleet: str) -> Path:
@@ -73,10 +77,19 @@ def _free_port() -> int:
 
 
 def start_head(
-    fleet: str, num_cpus: int, *, dashboard_port: int | None = None, token_auth: bool = True
+    fleet: str,
+    num_cpus: int,
+    *,
+    dashboard_port: int | None = None,
+    token_auth: bool = True,
+    redis: bool = False,
 ) -> str:
     """Start a Ray head bound to 127.0.0.1 for ``fleet``; returns its address. With
-    ``dashboard_port`` it also serves Ray's dashboard and job API there (loopback)."""
+    ``dashboard_port`` it also serves Ray's dashboard and job API there (loopback).
+    With ``redis`` it first starts a ``redis-server`` on loopback (its data under
+    :func:`head_dir`) and keeps the cluster's state there (Ray's GCS fault tolerance).
+    What it started is recorded for :func:`restart_head` and :func:`stop_head`; when
+    the head does not start, the Redis it started is stopped."""
     directory = head_dir(fleet)
     directory.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -106,21 +119,124 @@ def start_head(
     ]
     # Loopback only, and token authentication on unless the config turns it off (the
     # token lives in ~/.ray/auth_token; clients here find it once RAY_AUTH_MODE=token).
-    # Jobs submitted to it run `edgefleet` (and `python`) from this environment.
-    path = os.pathsep.join([str(ray_cli.parent), os.environ.get("PATH", "")])
-    env = dict(
-        os.environ,
-        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
-        RAY_AUTH_MODE="token" if token_auth else "disabled",
-        PATH=path,
-    )
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    settings = {"RAY_AUTH_MODE": "token" if token_auth else "disabled"}
+    address = f"{LOOPBACK}:{port}"
+    state: dict[str, object] = {"fleet": fleet, "address": address, "token_auth": token_auth}
+    if redis:
+        state["redis"] = started = _start_redis(directory)
+        settings["RAY_REDIS_ADDRESS"] = f"{LOOPBACK}:{started['port']}"
+        settings["RAY_external_storage_namespace"] = fleet
+    state["head"] = {"cmd": cmd, "env": settings}
+    # Recorded before Ray starts: `down` finds the Redis even if what follows is cut short.
+    _state_file(fleet).write_text(json.dumps(state))
+    try:
+        _run_head(cmd, settings)
+    except BaseException:
+        _stop_redis(state)
+        _state_file(fleet).unlink(missing_ok=True)
+        raise
+    return address
+
+
+def restart_head(fleet: str, grace_s: float = 2.0) -> str:
+    """Start ``fleet``'s head again with the settings it was started with (the same
+    port, folder and Redis), after it crashed or to replace it; returns its address.
+    Whatever is left of the old head is stopped first; its Redis is kept.
+
+    With Redis (``ray.redis``) the new head takes over the cluster's state: raylets on
+    other machines reconnect (they wait ``RAY_gcs_rpc_server_reconnect_timeout_s``, 60 s
+    by default), the actors on them never stopped, and those of the old head (the
+    router) are started again. Without, the new head is a new cluster that refuses
+    every raylet of the old one. Raises FleetNotRunning when no head was recorded for
+    ``fleet``, FleetStartError when its Redis is gone or Ray does not start."""
+    state = _recorded(fleet)
+    head = state.get("head")
+    if not isinstance(head, dict):
+        raise FleetNotRunning(
+            f"fleet {fleet!r}: no Ray head started by `edgefleet up --detach` is recorded"
+        )
+    if "redis" in state and _redis_process(state) is None:
+        raise FleetStartError(
+            f"fleet {fleet!r}: the Redis that held its cluster's state is gone; stop what is "
+            f"left with `edgefleet down --fleet {fleet}` and start it again with `up`"
+        )
+    _stop_processes(fleet, grace_s)
+    # `ray start --head` refuses an address its folder records while any process here
+    # names it: raylets on this machine waiting for the head to come back do.
+    (head_dir(fleet) / "ray_current_cluster").unlink(missing_ok=True)
+    _run_head(list(head["cmd"]), dict(head["env"]))
+    return str(state["address"])
+
+
+def _run_head(cmd: list[str], settings: dict[str, str]) -> None:
+    # Jobs submitted to the head run `edgefleet` (and `python`) from this environment.
+    path = os.pathsep.join([str(Path(cmd[0]).parent), os.environ.get("PATH", "")])
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PATH=path, **settings)
+    try:
+        result = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise FleetStartError(
+            f"`ray start --head` did not finish within {RAY_START_TIMEOUT_S:g} s"
+        ) from None
     if result.returncode != 0:
         raise FleetStartError(f"could not start a Ray head: {result.stderr.strip()[-2000:]}")
-    address = f"{LOOPBACK}:{port}"
-    state = {"fleet": fleet, "address": address, "token_auth": token_auth}
-    _state_file(fleet).write_text(json.dumps(state))
-    return address
+
+
+def _start_redis(directory: Path) -> dict[str, int]:
+    """A ``redis-server`` on 127.0.0.1 and a free port, its data in ``directory/redis``
+    (appended to a log on disk, so a restarted Redis has it too); its pid and port."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise FleetStartError(
+            "ray.redis (up --redis) needs redis-server, which is not installed: "
+            "`apt-get install redis-server` (Debian, Ubuntu)"
+        )
+    data = directory / "redis"
+    data.mkdir(exist_ok=True)
+    pidfile = data / "redis.pid"
+    pidfile.unlink(missing_ok=True)
+    port = _free_port()
+    cmd = [exe, "--bind", LOOPBACK, "--port", str(port), "--dir", str(data)]
+    cmd += ["--appendonly", "yes", "--logfile", str(data / "redis.log")]
+    cmd += ["--daemonize", "yes", "--pidfile", str(pidfile)]
+    # Daemonized, as Ray's own processes: it outlives `up`, and `down` stops it by pid.
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=REDIS_READY_S)
+    deadline = time.monotonic() + REDIS_READY_S
+    while result.returncode == 0 and time.monotonic() < deadline:
+        with contextlib.suppress(OSError, ValueError):
+            started = {"pid": int(pidfile.read_text()), "port": port}
+            if reachable(f"{LOOPBACK}:{port}", timeout_s=1.0):
+                return started
+        time.sleep(0.05)
+    with contextlib.suppress(OSError, ValueError, psutil.Error):
+        psutil.Process(int(pidfile.read_text())).kill()
+    log = data / "redis.log"
+    said = log.read_text().strip()[-1000:] if log.exists() else result.stderr.strip()
+    raise FleetStartError(f"redis-server did not start on {LOOPBACK}:{port}: {said}")
+
+
+def _redis_process(state: dict[str, object]) -> psutil.Process | None:
+    """The recorded Redis, if it still runs (and its pid is not another process's now)."""
+    redis = state.get("redis")
+    if not isinstance(redis, dict):
+        return None
+    try:
+        proc = psutil.Process(int(redis["pid"]))
+        if proc.name() == "redis-server" and f":{redis['port']}" in " ".join(proc.cmdline()):
+            return None if _gone(proc) else proc
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        pass
+    return None
+
+
+def _stop_redis(state: dict[str, object], grace_s: float = 2.0) -> int:
+    proc = _redis_process(state)
+    if proc is None:
+        return 0
+    _end([proc], grace_s)
+    return 1
 
 
 def head_processes(fleet: str) -> list[psutil.Process]:
@@ -132,7 +248,10 @@ def head_processes(fleet: str) -> list[psutil.Process]:
     if address is not None:  # Ray's client server names only the head's address
         markers.append(f"--address={address}")
     found: dict[int, psutil.Process] = {}
+    redis = _redis_process(_recorded(fleet))  # its data lives in the folder too
     for proc in psutil.process_iter(["cmdline"]):
+        if redis is not None and proc.pid == redis.pid:
+            continue
         try:
             if any(m in part for part in proc.info["cmdline"] or () for m in markers):
                 found[proc.pid] = proc
@@ -175,10 +294,19 @@ def stop_children(grace_s: float = 1.0) -> int:
 
 
 def stop_head(fleet: str, grace_s: float = 2.0) -> int:
-    """Stop the processes of ``fleet``'s head and remove its folder; returns how many
-    processes there were. In Ray's own order (``ray stop``): the raylet (its workers go
-    with it), then the other processes, the GCS last; stopped at once, they wait on each
-    other for many seconds. Whatever outlives ``grace_s`` after SIGTERM is killed."""
+    """Stop the processes of ``fleet``'s head, then its Redis, and remove its folder;
+    returns how many processes there were. Whatever outlives ``grace_s`` after SIGTERM
+    is killed."""
+    count = _stop_processes(fleet, grace_s)
+    count += _stop_redis(_recorded(fleet), grace_s)
+    shutil.rmtree(head_dir(fleet), ignore_errors=True)
+    return count
+
+
+def _stop_processes(fleet: str, grace_s: float) -> int:
+    """Stop the Ray processes of ``fleet``'s head in Ray's own order (``ray stop``): the
+    raylet (its workers go with it), then the other processes, the GCS last; stopped at
+    once, they wait on each other for many seconds."""
     procs = [p for p in head_processes(fleet) if p.pid != os.getpid()]
     names: dict[int, str] = {}
     for p in procs:
@@ -188,5 +316,4 @@ def stop_head(fleet: str, grace_s: float = 2.0) -> int:
     last = [p for p in procs if names.get(p.pid) == "gcs_server"]
     for group in (first, [p for p in procs if p not in first and p not in last], last):
         _end(group, grace_s)
-    shutil.rmtree(head_dir(fleet), ignore_errors=True)
     return len(procs)

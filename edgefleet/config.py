@@ -404,6 +404,15 @@ class RayClusterConfig(_Strict):
         description="how long `up` waits for the nodes and the router to be placed and "
         "started before it gives up, naming what they ask for, and stops what it started",
     )
+    redis: bool = Field(
+        False,
+        description="the head `up --detach` starts keeps the cluster's state in a Redis of "
+        "its own (Debian's redis-server, on 127.0.0.1, data in /tmp/edgefleet-FLEET/redis; "
+        "Ray's GCS fault tolerance), so a crashed head restarted with the same settings "
+        "(cluster.head.restart_head) takes the cluster back: nodes on other machines serve "
+        "throughout and the router comes back. Without it a head restart ends the cluster. "
+        "Costs one more process (a few MB) and a Redis write per change of cluster state",
+    )
 
 
 class NodeSpec(_Strict):
