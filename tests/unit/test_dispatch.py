@@ -793,7 +793,7 @@ def test_counts_whose_delivery_reached_the_router_are_counted_once(fleet, monkey
     """A view fetch that hands the router this caller's counts and times out on the way
     back is sent again: the router counts what it carries once."""
 
-    def get(refs, timeout_s, what):
+    def get(refs, timeout_s, what, who="a node"):
         if refs[0] is LOST:
             raise NodeLost(f"{what}: a node did not answer within {timeout_s:.0f} s")
         return refs
