@@ -7,6 +7,7 @@ with the line where it can.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -15,11 +16,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from edgefleet.errors import ConfigError, ModelNotFound
+from edgefleet.labels import Selector, parse_selector
 from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
 from policies.placement.registry import PipelineParams, PlacementParams
 from policies.starvation import ClassBound, StarvationParams
 
 MiB = 1024 * 1024
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # fleets, nodes and pools
 
 
 class _Strict(BaseModel):
@@ -280,8 +283,11 @@ class NodeDefaults(_Strict):
     )
 
 
-class NodeConfig(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+class _NodeSettings(_Strict):
+    """What a node (``nodes:``) or every member of a pool (``pools:``) may set for itself;
+    unset: the node defaults."""
+
+    name: str = Field(pattern=NAME_PATTERN)
     models: list[str] | None = Field(None, description="default: every model in the file")
     queue: QueueConfig | None = None
     preemption: PreemptionConfig | None = None
@@ -290,6 +296,9 @@ class NodeConfig(_Strict):
     order: Literal["priority", "fifo"] | None = None
     starvation: StarvationConfig | None = None
     num_cpus: float | None = Field(None, ge=0)
+
+
+class NodeConfig(_NodeSettings):
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources the node actor needs: pins it to matching machines",
@@ -301,13 +310,33 @@ class NodeConfig(_Strict):
     )
 
 
+class PoolConfig(_NodeSettings):
+    """Every Ray node whose labels match ``selector`` gets a node actor of its own,
+    started when it joins the cluster and named ``POOL/DEVICE`` (see
+    :mod:`edgefleet.labels`)."""
+
+    selector: dict[str, str] = Field(
+        description="Ray node labels, in Ray's selector syntax: {device: camera}, "
+        "{site: 'in(s1, s2)'}, {tier: '!spare'}"
+    )
+
+    @field_validator("selector")
+    @classmethod
+    def _ray_syntax(cls, v: dict[str, str]) -> dict[str, str]:
+        parse_selector(v)
+        return v
+
+    def matcher(self) -> Selector:
+        return parse_selector(self.selector)
+
+
 class LocalConfig(_Strict):
     nodes: int = Field(1, ge=1, le=64, description="simulated nodes when `nodes:` is empty")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded Ray cluster")
 
 
 class FleetMeta(_Strict):
-    name: str = Field("edgefleet", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field("edgefleet", pattern=NAME_PATTERN)
 
 
 class PlacementConfig(PipelineParams):
@@ -433,6 +462,8 @@ class NodeSpec(_Strict):
     num_cpus: float = 0
     resources: dict[str, float] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
+    pool: str | None = None  # the pool of a pool member (None: a node of `nodes:`)
+    ray_node: str | None = None  # the Ray node id a pool member is pinned to
     trace_dir: Path | None = None  # where the node writes its trace (None: no trace)
     call_timeout_factor: float = 10.0  # see NodeDefaults
     call_timeout_floor_s: float = 5.0
@@ -449,6 +480,11 @@ class FleetConfig(_Strict):
     models: dict[str, ModelConfig]
     node_defaults: NodeDefaults = NodeDefaults()
     nodes: list[NodeConfig] = Field(default_factory=list)
+    pools: list[PoolConfig] = Field(
+        default_factory=list,
+        description="nodes started on every Ray node whose labels match, as such nodes "
+        "join the cluster (see README, A fleet of devices)",
+    )
     router: RouterConfig = RouterConfig()
     ray: RayClusterConfig = RayClusterConfig()
 
@@ -498,20 +534,29 @@ class FleetConfig(_Strict):
         problems = self.node_defaults.starvation.problems(
             "node_defaults.starvation", self.priorities
         )
-        for i, node in enumerate(self.nodes):
-            if node.starvation is not None:
-                problems += node.starvation.problems(f"nodes.{i}.starvation", self.priorities)
+        for kind, items in (("nodes", self.nodes), ("pools", self.pools)):
+            for i, item in enumerate(items):
+                if item.starvation is not None:
+                    where = f"{kind}.{i}.starvation"
+                    problems += item.starvation.problems(where, self.priorities)
+        seen: dict[str, str] = {}  # name -> where it was first given
+        for kind, items in (("nodes", self.nodes), ("pools", self.pools)):
+            for i, item in enumerate(items):
+                where = f"{kind}.{i}"
+                first = seen.setdefault(item.name, where)
+                if first != where:
+                    what = "node" if first.startswith("nodes") else "pool"
+                    problems.append(
+                        f"{where}.name: {item.name!r} is already the name of the {what} at {first}"
+                        if not first.startswith(kind)
+                        else f"{where}.name: duplicate {what} name {item.name!r} (as {first})"
+                    )
+                for m in item.models or []:
+                    if m not in self.models:
+                        known = ", ".join(sorted(self.models))
+                        problems.append(f"{where}.models: unknown model {m!r}; known: {known}")
         if problems:
-            raise ValueError("; ".join(problems))
-        seen: set[str] = set()
-        for i, node in enumerate(self.nodes):
-            if node.name in seen:
-                raise ValueError(f"nodes.{i}.name: duplicate node name {node.name!r}")
-            seen.add(node.name)
-            for m in node.models or []:
-                if m not in self.models:
-                    known = ", ".join(sorted(self.models))
-                    raise ValueError(f"nodes.{i}.models: unknown model {m!r}; known: {known}")
+            raise ValueError("\n".join(problems))  # each names its path: see _format_errors
         return self
 
     def require_models(self) -> None:
@@ -524,33 +569,55 @@ class FleetConfig(_Strict):
             raise ModelNotFound("model files missing: " + "; ".join(missing))
 
     def node_specs(self) -> list[NodeSpec]:
-        """One spec per node; with no ``nodes:`` list, ``local.nodes`` identical nodes."""
-        nodes = self.nodes or [NodeConfig(name=f"edge-{i}") for i in range(self.local.nodes)]
+        """One spec per node of ``nodes:``; with neither ``nodes:`` nor ``pools:``,
+        ``local.nodes`` identical nodes. Pool members come and go: see
+        :meth:`member_spec`."""
+        nodes = self.nodes
+        if not nodes and not self.pools:
+            nodes = [NodeConfig(name=f"edge-{i}") for i in range(self.local.nodes)]
+        return [self._spec(n.name, n, resources=n.resources, labels=n.labels) for n in nodes]
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def member_spec(self, pool: str, device: str, ray_node: str) -> NodeSpec:
+        """The spec of ``pool``'s node on ``device``, pinned to the Ray node ``ray_node``:
+        named ``POOL/DEVICE``."""
+        p = self.pool(pool)
+        return self._spec(f"{pool}/{device}", p, pool=pool, ray_node=ray_node)
+
+    def served_models(self) -> set[str]:
+        """The models some node serves, or some pool member will when one joins."""
+        served = {m for spec in self.node_specs() for m in spec.models}
+        for p in self.pools:
+            served.update(p.models or self.models)
+        return served
+
+    def _spec(self, name: str, n: _NodeSettings, **where: Any) -> NodeSpec:
         d = self.node_defaults
-        return [
-            NodeSpec(
-                name=n.name,
-                fleet=self.fleet.name,
-                models={m: self.models[m] for m in (n.models or list(self.models))},
-                priorities=dict(self.priorities),
-                queue=n.queue or d.queue,
-                preemption=n.preemption or d.preemption,
-                memory_budget_mb=n.memory_budget_mb or d.memory_budget_mb,
-                kv_budget_mb=n.kv_budget_mb or d.kv_budget_mb,
-                token_budget=d.token_budget,
-                lifecycle=d.lifecycle,
-                order=n.order or d.order,
-                starvation=n.starvation or d.starvation,
-                num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
-                resources=dict(n.resources),
-                labels=dict(n.labels),
-                trace_dir=d.trace_dir,
-                call_timeout_factor=d.call_timeout_factor,
-                call_timeout_floor_s=d.call_timeout_floor_s,
-                stuck_after_s=d.stuck_after_s,
-            )
-            for n in nodes
-        ]
+        return NodeSpec(
+            name=name,
+            fleet=self.fleet.name,
+            models={m: self.models[m] for m in (n.models or list(self.models))},
+            priorities=dict(self.priorities),
+            queue=n.queue or d.queue,
+            preemption=n.preemption or d.preemption,
+            memory_budget_mb=n.memory_budget_mb or d.memory_budget_mb,
+            kv_budget_mb=n.kv_budget_mb or d.kv_budget_mb,
+            token_budget=d.token_budget,
+            lifecycle=d.lifecycle,
+            order=n.order or d.order,
+            starvation=n.starvation or d.starvation,
+            num_cpus=d.num_cpus if n.num_cpus is None else n.num_cpus,
+            trace_dir=d.trace_dir,
+            call_timeout_factor=d.call_timeout_factor,
+            call_timeout_floor_s=d.call_timeout_floor_s,
+            stuck_after_s=d.stuck_after_s,
+            **where,
+        )
 
 
 def missing_model_problem(name: str, path: Path) -> str:
@@ -660,5 +727,15 @@ def _format_errors(exc: ValidationError, lines: Mapping[str, int]) -> str:
             msg = f"{msg}"
         elif err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")
-        out.append(f"{path or '(top)'}{_where(lines, path)}: {msg}")
+        if path or err["type"] != "value_error":
+            out.append(f"{path or '(top)'}{_where(lines, path)}: {msg}")
+            continue
+        # A check across the file: one problem a line, each starting with its YAML path.
+        for problem in msg.splitlines():
+            named = re.match(r"[\w.-]+(?=:| is )", problem)
+            if named is None or not _where(lines, named.group()):
+                out.append(f"(top): {problem}")
+            else:
+                where = named.group()
+                out.append(f"{where}{_where(lines, where)}{problem[len(where) :]}")
     return "invalid fleet config:\n  " + "\n  ".join(out)

@@ -173,11 +173,12 @@ STARVE = "models: {a: {path: a.onnx}}\nnode_defaults:\n  starvation: "
         ("models: {a: {path: a.onnx}\n", "not valid YAML"),
         (
             BUDGET + "{background: {bulk: 0.5}}}\n",
-            "node_defaults.token_budget.background.bulk: unknown priority class 'bulk'",
+            "node_defaults.token_budget.background.bulk (line 2): unknown priority class 'bulk'",
         ),
         (
             BUDGET + "{background: {offline: 2}}}\n",
-            "node_defaults.token_budget.background.offline is 2.0; allowed: a fraction in [0, 1]",
+            "node_defaults.token_budget.background.offline (line 2) is 2.0; allowed: a fraction "
+            "in [0, 1]",
         ),
         (
             BUDGET + "{asleep: {offline: 0}}}\n",
@@ -186,16 +187,17 @@ STARVE = "models: {a: {path: a.onnx}}\nnode_defaults:\n  starvation: "
         ("models: {a: {path: a.onnx}}\nray: {auth: password}\n", "ray.auth (line 2)"),
         (
             STARVE + "{classes: {bulk: {min_share: 0.1}}}\n",
-            "node_defaults.starvation.classes.bulk: unknown priority class 'bulk'; known: "
+            "node_defaults.starvation.classes.bulk (line 3): unknown priority class 'bulk'; known: "
             "foreground, inline, background, offline",
         ),
         (
             STARVE + "{classes: {offline: {min_share: 0.1}}, protected: [vip]}\n",
-            "node_defaults.starvation.protected: unknown priority class 'vip'; known: foreground",
+            "node_defaults.starvation.protected (line 3): unknown priority class 'vip'; known: "
+            "foreground",
         ),
         (
             STARVE + "{classes: {offline: {min_share: 0.6}, background: {min_share: 0.5}}}\n",
-            "node_defaults.starvation.classes: min_share values add up to 1.1; at most 1",
+            "node_defaults.starvation.classes (line 3): min_share values add up to 1.1; at most 1",
         ),
         (
             STARVE + "{classes: {offline: {}}}\n",
@@ -212,7 +214,7 @@ STARVE = "models: {a: {path: a.onnx}}\nnode_defaults:\n  starvation: "
         (
             "models: {a: {path: a.onnx}}\n"
             "nodes: [{name: n, starvation: {classes: {bulk: {max_wait_ms: 9}}}}]\n",
-            "nodes.0.starvation.classes.bulk: unknown priority class 'bulk'",
+            "nodes.0.starvation.classes.bulk (line 2): unknown priority class 'bulk'",
         ),
         (
             "models:\n  a:\n    path: a.onnx\n    batching: {lower_priority_cost_bound: -1}\n",
@@ -258,3 +260,67 @@ def test_a_symlink_cannot_lead_a_model_path_out_of_model_dir(tmp_path):
     path = write(tmp_path / "fleet", "model_dir: models\nmodels:\n  m: {path: m.onnx}\n")
     with pytest.raises(ConfigError, match=r"models\.m\.path .*outside the model directory"):
         load_config(path)
+
+
+# ------------------------------------------------------------------------- pools
+
+
+def test_pools_resolve_member_specs_and_take_no_simulated_nodes(tmp_path):
+    config = load_config(
+        write(
+            tmp_path,
+            """
+models:
+  a: {path: a.onnx}
+  b: {path: b.onnx}
+node_defaults: {queue: {capacity: 8}}
+pools:
+  - name: cameras
+    selector: {device: camera, site: "in(s1, s2)", tier: "!spare"}
+    models: [a]
+    queue: {capacity: 32}
+""",
+        )
+    )
+    assert config.node_specs() == []  # no `nodes:`, no simulated ones either
+    spec = config.member_spec("cameras", "cam-7", "abc123")
+    assert spec.name == "cameras/cam-7" and spec.pool == "cameras" and spec.ray_node == "abc123"
+    assert list(spec.models) == ["a"] and spec.queue.capacity == 32
+    assert spec.preemption.min_priority_gap == 5  # the node defaults, as for nodes:
+    assert config.served_models() == {"a"}
+    selector = config.pools[0].matcher()
+    assert selector.matches({"device": "camera", "site": "s2"})
+    assert not selector.matches({"device": "camera", "site": "s2", "tier": "spare"})
+
+
+POOL = "models: {a: {path: a.onnx}}\npools:\n  - name: cams\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (POOL + "    selector: {device: 'in(a,'}\n", "pools.0.selector (line 4): device: 'in(a,'"),
+        (POOL + "    selector: {device: '!!a'}\n", "is no Ray label selector; allowed: a value"),
+        (POOL + "    selector: {'-bad': a}\n", "label key '-bad' is not a Ray label key"),
+        (POOL + "    selector: {}\n", "pools.0.selector (line 4): an empty selector"),
+        (
+            POOL + "    models: [b]\n    selector: {d: c}\n",
+            "pools.0.models (line 4): unknown model",
+        ),
+        (
+            POOL + "    selector: {d: c}\n  - {name: cams, selector: {d: e}}\n",
+            "pools.1.name (line 5)",
+        ),
+        (
+            "models: {a: {path: a.onnx}}\nnodes: [{name: cams}]\n"
+            "pools: [{name: cams, selector: {d: c}}]\n",
+            "pools.0.name (line 3): 'cams' is already the name of the node at nodes.0",
+        ),
+        (POOL + "    selector: {d: c}\n    resources: {x: 1}\n", "pools.0.resources (line 5)"),
+        (POOL + "    selector: {d: c}\n    name: cams/x\n", "pools.0.name"),
+    ],
+)
+def test_bad_pools_name_the_problem(tmp_path, text, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert expected in str(info.value)
