@@ -245,6 +245,17 @@ NODE_RESTARTS = _counter(
     "Times the router killed an unresponsive or stuck node for Ray to start it again",
 )
 
+POOL_DEVICES = _gauge(
+    "edgefleet_pool_devices",
+    ("fleet", "pool", "state"),
+    "Devices of a pool by state (starting, serving, failed, left)",
+)
+POOL_CHANGES = _counter(
+    "edgefleet_pool_changes_total",
+    ("fleet", "pool", "change"),
+    "Devices that joined a pool (change=joined, returns included) or left it (change=left)",
+)
+
 NODE_METRICS = (
     QUEUE_DEPTH,
     RUNNING,
@@ -281,6 +292,8 @@ ROUTER_METRICS = (
     NODES_LOST,
     NODE_UNRESPONSIVE,
     NODE_RESTARTS,
+    POOL_DEVICES,
+    POOL_CHANGES,
 )
 CATALOGUE: tuple[MetricDef, ...] = NODE_METRICS + ROUTER_METRICS
 _BY_NAME = {d.name: d for d in CATALOGUE}

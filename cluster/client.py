@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import logging
 import random
 import threading
@@ -25,11 +26,12 @@ from cluster.deploy import (
     find_fleet,
     node_handles,
     router_name,
+    say_pools,
     start_local_ray,
     teardown,
 )
-from cluster.dispatch import Dispatcher, FleetView, NodeReport
-from cluster.names import NAMESPACE, actor_name
+from cluster.dispatch import Dispatcher, FleetView, NodeGone, NodeReport
+from cluster.names import NAMESPACE, actor_name, node_actor_name
 from cluster.nodes import RayNode
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost, TimedOut
@@ -77,15 +79,22 @@ class FleetClient:
         self._nodes = dict(nodes)
         self._owns_fleet = owns_fleet
         self._owns_ray = owns_ray
-        self._served = {m for spec in config.node_specs() for m in spec.models}
+        self._served = config.served_models()
+        fleet = config.fleet.name
         handles = {
-            name: RayNode(actor_name(config.fleet.name, name), NAMESPACE, actor)
+            name: RayNode(actor_name(fleet, name), NAMESPACE, actor)
             for name, actor in self._nodes.items()
         }
         caller = self._caller = new_request_id()
         # Each caller's random choices differ (callers that chose alike would herd).
         rng = random.Random(f"{config.router.placement.seed}/{caller}")
-        self._dispatcher = Dispatcher(config, handles, rng=rng, watch=True)
+        self._dispatcher = Dispatcher(
+            config,
+            handles,
+            rng=rng,
+            watch=True,
+            member_handle=lambda spec: RayNode(node_actor_name(fleet, spec), NAMESPACE),
+        )
         self._feed = _ViewFeed(router, self._dispatcher, config, caller)
 
     # ------------------------------------------------------------------ lifecycle
@@ -118,9 +127,10 @@ class FleetClient:
             router = deploy_router(cfg)
             if progress:
                 progress(f"router {router_name(cfg.fleet.name)} ready")
+                say_pools(cfg, router, progress)
             return cls(cfg, router, nodes, owns_fleet=True, owns_ray=owns_ray)
         except BaseException:  # nothing this call started outlives its failure
-            teardown(nodes, router)
+            teardown(nodes, router, fleet=cfg.fleet.name)
             if owns_ray:
                 ray.shutdown()
             raise
@@ -148,9 +158,10 @@ class FleetClient:
         """Tear down what this client started (nodes, and Ray if it started it)."""
         self._feed.stop()
         self._dispatcher.close()
-        if self._owns_fleet and self._nodes:
-            teardown(self._nodes, self._router)
+        if self._owns_fleet and self._router is not None:
+            teardown(self._nodes, self._router, fleet=self.config.fleet.name)
             self._nodes = {}
+            self._owns_fleet = False
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -413,7 +424,14 @@ class FleetClient:
         fresh = {n.name: NodeReport(n, rs.healthy.get(n.name, False), 0.0) for n in rs.nodes}
         self._dispatcher.update(FleetView(fresh))  # place on these fresh reports too
         return FleetStatus(
-            rs.fleet, rs.nodes, rs.healthy, rs.counters, rs.callers, rs.placement, rs.unresponsive
+            rs.fleet,
+            rs.nodes,
+            rs.healthy,
+            rs.counters,
+            rs.callers,
+            rs.placement,
+            rs.unresponsive,
+            rs.pools,
         )
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
@@ -462,10 +480,16 @@ class FleetClient:
             raise ModelNotFound(f"no node serves model {model!r}; the fleet serves: {known}")
 
     def _node(self, name: str) -> ActorHandle:
-        try:
-            return self._nodes[name]
-        except (KeyError, TypeError):
-            raise InvalidInput(f"no node {name!r}; nodes: {', '.join(self._nodes)}") from None
+        """A node's actor: one of ``nodes:``, or a pool member in the fleet now."""
+        actor = self._nodes.get(name) if isinstance(name, str) else None
+        handle = self._dispatcher.handle(name) if actor is None and isinstance(name, str) else None
+        if isinstance(handle, RayNode):
+            with contextlib.suppress(NodeGone):
+                actor = handle.actor()
+        if actor is None:
+            known = ", ".join(self._dispatcher.healthy())
+            raise InvalidInput(f"no node {name!r}; nodes: {known}")
+        return actor
 
 
 class TokenStream(Iterator[int]):
@@ -548,7 +572,9 @@ class _ViewFeed:
         counted = dict(self._dispatcher.counted())  # all of them: the router counts each once
         waiting = 0 if last else self._dispatcher.shed_waiting()  # closing: none come back
         placed = self._dispatcher.take_placed()
-        ref = self._router.fleet_view.remote(self._caller, counted, waiting, {} if last else placed)
+        placed = {} if last else placed
+        seen = self._dispatcher.members_version()
+        ref = self._router.fleet_view.remote(self._caller, counted, waiting, placed, seen)
         (view,) = _get([ref], self._timeout, "fleet view", who="the router")
         self._dispatcher.update(view)
 
@@ -603,5 +629,5 @@ def _get(
         raise NodeLost(f"{what}: {who} did not answer within {timeout_s:.0f} s") from None
     except ray.exceptions.ActorUnavailableError as exc:
         raise NodeLost(f"{what}: {who} is out of reach for now: {exc}") from None
-    except ray.exceptions.RayActorError as exc:
+    except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError) as exc:
         raise NodeLost(f"{what}: {who} died: {exc}") from None

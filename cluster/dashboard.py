@@ -226,6 +226,17 @@ def fleet_panels() -> list[dict[str, Any]]:
             "engine stuck. Restarts: unresponsive or stuck nodes killed for Ray to restart.",
         ),
         timeseries(
+            "Pools: devices",
+            [
+                Query(current(m.POOL_DEVICES, "pool, state"), "{{pool}} {{state}}"),
+                Query(per_second(m.POOL_CHANGES, "pool, change"), "{{change}}/s {{pool}}"),
+            ],
+            description="Devices of each pool by state: starting (its node actor is being "
+            "created and started), serving, failed (could not start: tried again with "
+            "backoff), left (its Ray node was declared dead). Joined and left per second: "
+            "devices that came (back) and went.",
+        ),
+        timeseries(
             "Preempted requests",
             [Query(per_second(m.PREEMPTED, "priority"), "{{priority}}")],
             unit="reqps",

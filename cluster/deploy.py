@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,19 +17,15 @@ from ray._private import ray_constants
 from ray.actor import ActorHandle
 
 from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth
-from cluster.names import NAMESPACE, actor_name, router_name
-from edgefleet.config import FleetConfig, NodeSpec
+from cluster.names import NAMESPACE, actor_name, node_actor_prefix, router_name
+from cluster.nodes import max_concurrency
+from edgefleet.config import FleetConfig
 from edgefleet.errors import FleetNotRunning, FleetStartError
+from edgefleet.messages import PoolStatus
 
 ROUTER_MAX_CONCURRENCY = 100_000  # requests one router holds open across the fleet
 CONTROL_TIMEOUT_S = 30.0  # a router that does not answer a control call by then is lost
 PROGRESS_EVERY_S = 5.0  # while actors wait to be placed, say which and what they ask for
-
-
-def max_concurrency(spec: NodeSpec) -> int:
-    """Concurrent calls a node actor holds open: its queue plus headroom for arrivals
-    being admitted or refused. More would only hold memory for calls Ray can keep."""
-    return max(1024, spec.queue.capacity + 256)
 
 
 Progress = Callable[[str], None]
@@ -318,15 +316,54 @@ def deploy_router(config: FleetConfig, progress: Progress | None = None) -> Acto
     except BaseException:
         ray.kill(router, no_restart=True)
         raise
+    if progress is not None:
+        say_pools(config, router, progress)
     return router
 
 
+def say_pools(config: FleetConfig, router: ActorHandle, progress: Progress) -> None:
+    """Say what each pool holds now that the router started (bounded; a router that
+    does not answer in time is not waited for: the fleet runs)."""
+    if not config.pools:
+        return
+    try:
+        status = ray.get(router.start.remote(), timeout=CONTROL_TIMEOUT_S)  # its first result
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        return
+    for pool in status.pools:
+        progress(pool_line(pool))
+
+
+def pool_line(pool: PoolStatus) -> str:
+    """``pool cameras (device=camera): 2 devices starting`` or, with none, that nodes
+    start as devices join: ``up`` does not wait for devices."""
+    if not pool.devices:
+        return (
+            f"pool {pool.name} ({pool.selector}): no Ray node matches yet; a node starts on "
+            "each as it joins the cluster"
+        )
+    counts = Counter(d.state for d in pool.devices)
+    listed = ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+    return f"pool {pool.name} ({pool.selector}): {len(pool.devices)} device(s): {listed}"
+
+
 def teardown(
-    handles: dict[str, ActorHandle], router: ActorHandle | None = None, timeout_s: float = 10.0
+    handles: dict[str, ActorHandle],
+    router: ActorHandle | None = None,
+    timeout_s: float = 10.0,
+    *,
+    fleet: str | None = None,
 ) -> None:
-    """Stop the router, then every node (cancelling queued work so callers hear of it)."""
+    """Stop the router, then every node (cancelling queued work so callers hear of it):
+    those of ``handles`` and, given the ``fleet``'s name, its pool members (the router
+    stops following the pools first, so that it starts none meanwhile)."""
     if router is not None:
+        with contextlib.suppress(Exception):  # a router that does not answer is killed
+            ray.get(router.stop.remote(), timeout=min(timeout_s, CONTROL_TIMEOUT_S))
         ray.kill(router, no_restart=True)
+    handles = dict(handles)
+    if fleet is not None:
+        handles.update(pool_member_handles(fleet, exclude=handles))
     refs = [h.stop.remote() for h in handles.values()]
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for h in handles.values():
@@ -353,6 +390,23 @@ def find_fleet(fleet: str) -> tuple[ActorHandle, FleetConfig]:
             f"the router of fleet {fleet!r} is not reachable: {_one_line(exc)}"
         ) from None
     return router, config
+
+
+def pool_member_handles(
+    fleet: str, exclude: Mapping[str, Any] | None = None
+) -> dict[str, ActorHandle]:
+    """Handles of the node actors of ``fleet`` running on this Ray cluster that are not
+    nodes of ``exclude`` (the pool members: the router starts them), by actor name."""
+    prefix = node_actor_prefix(fleet)
+    static = {actor_name(fleet, name) for name in exclude or {}}
+    handles = {}
+    for named in ray.util.list_named_actors(all_namespaces=True):
+        name = named["name"]
+        if named["namespace"] != NAMESPACE or not name.startswith(prefix) or name in static:
+            continue
+        with contextlib.suppress(ValueError):  # ended meanwhile
+            handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+    return handles
 
 
 def node_handles(config: FleetConfig) -> dict[str, ActorHandle]:

@@ -177,6 +177,10 @@ class FleetView:
     nodes: Mapping[str, NodeReport]
     shed_waiting: int | None = None
     placed: Mapping[int, int] | None = None
+    # The pool members in the fleet now (None: as in the last view that carried them),
+    # and the version of that list a caller hands back to the router.
+    members: Sequence[NodeSpec] | None = None
+    members_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -410,12 +414,14 @@ class Dispatcher:
         executor: Executor | None = None,
         specs: Sequence[NodeSpec] | None = None,
         watch: bool = False,
+        member_handle: Callable[[NodeSpec], NodeHandle] | None = None,
     ) -> None:
         """``executor`` runs further attempts after a node's answer (default: a thread
         of this dispatcher's own; the simulator runs them in simulated time); ``specs``
         replaces the config's nodes (the simulator grows a fleet to any size);
         ``watch`` gives every call a limit (:mod:`cluster.limits`; real nodes can
-        freeze, the simulator's cannot)."""
+        freeze, the simulator's cannot); ``member_handle`` makes the handle of a pool
+        member the router's view brings (without it, pool members are not used)."""
         self.config = config
         pc = config.router.placement
         params = pc.params(config.priorities)
@@ -427,13 +433,14 @@ class Dispatcher:
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
         self._metrics.start()
         specs = config.node_specs() if specs is None else specs
-        unseen_for_s = UNSEEN_INTERVALS * config.router.report_interval_s
-        self._nodes = {s.name: _Entry(s, handles[s.name], unseen_for_s) for s in specs}
+        self._unseen_for_s = UNSEEN_INTERVALS * config.router.report_interval_s
+        self._nodes = {s.name: _Entry(s, handles[s.name], self._unseen_for_s) for s in specs}
+        self._member_handle = member_handle
+        self._members_version = 0  # of the pool members this caller holds
         self._serving: dict[str, list[_Entry]] = {}  # model -> the nodes that serve it
-        for e in self._nodes.values():
-            for m in e.models:
-                self._serving.setdefault(m, []).append(e)
-        self._served = set(self._serving)
+        self._index()
+        # A pool's models are served even while none of its devices has joined yet.
+        self._served = set(self._serving) | config.served_models()
         self._sessions: dict[str, set[str]] = {}  # session -> nodes reporting its KV
         self._batchable: dict[str, bool] = {}  # model -> batches, as its nodes report
         self._lock = threading.Lock()
@@ -459,12 +466,28 @@ class Dispatcher:
 
     # -------------------------------------------------------------------- the view
 
+    def _index(self) -> None:
+        """Which nodes serve each model (again after the pool members changed)."""
+        serving: dict[str, list[_Entry]] = {}
+        for e in self._nodes.values():
+            for m in e.models:
+                serving.setdefault(m, []).append(e)
+        self._serving = serving
+
+    def members_version(self) -> int:
+        """The version of the pool members this caller holds (for the router: see
+        :attr:`FleetView.members`)."""
+        return self._members_version
+
     def update(self, view: FleetView) -> None:
         """Take the router's latest view. A report older than the one held is ignored
         (a view fetched before a fresher status call); a node this caller found dead
-        stays out of service until a report taken after that comes in."""
+        stays out of service until a report taken after that comes in. Pool members
+        that joined are added, and those that left removed (see :meth:`_members`)."""
         now = self._clock.now()
         with self._lock:
+            if view.members is not None and self._member_handle is not None:
+                self._members(view.members, view.members_version, now)
             for name, r in view.nodes.items():
                 self._report(name, r.status, r.healthy, now - r.age_s)
             if view.shed_waiting is not None:
@@ -476,6 +499,39 @@ class Dispatcher:
                 nodes = max(1, len(self._nodes))
                 interval = self.config.router.report_interval_s
                 self._unseen_per_s = sum(view.placed.values()) / interval / nodes
+
+    def _members(self, members: Sequence[NodeSpec], version: int, now: float) -> None:
+        """The pool members now (under the lock). A member that left (or came back as a
+        new Ray node, under the same name) is lost to this caller: the calls it holds
+        are given up now (when calls are watched; else they end with its actor), and
+        placed again as after a node loss."""
+        assert self._member_handle is not None
+        now_in = {spec.name: spec for spec in members}
+        changed = False
+        for name, entry in list(self._nodes.items()):
+            spec = now_in.get(name)
+            if entry.spec.pool is not None and (
+                spec is None or spec.ray_node != entry.spec.ray_node
+            ):
+                del self._nodes[name]
+                entry.lose(now)
+                if self._watch is not None:
+                    self._watch.expedite(name)
+                for session in entry.base.sessions:
+                    holders = self._sessions.get(session)
+                    if holders is not None:
+                        holders.discard(name)
+                        if not holders:
+                            del self._sessions[session]
+                changed = True
+        for name, spec in now_in.items():
+            if name not in self._nodes:
+                handle = self._member_handle(spec)
+                self._nodes[name] = _Entry(spec, handle, self._unseen_for_s)
+                changed = True
+        if changed:
+            self._index()
+        self._members_version = version
 
     def shed_waiting(self) -> int:
         """Requests this caller shed and told to come back later, not due yet (the
@@ -581,8 +637,15 @@ class Dispatcher:
             return 1
         return input_rows(request.inputs, self._batchable.get(request.model, True))
 
+    def handle(self, name: str) -> NodeHandle | None:
+        """The handle of node ``name`` (None: no such node now)."""
+        with self._lock:
+            entry = self._nodes.get(name)
+        return None if entry is None else entry.handle
+
     def healthy(self) -> dict[str, bool]:
-        return {n: e.healthy for n, e in self._nodes.items()}
+        with self._lock:
+            return {n: e.healthy for n, e in self._nodes.items()}
 
     def counted(self) -> Counter[str]:
         """Everything this dispatcher counted since it was made (a copy)."""
@@ -879,9 +942,7 @@ class Dispatcher:
                 yield final  # type: ignore[misc]
                 return
 
-    def _items(
-        self, attempt: _Attempt, entry: _Entry
-    ) -> Iterator[TokenChunk | GenerationResult]:
+    def _items(self, attempt: _Attempt, entry: _Entry) -> Iterator[TokenChunk | GenerationResult]:
         """A generation's stream from ``entry``; with calls watched, a stream silent past
         its limit (its budget, the request's deadline before the first token) has its
         node probed, and raises :class:`_Overdue` past the request's timeout or when
@@ -985,7 +1046,8 @@ class Dispatcher:
                 ),
                 request_id=request.id,
             )
-        serving = [e for e in self._nodes.values() if request.model in e.models]
+        with self._lock:
+            serving = list(self._serving.get(request.model, ()))
         healthy = [e for e in serving if e.healthy and e.name not in tried]
         if not healthy:
             return NodeLost(
@@ -1226,7 +1288,9 @@ class _Attempt:
     def fail(self, error: EdgeFleetError) -> Final:
         """End the request with ``error``; it is no longer in flight anywhere."""
         for name in self.tried:
-            self.d._release(self.d._nodes[name], self.request.id)
+            entry = self.d._nodes.get(name)  # a pool member may have left since
+            if entry is not None:
+                self.d._release(entry, self.request.id)
         return self.finish(_failure(self.request, error))
 
     def finish(self, answer: Final) -> Final:

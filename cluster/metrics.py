@@ -22,6 +22,8 @@ from actors.metrics import (
     NODE_RESTARTS,
     NODE_UNRESPONSIVE,
     NODES_LOST,
+    POOL_CHANGES,
+    POOL_DEVICES,
     ROUTER_LATENCY,
     ROUTER_REPLACED,
     ROUTER_REQUESTS,
@@ -111,6 +113,17 @@ class RouterMetrics(Recorder):
 
     def node_restarted(self, node: str) -> None:
         self.emit(NODE_RESTARTS, 1, node=node)
+
+    def pool_devices(self, pool: str, state: str, devices: int) -> None:
+        self.emit(POOL_DEVICES, devices, pool=pool, state=state)
+
+    def device_change(self, pool: str, change: str) -> None:
+        """``change``: ``joined`` (a return included) or ``left``."""
+        self.emit(POOL_CHANGES, 1, pool=pool, change=change)
+
+    def watching_pools(self, pools: Iterable[str]) -> None:
+        """The router watches ``pools``: their join and leave counters start at zero."""
+        self.zero(POOL_CHANGES, pool=list(pools), change=("joined", "left"))
 
 
 # ----------------------------------------------------------- Prometheus discovery

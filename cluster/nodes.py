@@ -1,11 +1,14 @@
 """The one place that talks to node actors through Ray: requests for the dispatcher
-(futures and a token iterator), control calls for the router (awaitables)."""
+(futures and a token iterator), control calls for the router (awaitables), and, for
+the pools, Ray's node table and the pool members' actors."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import contextlib
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -14,8 +17,22 @@ import ray
 from ray.actor import ActorHandle
 
 from cluster.dispatch import NodeGone, NodeUnavailable
+from cluster.membership import RayNodeRow
+from cluster.names import NAMESPACE, node_actor_name
+from edgefleet.config import NodeSpec
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
+
+GONE_POLL_S = 0.05  # how often an ended actor's name is looked up until it is free
+# A call's actor is gone: it died, or Ray cannot start it again (a pool member pinned
+# to a Ray node that died).
+ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError)
+
+
+def max_concurrency(spec: NodeSpec) -> int:
+    """Concurrent calls a node actor holds open: its queue plus headroom for arrivals
+    being admitted or refused. More would only hold memory for calls Ray can keep."""
+    return max(1024, spec.queue.capacity + 256)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,10 +60,14 @@ class RayNode:
                 raise NodeGone(str(exc)) from None
         return self._actor
 
+    def actor(self) -> ActorHandle:
+        """The node's actor; NodeGone when there is none under its name."""
+        return self._handle()
+
     def _gone(self, exc: Exception) -> NodeGone:
         if isinstance(exc, ray.exceptions.ActorUnavailableError):
             return NodeUnavailable(str(exc))  # restarting or out of reach: ask again
-        if isinstance(exc, ray.exceptions.ActorDiedError):
+        if isinstance(exc, ray.exceptions.ActorDiedError | ray.exceptions.ActorUnschedulableError):
             self._actor = None
         return NodeGone(str(exc))
 
@@ -68,7 +89,7 @@ class RayNode:
     def _answered(self, out: cf.Future[Reply], ref: ray.ObjectRef, result: Any) -> None:
         """Ray's callback: ``result`` is the reply or the error stored in its place
         (``ref``, unused, is what keeps the call's objects alive until now)."""
-        if isinstance(result, ray.exceptions.RayActorError):
+        if isinstance(result, ACTOR_GONE):
             out.set_exception(self._gone(result))
         elif isinstance(result, ray.exceptions.RayTaskError):
             out.set_exception(result.as_instanceof_cause())
@@ -96,7 +117,7 @@ class RayNode:
             for ref in ready:
                 try:
                     answers.append(ray.get(ref))
-                except ray.exceptions.RayActorError as exc:
+                except ACTOR_GONE as exc:
                     answers.append(by_ref[ref].node._gone(exc))
                 except ray.exceptions.RayTaskError as exc:
                     answers.append(exc.as_instanceof_cause())
@@ -123,7 +144,7 @@ class RayNode:
                 item = ray.get(ref)
                 finished = isinstance(item, GenerationResult)
                 yield item
-        except ray.exceptions.RayActorError as exc:
+        except ACTOR_GONE as exc:
             raise self._gone(exc) from None
         finally:
             if not finished:  # the consumer went away: the node stops generating for nobody
@@ -134,7 +155,7 @@ class RayNode:
         try:
             ref = self._handle().probe.remote(list(request_ids))
             answer: dict[str, bool] = ray.get(ref, timeout=timeout_s)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, NodeGone):
+        except (ray.exceptions.GetTimeoutError, *ACTOR_GONE, NodeGone):
             return None
         return answer
 
@@ -147,7 +168,7 @@ class RayNode:
     async def _call(self, method: str, *args: Any) -> Any:
         try:
             return await getattr(self._handle(), method).remote(*args)
-        except ray.exceptions.RayActorError as exc:
+        except ACTOR_GONE as exc:
             raise self._gone(exc) from None
 
     async def set_lifecycle(self, state: str) -> NodeStatus:
@@ -166,3 +187,94 @@ class RayNode:
         """Kill the node's process; Ray starts the actor again in place (it is created
         with ``max_restarts=-1``), and the router brings it back into service."""
         ray.kill(self._handle(), no_restart=False)
+
+
+# ------------------------------------------------------------------------- pools
+
+
+class RayNodeTable:
+    """Ray's node table, read from the GCS (what ``ray.nodes()`` reads), bounded by
+    ``timeout_s``. A Ray node's labels never change while it lives, so a row is made
+    once per Ray node and state: reading a large table again costs little more than
+    the call."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._rows: dict[bytes, RayNodeRow] = {}
+
+    async def read(self) -> list[RayNodeRow]:
+        gcs = ray._private.worker.global_worker.gcs_client
+        call = gcs.async_get_all_node_info(timeout=self.timeout_s)
+        infos, _ = await asyncio.wait_for(call, self.timeout_s + 1.0)
+        return self.rows(infos)
+
+    def rows(self, infos: Mapping[Any, Any]) -> list[RayNodeRow]:
+        """Rows of the GCS's node infos (node id -> ``GcsNodeInfo``), made again only
+        for a Ray node that is new or changed state."""
+        held = self._rows
+        fresh: dict[bytes, RayNodeRow] = {}
+        for node_id, info in infos.items():
+            key = node_id.binary()
+            alive = info.state == 0  # GcsNodeInfo.ALIVE
+            row = held.get(key)
+            if row is None or row.alive != alive:
+                row = RayNodeRow(
+                    node_id.hex(),
+                    alive,
+                    dict(info.labels),
+                    info.start_time_ms / 1000.0,
+                    info.end_time_ms / 1000.0,
+                )
+            fresh[key] = row
+        self._rows = fresh
+        return list(fresh.values())
+
+
+class RayMemberActors:
+    """Pool members' node actors: detached (a router restart leaves them serving),
+    pinned to their Ray node by node id, restarted in place by Ray after a crash of
+    their process, and named so a restarted router finds them
+    (:func:`cluster.names.node_actor_name`). Every call is bounded by ``timeout_s``."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._remote: Any = None
+
+    async def create(self, spec: NodeSpec) -> RayNode:
+        name = node_actor_name(spec.fleet, spec)
+        actor = await asyncio.wait_for(asyncio.to_thread(self._create, spec, name), self.timeout_s)
+        return RayNode(name, NAMESPACE, actor)
+
+    def _create(self, spec: NodeSpec, name: str) -> ActorHandle:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self._remote is None:
+            from actors.node import NodeRuntime  # ONNX Runtime: only where members start
+
+            self._remote = ray.remote(NodeRuntime)
+        assert spec.ray_node is not None
+        return self._remote.options(
+            name=name,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            num_cpus=spec.num_cpus,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(spec.ray_node, soft=False),
+            max_concurrency=max_concurrency(spec),
+            max_restarts=-1,
+        ).remote(spec)
+
+    async def remove(self, spec: NodeSpec) -> None:
+        name = node_actor_name(spec.fleet, spec)
+        await asyncio.wait_for(asyncio.to_thread(self._remove, name), self.timeout_s)
+
+    def _remove(self, name: str) -> None:
+        """Kill the actor and wait until its name is free (a new one may take it)."""
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                return
+            ray.kill(actor, no_restart=True)
+            time.sleep(GONE_POLL_S)

@@ -19,41 +19,23 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from cluster.control import NodeControl
 from cluster.dispatch import FleetView, NodeGone, NodeReport
+from cluster.membership import NODE_START_TIMEOUT_S, MemberActors, Membership, NodeTable
 from cluster.metrics import RouterMetrics
 from cluster.names import NAMESPACE, actor_name
-from cluster.nodes import RayNode
+from cluster.nodes import RayMemberActors, RayNode, RayNodeTable
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import InvalidInput, NodeLost
-from edgefleet.messages import NodeState, NodeStatus
+from edgefleet.messages import NodeState, NodeStatus, PoolStatus
 
 log = logging.getLogger(__name__)
 
 CALLER_SEEN_S = 10.0  # a caller that asked for the view this recently is counted active
 CALLER_COUNTS_KEPT_S = 3600.0  # a caller's counts are known this long after it last sent them
 CALLER_REPORTS_KEPT = 4  # what a caller reports counts for this many report intervals
-NODE_START_TIMEOUT_S = 300.0  # a node restarted by Ray loads and measures its models
-
-
-class NodeControl(Protocol):
-    """How the router talks to one node (a Ray actor in production, a fake in tests)."""
-
-    async def status(self) -> NodeStatus:
-        """MUST raise NodeGone when the node died."""
-        ...
-
-    async def start(self) -> NodeStatus: ...
-
-    async def cancel(self, request_id: str) -> bool: ...
-
-    async def set_lifecycle(self, state: str) -> NodeStatus: ...
-
-    async def restart(self) -> None:
-        """Kill the node's process so that Ray starts the node again in place."""
-        ...
 
 
 @dataclass
@@ -75,6 +57,7 @@ class RouterStatus:
     callers: int = 0  # callers that fetched the fleet view lately (they place requests)
     placement: str = ""  # the placement pipeline: scorers and picker
     unresponsive: dict[str, float] = field(default_factory=dict)  # node -> seconds so
+    pools: tuple[PoolStatus, ...] = ()
 
 
 class Router:
@@ -87,7 +70,11 @@ class Router:
         *,
         clock: Clock | None = None,
         metrics: RouterMetrics | None = None,
+        table: NodeTable | None = None,
+        actors: MemberActors | None = None,
     ) -> None:
+        """``table`` and ``actors``: Ray's node table and the pool members' actors (see
+        :mod:`cluster.membership`); without them the router keeps no pools."""
         self.config = config
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
         self._metrics.watching(spec.name for spec in config.node_specs())
@@ -107,6 +94,14 @@ class Router:
         self._restarting: dict[str, asyncio.Task[None]] = {}  # nodes being killed
         self._stopping = False
         self._started: asyncio.Future[None] | None = None
+        # Pool members come and go: callers are sent their specs when this changes.
+        self._members_version = 0
+        self._membership: Membership | None = None
+        if config.pools and table is not None and actors is not None:
+            self._metrics.watching_pools(p.name for p in config.pools)
+            self._membership = Membership(
+                config, table, actors, self, clock=self._clock, metrics=self._metrics
+            )
         scorers, picker = config.router.placement.params(config.priorities).resolved()
         weights = ", ".join(f"{n} {w:g}" for n, w in scorers.items()) or "none"
         self._placement = f"scorers: {weights}; picker: {picker}"
@@ -114,22 +109,29 @@ class Router:
     # ------------------------------------------------------------------- membership
 
     async def start(self) -> RouterStatus:
-        """Poll every node once, then keep polling each in the background. Idempotent;
-        a node that fails or hangs does not hold up the others or the start."""
+        """Poll every node once, then keep polling each in the background; reconcile the
+        pools once (their members start in the background), then keep reconciling.
+        Idempotent; a node that fails or hangs does not hold up the others or the start."""
         if self._started is None:
             self._started = asyncio.get_running_loop().create_future()
             try:
                 await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
+                if self._membership is not None:
+                    await self._membership.step()
             finally:
-                for entry in self._nodes.values():
+                for entry in list(self._nodes.values()):
                     self._watch(entry)
+                if self._membership is not None:
+                    self._membership.run()
                 self._started.set_result(None)
         await self._started
         return self.status_now()
 
     async def stop(self) -> None:
-        """Stop polling the nodes."""
+        """Stop polling the nodes and following the pools (their members keep running)."""
         self._stopping = True
+        if self._membership is not None:
+            await self._membership.stop()
         tasks = [*self._watchers.values(), *self._starting.values(), *self._restarting.values()]
         for task in tasks:
             task.cancel()
@@ -148,7 +150,7 @@ class Router:
                 await self._poll(entry)
 
         def ended(task: asyncio.Task[None]) -> None:
-            if self._stopping or task.cancelled():
+            if self._stopping or task.cancelled() or self._nodes.get(entry.spec.name) is not entry:
                 return
             log.error(
                 "polling of node %s stopped; restarting it",
@@ -265,6 +267,43 @@ class Router:
             self._counters["nodes_lost"] += 1
             self._metrics.node_lost(entry.spec.name)
 
+    # ------------------------------------------------------------------- pools
+
+    def add_member(self, spec: NodeSpec, handle: NodeControl, report: NodeStatus) -> None:
+        """A pool member's node serves: into the fleet (callers learn of it with their
+        next view), polled as every node is."""
+        self.drop_member(spec.name)
+        entry = self._nodes[spec.name] = NodeEntry(spec, handle)
+        self._metrics.watching([spec.name])
+        self._members_version += 1
+        self._keep(entry, report)
+        entry.healthy = True
+        self._counters["joined"] += 1
+        self._metrics.node_health(spec.name, True)
+        if self._started is not None and self._started.done() and not self._stopping:
+            self._watch(entry)  # (before that, start() watches every node it holds)
+
+    def drop_member(self, name: str) -> None:
+        """A pool member left: out of the fleet (its callers place what it held again,
+        as after a node loss), no longer polled."""
+        entry = self._nodes.get(name)
+        if entry is None or entry.spec.pool is None:
+            return
+        del self._nodes[name]
+        self._members_version += 1
+        for tasks in (self._watchers, self._starting, self._restarting):
+            task = tasks.pop(name, None)
+            if task is not None:
+                task.cancel()
+        if entry.healthy:
+            self._metrics.node_health(name, False)
+        if entry.out_since is not None:
+            self._metrics.node_unresponsive(name, False)
+
+    def members(self) -> tuple[NodeSpec, ...]:
+        """The specs of the pool members in the fleet now."""
+        return tuple(e.spec for e in self._nodes.values() if e.spec.pool is not None)
+
     # ------------------------------------------------------------------- callers
 
     def _merge(self, caller: str, counted: Mapping[str, int] | None, now: float) -> None:
@@ -298,13 +337,17 @@ class Router:
         counted: Mapping[str, int] | None = None,
         shed_waiting: int = 0,
         placed: Mapping[int, int] | None = None,
+        members_seen: int = 0,
     ) -> FleetView:
         """The latest report and health of every node, for a caller that places
         requests; ``counted`` is everything that caller counted since it was made (see
         :meth:`_merge`), ``shed_waiting`` the requests it shed that are still to come
         back and ``placed`` the requests it placed since it last asked, by priority. The
         view carries the other callers' sums: shed requests come back in turn
-        fleet-wide, and a caller among many widens its choice of near-best nodes."""
+        fleet-wide, and a caller among many widens its choice of near-best nodes.
+        ``members_seen``: the version of the pool members the caller holds; the view
+        carries the members' specs only when they changed since (a static fleet's never
+        do)."""
         now = self._clock.now()
         if caller:
             self._callers[caller] = now
@@ -328,6 +371,8 @@ class Router:
             },
             sum(self._shed_waiting.get(c, 0) for c in others),
             dict(elsewhere),
+            None if members_seen == self._members_version else self.members(),
+            self._members_version,
         )
 
     async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
@@ -370,6 +415,7 @@ class Router:
             unresponsive={
                 n: now - e.out_since for n, e in self._nodes.items() if e.out_since is not None
             },
+            pools=() if self._membership is None else self._membership.status(),
         )
 
     async def status(
@@ -393,7 +439,15 @@ class RouterActor:
             spec.name: RayNode(actor_name(config.fleet.name, spec.name), NAMESPACE)
             for spec in config.node_specs()
         }
-        self._router = Router(config, handles)
+        timeout_s = config.router.membership.timeout_s
+        self._router = Router(
+            config, handles, table=RayNodeTable(timeout_s), actors=RayMemberActors(timeout_s)
+        )
+
+    async def stop(self) -> None:
+        """Stop polling and following the pools (before the router is killed, so that
+        it starts no member meanwhile)."""
+        await self._router.stop()
 
     async def start(self) -> RouterStatus:
         return await self._router.start()
@@ -407,9 +461,10 @@ class RouterActor:
         counted: Mapping[str, int] | None = None,
         shed_waiting: int = 0,
         placed: Mapping[int, int] | None = None,
+        members_seen: int = 0,
     ) -> FleetView:
         await self._router.start()  # after a restart of the router itself
-        return self._router.fleet_view(caller, counted, shed_waiting, placed)
+        return self._router.fleet_view(caller, counted, shed_waiting, placed, members_seen)
 
     async def set_lifecycle(self, node: str, state: str) -> NodeStatus:
         await self._router.start()

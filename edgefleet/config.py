@@ -365,6 +365,29 @@ class PlacementConfig(PipelineParams):
         return PlacementParams(**plugins, shed=shed)
 
 
+class MembershipConfig(_Strict):
+    """How the router follows Ray's node table for the pools (cluster/membership.py)."""
+
+    interval_s: float = Field(
+        1.0, gt=0, le=60, description="Ray's node table is read and the pools reconciled this often"
+    )
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="the longest a read of Ray's node table, or creating or ending a pool "
+        "member's actor, may take",
+    )
+    retry_s: float = Field(
+        1.0, gt=0, description="a member that failed to start is tried again after this..."
+    )
+    retry_max_s: float = Field(
+        60.0,
+        gt=0,
+        description="...doubling each time up to this (also the longest wait "
+        "between reads of a node table that cannot be read)",
+    )
+
+
 class RouterConfig(_Strict):
     placement: PlacementConfig = PlacementConfig()
     max_attempts: int = Field(3, ge=1, le=64, description="nodes tried per request")
@@ -399,6 +422,7 @@ class RouterConfig(_Strict):
         description="a node unresponsive or stuck for this long is killed and Ray starts it "
         "again in place (its requests follow the node-loss rules); null: never",
     )
+    membership: MembershipConfig = MembershipConfig()
     num_cpus: float = Field(0, ge=0)
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources: pins the router to a machine"

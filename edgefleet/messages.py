@@ -209,6 +209,36 @@ MAX_REPORTED_SESSIONS = 256  # sessions a node names in its status (most recent 
 
 
 @dataclass(frozen=True)
+class DeviceStatus:
+    """One device of a pool: its node (``POOL/DEVICE``), its state (``starting``,
+    ``serving``, ``failed``, ``left``), its Ray node, how long ago it first joined
+    (``age_s``) and its current (or last) Ray node started (``joined_s``), the joins
+    the router saw, why it failed, and how long ago it left."""
+
+    node: str
+    device: str
+    state: str
+    ray_node: str
+    age_s: float
+    joined_s: float
+    joins: int = 0
+    reason: str = ""
+    left_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PoolStatus:
+    """A pool, its selector and its devices (those that left included)."""
+
+    name: str
+    selector: str
+    devices: tuple[DeviceStatus, ...] = ()
+
+    def count(self, state: str) -> int:
+        return sum(1 for d in self.devices if d.state == state)
+
+
+@dataclass(frozen=True)
 class FleetStatus:
     """A snapshot of every node, which are healthy, and the fleet-wide counters of the
     callers that place requests (received, completed, spilled, replaced, shed, ...) and
@@ -222,6 +252,13 @@ class FleetStatus:
     placement: str = ""  # the placement pipeline
     # nodes alive but not answering the router, or stuck: seconds they have been so
     unresponsive: dict[str, float] = field(default_factory=dict)
+    pools: tuple[PoolStatus, ...] = ()  # with their devices
+
+    def pool(self, name: str) -> PoolStatus:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
 
     @property
     def totals(self) -> dict[str, int]:

@@ -221,6 +221,8 @@ def test_every_dashboard_panel_returns_data_from_prometheus(models_dir, tmp_path
                     {"name": "edge-0", "models": ["heavy", "classifier", "detector"]},
                     {"name": "edge-1", "models": ["heavy", "classifier", "tiny_lm"]},
                 ],
+                # A pool no Ray node here matches: its panel shows 0 devices, not nothing.
+                "pools": [{"name": "cams", "selector": {"device": "camera"}}],
                 "node_defaults": {"queue": {"capacity": 4}, "memory_budget_mb": 100},
                 "router": {"report_interval_s": 0.2},
             },

@@ -1,0 +1,26 @@
+"""How the router, and pool membership, talk to one node: a protocol (a Ray actor in
+production, :class:`cluster.nodes.RayNode`; a fake in tests)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from edgefleet.messages import NodeStatus
+
+
+class NodeControl(Protocol):
+    """How the router talks to one node (a Ray actor in production, a fake in tests)."""
+
+    async def status(self) -> NodeStatus:
+        """MUST raise NodeGone when the node died."""
+        ...
+
+    async def start(self) -> NodeStatus: ...
+
+    async def cancel(self, request_id: str) -> bool: ...
+
+    async def set_lifecycle(self, state: str) -> NodeStatus: ...
+
+    async def restart(self) -> None:
+        """Kill the node's process so that Ray starts the node again in place."""
+        ...
