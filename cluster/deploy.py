@@ -15,7 +15,7 @@ from ray._private import ray_constants
 from ray.actor import ActorHandle
 
 from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth
-from cluster.names import NAMESPACE, actor_name, router_name
+from cluster.names import NAMESPACE, PROBE_GROUP, actor_name, router_name
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import FleetNotRunning, FleetStartError
 
@@ -270,7 +270,8 @@ def deploy_nodes(
     from actors.node import NodeRuntime  # the node runtime (ONNX Runtime) only where deployed
 
     _refuse_running(config.fleet.name)
-    remote_node = ray.remote(NodeRuntime)
+    # Probes run on a thread of their own: a node flooded with calls still answers them.
+    remote_node = ray.remote(concurrency_groups={PROBE_GROUP: 1})(NodeRuntime)
     handles: dict[str, ActorHandle] = {}
     starting: dict[ray.ObjectRef, _Starting] = {}
     try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 NAMESPACE = "edgefleet"
+# The node actor's concurrency group for probes (NodeRuntime.probe): its own thread, so
+# that a node whose event loop is flooded with calls still answers whether it lives.
+PROBE_GROUP = "probe"
 
 
 def actor_name(fleet: str, node: str) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import contextlib
 from collections.abc import Iterator, Sequence
@@ -14,6 +15,7 @@ import ray
 from ray.actor import ActorHandle
 
 from cluster.dispatch import NodeGone, NodeUnavailable
+from cluster.names import PROBE_GROUP
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
 
@@ -130,10 +132,13 @@ class RayNode:
                 with contextlib.suppress(Exception):
                     ray.cancel(stream)
 
+    def _probe(self, request_ids: Sequence[str]) -> ray.ObjectRef:
+        probe = self._handle().probe.options(concurrency_group=PROBE_GROUP)
+        return probe.remote(list(request_ids))
+
     def probe(self, request_ids: Sequence[str], timeout_s: float) -> dict[str, bool] | None:
         try:
-            ref = self._handle().probe.remote(list(request_ids))
-            answer: dict[str, bool] = ray.get(ref, timeout=timeout_s)
+            answer: dict[str, bool] = ray.get(self._probe(request_ids), timeout=timeout_s)
         except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, NodeGone):
             return None
         return answer
@@ -161,6 +166,17 @@ class RayNode:
 
     async def cancel(self, request_id: str) -> bool:
         return bool(await self._call("cancel", request_id))
+
+    async def alive(self, timeout_s: float) -> bool:
+        """Whether the node's process answers a probe within ``timeout_s`` (its event
+        loop may be too busy to report; a frozen process answers nothing)."""
+        try:
+            await asyncio.wait_for(self._probe([]), timeout_s)
+        except TimeoutError:
+            return False
+        except ray.exceptions.RayActorError as exc:
+            raise self._gone(exc) from None
+        return True
 
     async def restart(self) -> None:
         """Kill the node's process; Ray starts the actor again in place (it is created

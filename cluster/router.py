@@ -55,6 +55,11 @@ class NodeControl(Protocol):
         """Kill the node's process so that Ray starts the node again in place."""
         ...
 
+    async def alive(self, timeout_s: float) -> bool:
+        """Whether the node's process answers at all within ``timeout_s``, however busy;
+        MUST raise NodeGone when the node died."""
+        ...
+
 
 @dataclass
 class NodeEntry:
@@ -174,9 +179,9 @@ class Router:
         except NodeGone:
             self._lose(entry)
             return
-        except TimeoutError:  # alive but silent: unresponsive once silent too long
+        except TimeoutError:  # unresponsive once silent too long, unless merely busy
             if self._clock.now() - entry.reported_at >= cfg.lost_after_s:
-                self._out(entry, f"has not reported for {cfg.lost_after_s:g} s")
+                await self._silent(entry)
             return
         except Exception as exc:  # its start failed, or worse: out of service for now
             if entry.healthy or entry.report is None:
@@ -201,6 +206,20 @@ class Router:
             self._counters["joined" if first else "rejoined"] += 1
         entry.healthy = True
         self._metrics.node_health(entry.spec.name, True)
+
+    async def _silent(self, entry: NodeEntry) -> None:
+        """``entry``'s node has not reported for ``lost_after_s``: unresponsive, unless
+        its process answers a probe (its event loop is busy: its last report stands)."""
+        try:
+            alive = await entry.handle.alive(self.config.router.probe_timeout_s)
+        except NodeGone:
+            self._lose(entry)
+            return
+        except Exception as exc:
+            log.warning("node %s: probe failed: %s: %s", entry.spec.name, type(exc).__name__, exc)
+            alive = False
+        if not alive:
+            self._out(entry, f"has not reported for {self.config.router.lost_after_s:g} s")
 
     def _out(self, entry: NodeEntry, why: str) -> None:
         """``entry``'s node is alive but out of service (silent, or stuck): callers stop
