@@ -919,7 +919,7 @@ class Dispatcher:
                 if entry.healthy:
                     answer = entry.handle.probe([request.id], r.probe_timeout_s)
                 quiet = self._clock.now() - entry.heard_at >= r.lost_after_s
-                if not entry.healthy or (answer is None and quiet):
+                if answer is None and quiet:
                     raise _Overdue(UNRESPONSIVE)
                 due = self._clock.now() + budget
 

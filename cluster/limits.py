@@ -205,7 +205,7 @@ class CallWatch:
             except Exception:
                 log.exception("probing node %s failed", node.name)
         after = self._clock.now()
-        if answer is None and not (node.healthy and after - node.heard_at < self.quiet_s):
+        if answer is None and after - node.heard_at >= self.quiet_s:
             for flight in waiting:
                 self._give_up(flight, UNRESPONSIVE)
             return

@@ -209,9 +209,10 @@ class Router:
 
     async def _silent(self, entry: NodeEntry) -> None:
         """``entry``'s node has not reported for ``lost_after_s``: unresponsive, unless
-        its process answers a probe (its event loop is busy: its last report stands)."""
+        its process answers a probe within ``lost_after_s`` more (it is flooded with
+        calls, which delay its reports and its answers: its last report stands)."""
         try:
-            alive = await entry.handle.alive(self.config.router.probe_timeout_s)
+            alive = await entry.handle.alive(self.config.router.lost_after_s)
         except NodeGone:
             self._lose(entry)
             return
@@ -279,10 +280,15 @@ class Router:
         self._starting[name] = task
 
     def _lose(self, entry: NodeEntry) -> None:
-        if entry.healthy:
+        """Out of service: its actor died (or it failed, or is starting again). An
+        unresponsive node that turns out dead is lost too."""
+        if entry.healthy or entry.out_since is not None:
             entry.healthy = False
             self._counters["nodes_lost"] += 1
             self._metrics.node_lost(entry.spec.name)
+        if entry.out_since is not None:
+            entry.out_since = None
+            self._metrics.node_unresponsive(entry.spec.name, False)
 
     # ------------------------------------------------------------------- callers
 
