@@ -10,7 +10,7 @@ import argparse
 import os
 import textwrap
 
-from cluster.cli import bench, dashboard, demo, inference, lifecycle, models, simulate
+from cluster.cli import dashboard, demo, inference, lifecycle, models, simulate
 from cluster.cli.common import Parser, RawHelpFormatter, err
 from cluster.cli.interrupts import exit_on_stuck_interrupt
 from edgefleet.errors import EdgeFleetError
@@ -33,14 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
               edgefleet models make configs/models    # generate the built-in test models
               edgefleet models show configs/local.yaml  # every model's inputs and outputs
               edgefleet validate configs/local.yaml   # check a fleet file
-              edgefleet bench --quick                 # benchmarks (from the source checkout)
               edgefleet dashboard export fleet.json   # the Grafana dashboard
             """
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # In the help's order.
-    for group in (models, lifecycle, inference, demo, dashboard, simulate, bench):
+    for group in (models, lifecycle, inference, demo, dashboard, simulate):  # help's order
         group.add_parser(sub)
     return parser
 
@@ -62,11 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # A command talks to the Ray it started or connected to, never to one Ray would
     # start by itself when a call comes after shutdown (a thread still finishing).
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
-    parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = rest
+    args = build_parser().parse_args(argv)
     if args.command not in RAY_COMMANDS:
         return run(args)
     exit_on_stuck_interrupt()

@@ -34,8 +34,7 @@ def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.
 
 COMMANDS = [
     ["up"], ["down"], ["status"], ["infer"], ["generate"], ["demo"], ["validate"],
-    ["bench"], ["models", "make"], ["models", "show"], ["dashboard", "export"],
-    ["dashboard", "push"],
+    ["models", "make"], ["models", "show"], ["dashboard", "export"], ["dashboard", "push"],
     ["dashboard", "prometheus-config"], ["dashboard", "check"],
 ]  # fmt: skip
 
@@ -114,7 +113,7 @@ class Running:
 def test_help_lists_commands_with_examples():
     result = edgefleet("--help")
     assert result.returncode == 0
-    for word in ("demo", "models", "validate", "bench", "examples:"):
+    for word in ("demo", "models", "validate", "examples:"):
         assert word in result.stdout
 
 
@@ -179,16 +178,6 @@ def test_ctrl_c_stops_the_demo_quickly_with_its_report_so_far(tmp_path):
     assert "generation       turns" in demo.out
     assert "Traceback" not in demo.err and "WARNING" not in demo.err, demo.err[-3000:]
     assert took < 10, took  # 3 s on an idle machine; slack for a busy one
-
-
-def test_bench_quick_smoke_run_prints_a_report(tmp_path):
-    out = tmp_path / "results.md"
-    result = edgefleet("bench", "--quick", "--only", "priority_latency", "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = out.read_text()
-    assert report.startswith("# edgefleet benchmark results")
-    assert "Foreground latency under a background flood" in report
-    assert "| FIFO" in report and "| edgefleet" in report
 
 
 def _fleet_processes(marker: str) -> list[int]:

@@ -157,7 +157,6 @@ HELP = [  # command, what its --help must say
     (["dashboard", "check"], ["'.*' checks every fleet (default: local)"]),
     (["models", "make"], ["classifier, detector, stateful, slow, heavy, tiny_lm"]),
     (["models", "show"], ["example", "edgefleet models show", "np.savez("]),
-    (["bench"], ["--quick", "--only NAME", "--out PATH", "priority_latency", "edgefleet bench"]),
 ]  # fmt: skip
 
 
