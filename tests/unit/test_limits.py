@@ -265,3 +265,23 @@ def test_a_node_that_answers_calls_but_not_probes_in_time_keeps_its_requests(fle
     assert all(r.error is None for r in replies), [r.error for r in replies if r.error]
     assert f.dispatcher.counted().get("replaced", 0) == 0
     assert sum(f.node(n).status().counters["completed"] for n in f.handles) == 12
+
+
+def test_status_shows_unresponsive_and_stuck_nodes_and_why():
+    from cluster.cli.tables import status_dict, status_table
+    from edgefleet.messages import FleetStatus
+
+    nodes = (
+        NodeStatus("a", "serving", {}, 0, None, ()),
+        NodeStatus("b", "stuck", {}, 0, None, (), failure="an engine call did not stop"),
+    )
+    status = FleetStatus(
+        "t", nodes, {"a": True, "b": False, "c": False}, unresponsive={"b": 12.0}
+    )
+    table = status_table(status)
+    rows = {cells[0]: cells[1:3] for cells in map(str.split, table.splitlines()) if cells}
+    assert rows["a"] == ["ok", "serving"] and rows["b"] == ["UNRESP", "stuck"], table
+    assert rows["c"] == ["LOST"], table
+    assert "stuck: an engine call did not stop" in table
+    assert "unresponsive for 12 s" in table
+    assert status_dict(status)["unresponsive"] == {"b": 12.0}

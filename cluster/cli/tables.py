@@ -1,0 +1,121 @@
+"""A fleet's status as `status` and `up` print it, and as `status --json`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.client import FleetStatus
+    from cluster.metrics import Overview
+
+CLEAR_SCREEN = "\x1b[H\x1b[2J"  # cursor home, clear: --watch redraws in place
+
+
+def _no_nan(value: Any) -> Any:
+    """JSON has no NaN: a latency with no requests behind it becomes null."""
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_no_nan(v) for v in value]
+    return None if isinstance(value, float) and value != value else value
+
+
+def status_dict(status: FleetStatus, overview: Overview | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "fleet": status.fleet,
+        "router": status.router,
+        "callers": status.callers,
+        "placement": status.placement,
+        "totals": status.totals,
+        "nodes": [
+            {**dataclasses.asdict(n), "healthy": status.healthy.get(n.name, False)}
+            for n in status.nodes
+        ],
+        "unresponsive": status.unresponsive,
+    }
+    if overview is not None:
+        out["overview"] = _no_nan(dataclasses.asdict(overview))
+    return out
+
+
+def status_line(status: FleetStatus) -> str:
+    t, r = status.totals, status.router
+    queues = " ".join(f"{n.name}:{n.queue_length}" for n in status.nodes)
+    return (
+        f"completed {t.get('completed', 0)}  rejected {r.get('rejected', 0)}  "
+        f"evicted {t.get('evicted', 0)}  spilled {r.get('spilled', 0)}  "
+        f"re-placed {r.get('replaced', 0)}  queues {queues}"
+    )
+
+
+def overview_lines(o: Overview) -> list[str]:
+    """The dashboard's overview row as text: the same figures over the same window."""
+
+    def ms(v: float) -> str:
+        return "-" if v != v else f"{v * 1000:.0f}"
+
+    classes = [c for c in o.classes if c in o.p50]
+    latency = "  ".join(f"{c} {ms(o.p50[c])}/{ms(o.p99[c])}" for c in classes) or "-"
+    if o.seconds <= 0:
+        return [
+            "overview since the nodes started (rates need a second snapshot: --watch)",
+            f"  latency p50/p99 ms   {latency}",
+            f"  rejected {o.rejected} in all   evicted {o.evicted} in all",
+        ]
+    per_class = "  ".join(f"{c} {o.throughput.get(c, 0.0):.1f}" for c in classes)
+    return [
+        f"overview over the last {o.seconds:.0f} s (the dashboard's Fleet overview)",
+        f"  throughput {o.total_throughput:.1f} req/s   {per_class}",
+        f"  latency p50/p99 ms   {latency}",
+        f"  rejected {o.rejected_per_s or 0.0:.2f}/s ({o.rejected} in all)   "
+        f"evicted {o.evicted_per_s or 0.0:.2f}/s ({o.evicted} in all)",
+    ]
+
+
+def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
+    lines = [f"fleet {status.fleet}", ""]
+    if status.placement:
+        lines += [
+            f"placement: {status.placement}; placed by {status.callers} caller(s) "
+            "straight to the nodes",
+            "",
+        ]
+    if overview is not None:
+        lines += [*overview_lines(overview), ""]
+    lines.append(
+        f"{'node':<12}{'health':<9}{'state':<10}{'queued by priority':<28}{'running':<22}models"
+    )
+    for n in status.nodes:
+        queued = " ".join(f"{p}:{c}" for p, c in sorted(n.queued.items(), reverse=True)) or "-"
+        running = "-"
+        if n.running is not None:
+            running = f"{n.running.model} x{len(n.running.request_ids)} p{n.running.priority}"
+        models = ", ".join(m.name + ("*" if m.loaded else "") for m in n.models)
+        health = _health(status, n.name)
+        lines.append(f"{n.name:<12}{health:<9}{n.state:<10}{queued:<28}{running:<22}{models}")
+        if n.failure:  # why a failed or stuck node is out of service
+            lines.append(f"{'':<12}{n.state}: {n.failure}")
+        if n.name in status.unresponsive:
+            silent = status.unresponsive[n.name]
+            lines.append(f"{'':<12}unresponsive for {silent:.0f} s: callers send it nothing")
+        if n.paused or n.lifecycle != "foreground" or any(n.kv_bytes.values()):
+            paused = " ".join(f"{p}:{c}" for p, c in sorted(n.paused.items(), reverse=True))
+            kv = sum(n.kv_bytes.values()) / (1024 * 1024)
+            lines.append(
+                f"{'':<12}lifecycle {n.lifecycle}; paused {paused or '-'}; KV cache {kv:.1f} MiB"
+            )
+    lost = [name for name, ok in status.healthy.items() if not ok]
+    for name in lost:
+        if all(n.name != name for n in status.nodes):
+            lines.append(f"{name:<12}{_health(status, name):<9}")
+    lines += ["", "(* = resident)", status_line(status)]
+    return "\n".join(lines)
+
+
+def _health(status: FleetStatus, node: str) -> str:
+    """``ok``, ``UNRESP`` (alive but silent, or stuck: see ``FleetStatus.unresponsive``)
+    or ``LOST``."""
+    if status.healthy.get(node):
+        return "ok"
+    return "UNRESP" if node in status.unresponsive else "LOST"
