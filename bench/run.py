@@ -158,11 +158,8 @@ def render(
     return "\n".join(header + summary) + "\n" + body + "\n"
 
 
-def main(argv: list[str] | None = None, *, prog: str = "python -m bench.run") -> int:
-    args_list = list(argv) if argv is not None else None
-    if args_list and args_list[0] == "--":  # `edgefleet bench -- --quick`
-        args_list = args_list[1:]
-    args = build_parser(prog).parse_args(args_list)
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     wanted = set(args.only or [s.name for s in SCENARIOS])
     chosen = [s for s in SCENARIOS if s.name in wanted]
     started = utc_now()
@@ -176,7 +173,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m bench.run") ->
         for scenario in chosen:
             sections.append(_run_one(scenario, ctx))
     seconds = time.perf_counter() - t0
-    shown = args_list if args_list is not None else sys.argv[1:]
+    shown = argv if argv is not None else sys.argv[1:]
     report = render(
         sections,
         facts,

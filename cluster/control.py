@@ -24,3 +24,8 @@ class NodeControl(Protocol):
     async def restart(self) -> None:
         """Kill the node's process so that Ray starts the node again in place."""
         ...
+
+    async def alive(self, timeout_s: float) -> bool:
+        """Whether the node's process answers at all within ``timeout_s``, however busy;
+        MUST raise NodeGone when the node died."""
+        ...

@@ -17,7 +17,7 @@ from ray._private import ray_constants
 from ray.actor import ActorHandle
 
 from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth
-from cluster.names import NAMESPACE, actor_name, node_actor_prefix, router_name
+from cluster.names import NAMESPACE, PROBE_GROUP, actor_name, node_actor_prefix, router_name
 from cluster.nodes import max_concurrency
 from edgefleet.config import FleetConfig
 from edgefleet.errors import FleetNotRunning, FleetStartError
@@ -268,7 +268,8 @@ def deploy_nodes(
     from actors.node import NodeRuntime  # the node runtime (ONNX Runtime) only where deployed
 
     _refuse_running(config.fleet.name)
-    remote_node = ray.remote(NodeRuntime)
+    # Probes run on a thread of their own: a node flooded with calls still answers them.
+    remote_node = ray.remote(concurrency_groups={PROBE_GROUP: 1})(NodeRuntime)
     handles: dict[str, ActorHandle] = {}
     starting: dict[ray.ObjectRef, _Starting] = {}
     try:
@@ -353,10 +354,11 @@ def teardown(
     timeout_s: float = 10.0,
     *,
     fleet: str | None = None,
-) -> None:
+) -> int:
     """Stop the router, then every node (cancelling queued work so callers hear of it):
     those of ``handles`` and, given the ``fleet``'s name, its pool members (the router
-    stops following the pools first, so that it starts none meanwhile)."""
+    stops following the pools first, so that it starts none meanwhile). Returns the
+    nodes stopped."""
     if router is not None:
         with contextlib.suppress(Exception):  # a router that does not answer is killed
             ray.get(router.stop.remote(), timeout=min(timeout_s, CONTROL_TIMEOUT_S))
@@ -368,6 +370,7 @@ def teardown(
     ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     for h in handles.values():
         ray.kill(h, no_restart=True)
+    return len(handles)
 
 
 def find_fleet(fleet: str) -> tuple[ActorHandle, FleetConfig]:

@@ -222,6 +222,7 @@ class _Entry:
         self.guaranteed = spec.starvation.params(spec.priorities).guaranteed()
         self.healthy = True  # until the router or a call says otherwise
         self.lost_at: float | None = None
+        self.answered_at = float("-inf")  # when the node last answered this caller
         self.report_at = float("-inf")  # when the report was taken, on this caller's clock
         self.made_at = float("-inf")  # when the node made it, on the node's clock
         self.base = _Base(loaded=self.models)
@@ -236,6 +237,11 @@ class _Entry:
         # answering a request changes the view but not this.
         self._aged: tuple[dict[int, int], dict[int, float], float] | None = None
         self._aged_at = 0.0
+
+    @property
+    def heard_at(self) -> float:
+        """When this caller last heard the node live: an answer, or a report of its."""
+        return self.answered_at if self.answered_at > self.report_at else self.report_at
 
     def report(self, status: NodeStatus | None, taken_at: float) -> None:
         self._view = self._aged = None
@@ -252,6 +258,12 @@ class _Entry:
         self.healthy = False
         self.lost_at = now
         self._view = None
+
+    def left(self, now: float) -> None:
+        """Out of the fleet for good (a pool member whose Ray node Ray declared dead):
+        nothing more will come from it, so its calls are given up at once."""
+        self.lose(now)
+        self.answered_at = self.report_at = float("-inf")
 
     def sent(self, request_id: str, sent: _Sent) -> None:
         self._view = None
@@ -461,7 +473,10 @@ class Dispatcher:
         self._jitter = random.Random()
         directory = config.router.record_dir
         self._record = None if directory is None else CallRecord(directory)
-        self._watch = CallWatch(config.router.probe_timeout_s, self._clock) if watch else None
+        self._watch = None
+        if watch:
+            r = config.router
+            self._watch = CallWatch(r.probe_timeout_s, r.lost_after_s, self._clock)
         self._expected = (ExpectedCompletion(), ModelLoad())
 
     # -------------------------------------------------------------------- the view
@@ -514,7 +529,7 @@ class Dispatcher:
                 spec is None or spec.ray_node != entry.spec.ray_node
             ):
                 del self._nodes[name]
-                entry.lose(now)
+                entry.left(now)
                 if self._watch is not None:
                     self._watch.expedite(name)
                 for session in entry.base.sessions:
@@ -960,13 +975,18 @@ class Dispatcher:
         for item in entry.handle.generate(request, wait_s):  # type: ignore[arg-type]
             now = self._clock.now()
             if item is not None:
+                entry.answered_at = now
                 due = now + budget
                 yield item
             elif now >= attempt.give_up_at:
                 raise _Overdue(TIMED_OUT)
-            elif now >= due:
-                probe_s = self.config.router.probe_timeout_s
-                if not entry.healthy or entry.handle.probe([request.id], probe_s) is None:
+            elif now >= due:  # as CallWatch judges a call (cluster/limits.py)
+                r = self.config.router
+                answer = None
+                if entry.healthy:
+                    answer = entry.handle.probe([request.id], r.probe_timeout_s)
+                quiet = self._clock.now() - entry.heard_at >= r.lost_after_s
+                if answer is None and quiet:
                     raise _Overdue(UNRESPONSIVE)
                 due = self._clock.now() + budget
 
@@ -1256,6 +1276,7 @@ class _Attempt:
     def settle(self, entry: _Entry, answer: Final | None) -> Final | None:
         """The node answered. None: try the next node (it refused or evicted, and
         nothing was streamed yet)."""
+        entry.answered_at = self.d._clock.now()
         self.release(entry)
         self.attempts += 1
         if answer is None:  # cannot happen with a live node: its stream ends with one

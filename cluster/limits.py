@@ -9,9 +9,12 @@ one thread, :class:`CallWatch`, looks at the calls that are due:
 - a call past its request's ``timeout_s`` is given up (``TIMED_OUT``);
 - otherwise its node is asked whether it holds the request (one probe per node for all
   of its due calls, bounded by ``router.probe_timeout_s``). A node that answers is
-  alive and busy: the call gets another limit. A node that does not answer, or one
-  already known to be out of service, gives up its calls (``UNRESPONSIVE``): the
-  dispatcher places them again elsewhere, or ends them as its rules say.
+  alive and busy: the call gets another limit. So does one the caller heard live
+  within ``router.lost_after_s`` (an answer to any of its calls, or a report the router
+  took): a node flooded with calls answers probes late, but it answers. A node that
+  does neither, or one already known to be out of service, gives up its calls
+  (``UNRESPONSIVE``): the dispatcher places them again elsewhere, or ends them as its
+  rules say.
 
 A call given up is *claimed*: whichever comes first, its answer or the watch, decides
 it, once; an answer that comes later is dropped. The watch's thread runs while calls
@@ -57,6 +60,12 @@ class Watched(Protocol):
         """False once it is known to be out of service: its calls are given up unasked."""
         ...
 
+    @property
+    def heard_at(self) -> float:
+        """When the caller last heard the node live: an answer to one of its calls, or
+        the router's report of it (on the watch's clock)."""
+        ...
+
 
 @dataclass(eq=False)
 class Flight:
@@ -75,8 +84,11 @@ class CallWatch:
     """Gives each call a limit and acts on the calls past it (see the module's text).
     Thread-safe; its thread starts with the first call."""
 
-    def __init__(self, probe_timeout_s: float, clock: Clock) -> None:
+    def __init__(self, probe_timeout_s: float, quiet_s: float, clock: Clock) -> None:
+        """``quiet_s``: how long a node must have answered nothing before a probe it
+        does not answer gives its calls up."""
         self.probe_timeout_s = probe_timeout_s
+        self.quiet_s = quiet_s
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -192,11 +204,11 @@ class CallWatch:
                 answer = node.handle.probe(ids, self.probe_timeout_s)
             except Exception:
                 log.exception("probing node %s failed", node.name)
-        if answer is None:
+        after = self._clock.now()
+        if answer is None and after - node.heard_at >= self.quiet_s:
             for flight in waiting:
                 self._give_up(flight, UNRESPONSIVE)
             return
-        after = self._clock.now()
         with self._lock:
             for flight in waiting:
                 if not flight.done:

@@ -6,6 +6,9 @@ from edgefleet.config import NodeSpec
 
 NAMESPACE = "edgefleet"
 RAY_NODE_CHARS = 16  # of the Ray node id in a pool member's actor name
+# The node actor's concurrency group for probes (NodeRuntime.probe): its own thread, so
+# that a node whose event loop is flooded with calls still answers whether it lives.
+PROBE_GROUP = "probe"
 
 
 def actor_name(fleet: str, node: str) -> str:

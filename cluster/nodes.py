@@ -18,7 +18,7 @@ from ray.actor import ActorHandle
 
 from cluster.dispatch import NodeGone, NodeUnavailable
 from cluster.membership import RayNodeRow
-from cluster.names import NAMESPACE, node_actor_name
+from cluster.names import NAMESPACE, PROBE_GROUP, node_actor_name
 from edgefleet.config import NodeSpec
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
@@ -151,10 +151,13 @@ class RayNode:
                 with contextlib.suppress(Exception):
                     ray.cancel(stream)
 
+    def _probe(self, request_ids: Sequence[str]) -> ray.ObjectRef:
+        probe = self._handle().probe.options(concurrency_group=PROBE_GROUP)
+        return probe.remote(list(request_ids))
+
     def probe(self, request_ids: Sequence[str], timeout_s: float) -> dict[str, bool] | None:
         try:
-            ref = self._handle().probe.remote(list(request_ids))
-            answer: dict[str, bool] = ray.get(ref, timeout=timeout_s)
+            answer: dict[str, bool] = ray.get(self._probe(request_ids), timeout=timeout_s)
         except (ray.exceptions.GetTimeoutError, *ACTOR_GONE, NodeGone):
             return None
         return answer
@@ -182,6 +185,17 @@ class RayNode:
 
     async def cancel(self, request_id: str) -> bool:
         return bool(await self._call("cancel", request_id))
+
+    async def alive(self, timeout_s: float) -> bool:
+        """Whether the node's process answers a probe within ``timeout_s`` (its event
+        loop may be too busy to report; a frozen process answers nothing)."""
+        try:
+            await asyncio.wait_for(self._probe([]), timeout_s)
+        except TimeoutError:
+            return False
+        except ray.exceptions.RayActorError as exc:
+            raise self._gone(exc) from None
+        return True
 
     async def restart(self) -> None:
         """Kill the node's process; Ray starts the actor again in place (it is created
@@ -251,7 +265,7 @@ class RayMemberActors:
         if self._remote is None:
             from actors.node import NodeRuntime  # ONNX Runtime: only where members start
 
-            self._remote = ray.remote(NodeRuntime)
+            self._remote = ray.remote(concurrency_groups={PROBE_GROUP: 1})(NodeRuntime)
         assert spec.ray_node is not None
         return self._remote.options(
             name=name,

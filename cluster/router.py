@@ -176,9 +176,9 @@ class Router:
         except NodeGone:
             self._lose(entry)
             return
-        except TimeoutError:  # alive but silent: unresponsive once silent too long
+        except TimeoutError:  # unresponsive once silent too long, unless merely busy
             if self._clock.now() - entry.reported_at >= cfg.lost_after_s:
-                self._out(entry, f"has not reported for {cfg.lost_after_s:g} s")
+                await self._silent(entry)
             return
         except Exception as exc:  # its start failed, or worse: out of service for now
             if entry.healthy or entry.report is None:
@@ -203,6 +203,21 @@ class Router:
             self._counters["joined" if first else "rejoined"] += 1
         entry.healthy = True
         self._metrics.node_health(entry.spec.name, True)
+
+    async def _silent(self, entry: NodeEntry) -> None:
+        """``entry``'s node has not reported for ``lost_after_s``: unresponsive, unless
+        its process answers a probe within ``lost_after_s`` more (it is flooded with
+        calls, which delay its reports and its answers: its last report stands)."""
+        try:
+            alive = await entry.handle.alive(self.config.router.lost_after_s)
+        except NodeGone:
+            self._lose(entry)
+            return
+        except Exception as exc:
+            log.warning("node %s: probe failed: %s: %s", entry.spec.name, type(exc).__name__, exc)
+            alive = False
+        if not alive:
+            self._out(entry, f"has not reported for {self.config.router.lost_after_s:g} s")
 
     def _out(self, entry: NodeEntry, why: str) -> None:
         """``entry``'s node is alive but out of service (silent, or stuck): callers stop
@@ -262,10 +277,15 @@ class Router:
         self._starting[name] = task
 
     def _lose(self, entry: NodeEntry) -> None:
-        if entry.healthy:
+        """Out of service: its actor died (or it failed, or is starting again). An
+        unresponsive node that turns out dead is lost too."""
+        if entry.healthy or entry.out_since is not None:
             entry.healthy = False
             self._counters["nodes_lost"] += 1
             self._metrics.node_lost(entry.spec.name)
+        if entry.out_since is not None:
+            entry.out_since = None
+            self._metrics.node_unresponsive(entry.spec.name, False)
 
     # ------------------------------------------------------------------- pools
 

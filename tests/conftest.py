@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,50 @@ def make_fleet(ray_session: None, models_dir: Path) -> Iterator[Any]:
     yield make
     for client in clients:
         client.close()
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What a command run in this process did, named as ``subprocess.run`` names it."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Ran]:
+    """Run an `edgefleet` command in this process: ``cli("validate", path)`` returns its
+    exit status and what it printed. It is ``cluster.cli.main`` without the Ctrl-C
+    handling a command installs in its own process; argparse's exits (``--help``, a bad
+    option) are exit statuses too. Commands that reach a fleet take ``cli_on_ray``."""
+    from cluster.cli import build_parser, run
+
+    monkeypatch.setenv("COLUMNS", "80")  # help is wrapped as when a process's output is piped
+
+    def call(*argv: str) -> Ran:
+        capsys.readouterr()  # what came before is not the command's
+        try:
+            code = run(build_parser().parse_args(list(argv)))
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return call
+
+
+@pytest.fixture
+def cli_on_ray(
+    cli: Callable[..., Ran], ray_session: None, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., Ran]:
+    """``cli`` for `status`, `infer` and `generate` on a fleet of the session's Ray
+    cluster (``make_fleet``): they use this process's connection instead of making their
+    own. Not for `up` and `down`, which start or stop Ray."""
+    import cluster.deploy
+
+    def on_session_ray(address: str | None, fleet: str, *, token_auth: bool = False) -> None:
+        assert address is None, "in this process, commands reach fleets on the session's Ray"
+
+    monkeypatch.setattr(cluster.deploy, "connect_ray", on_session_ray)
+    return cli

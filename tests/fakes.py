@@ -240,6 +240,11 @@ class LocalNode(FutureCalls):
         await self._thawed()
         return self.node.cancel(request_id)
 
+    async def alive(self, timeout_s: float) -> bool:
+        if self.dead:
+            raise self._gone()
+        return not self.frozen
+
     async def restart(self) -> None:
         self.restarts += 1
         self.frozen = False  # the process was killed: what it held is lost with it

@@ -1,4 +1,6 @@
-"""The edgefleet command, run as a user runs it: in a subprocess, checking exit codes."""
+"""The edgefleet command: run as a user runs it (the console script, in a subprocess)
+where the process is what is checked (one run of each command, Ctrl-C, separate Ray
+instances), else in this process (the ``cli`` fixture), checking exit codes."""
 
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ import pytest
 from edgefleet.modelgen import random_inputs
 
 REPO = Path(__file__).resolve().parents[2]
+EDGEFLEET = Path(sys.executable).parent / "edgefleet"  # the console script
 pytestmark = pytest.mark.integration
 
 
 def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args],
+        [str(EDGEFLEET), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -34,15 +37,14 @@ def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.
 
 COMMANDS = [
     ["up"], ["down"], ["status"], ["infer"], ["generate"], ["demo"], ["validate"],
-    ["bench"], ["models", "make"], ["models", "show"], ["dashboard", "export"],
-    ["dashboard", "push"],
+    ["models", "make"], ["models", "show"], ["dashboard", "export"], ["dashboard", "push"],
     ["dashboard", "prometheus-config"], ["dashboard", "check"],
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
-def test_every_command_has_help_with_an_example(command):
-    result = edgefleet(*command, "--help")
+def test_every_command_has_help_with_an_example(command, cli):
+    result = cli(*command, "--help")
     assert result.returncode == 0, result.stderr
     assert "example" in result.stdout and f"edgefleet {' '.join(command)}" in result.stdout
 
@@ -59,7 +61,7 @@ class Running:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", *args],
+            [str(EDGEFLEET), *args],
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -112,14 +114,16 @@ class Running:
 
 
 def test_help_lists_commands_with_examples():
-    result = edgefleet("--help")
+    result = subprocess.run(  # `python -m cluster.cli` is the command too
+        [sys.executable, "-m", "cluster.cli", "--help"], cwd=REPO, capture_output=True, text=True
+    )
     assert result.returncode == 0
-    for word in ("demo", "models", "validate", "bench", "examples:"):
+    for word in ("demo", "models", "validate", "examples:"):
         assert word in result.stdout
 
 
-def test_models_make_writes_every_model(tmp_path):
-    result = edgefleet("models", "make", str(tmp_path / "m"))
+def test_models_make_writes_every_model(tmp_path, cli):
+    result = cli("models", "make", str(tmp_path / "m"))
     assert result.returncode == 0, result.stderr
     names = sorted(p.name for p in (tmp_path / "m").glob("*.onnx"))
     assert names == [
@@ -131,7 +135,7 @@ def test_models_make_writes_every_model(tmp_path):
         "tiny_lm.onnx",
     ]
     assert "[6/6]" in result.stdout
-    bad = edgefleet("models", "make", str(tmp_path / "m"), "--only", "gpt5")
+    bad = cli("models", "make", str(tmp_path / "m"), "--only", "gpt5")
     assert bad.returncode == 2 and "unknown model" in bad.stderr
 
 
@@ -179,16 +183,6 @@ def test_ctrl_c_stops_the_demo_quickly_with_its_report_so_far(tmp_path):
     assert "generation       turns" in demo.out
     assert "Traceback" not in demo.err and "WARNING" not in demo.err, demo.err[-3000:]
     assert took < 10, took  # 3 s on an idle machine; slack for a busy one
-
-
-def test_bench_quick_smoke_run_prints_a_report(tmp_path):
-    out = tmp_path / "results.md"
-    result = edgefleet("bench", "--quick", "--only", "priority_latency", "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = out.read_text()
-    assert report.startswith("# edgefleet benchmark results")
-    assert "Foreground latency under a background flood" in report
-    assert "| FIFO" in report and "| edgefleet" in report
 
 
 def _fleet_processes(marker: str) -> list[int]:
@@ -244,34 +238,12 @@ def test_up_detach_status_client_down(tmp_path):
         assert client.returncode == 0, client.stderr[-3000:]
         assert "logits (1, 10)" in client.stdout
 
-        table = edgefleet("status", "--fleet", fleet)
-        assert "edge-0" in table.stdout and "completed 1" in table.stdout
-        assert re.search(r"latency p50/p99 ms .* inline \d+/\d+ ", table.stdout), table.stdout
-
-        watch = subprocess.Popen(
-            [sys.executable, "-m", "cluster.cli", "status", "--fleet", fleet, "--watch"]
-            + ["--interval", "0.5"],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            out, _ = watch.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            watch.terminate()
-            out, _ = watch.communicate(timeout=30)
-        assert "overview since the nodes started" in out
-        assert "overview over the last" in out and "throughput 0.0 req/s" in out
-
         gen = edgefleet(
             "generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", "5", "17", "42",
             "--max-new-tokens", "6", "--priority", "background",
         )  # fmt: skip
         assert gen.returncode == 0, gen.stderr[-3000:]
         assert len(gen.stdout.split()) == 6 and "finish: length (6 tokens" in gen.stderr
-        too_long = edgefleet("generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", *["1"] * 600)
-        assert too_long.returncode == 2 and "does not fit the context" in too_long.stderr
 
         np.savez(tmp_path / "frame.npz", **random_inputs("classifier"))
         infer = edgefleet(
@@ -281,15 +253,39 @@ def test_up_detach_status_client_down(tmp_path):
         assert infer.returncode == 0, infer.stderr[-3000:]
         assert "logits: float32 [1, 10]" in infer.stdout
         assert np.load(tmp_path / "out.npz")["logits"].shape == (1, 10)
-        npy = tmp_path / "frame.npy"  # one unnamed array: the model's only input
-        np.save(npy, random_inputs("classifier")["images"])
-        one = edgefleet("infer", "classifier", "--fleet", fleet, "--input", str(npy))
-        assert one.returncode == 0 and "logits: float32 [1, 10]" in one.stdout, one.stderr[-3000:]
     finally:
         down = edgefleet("down", "--fleet", fleet)
     assert down.returncode == 0, down.stderr[-3000:]
     assert "stopped the Ray head" in down.stdout
     assert _fleet_processes(str(head_dir(fleet))) == []
+
+
+def test_status_table_too_long_prompt_and_npy_input(tmp_path, make_fleet, cli_on_ray):
+    from cluster.client import FleetClient
+
+    fleet = make_fleet(
+        {
+            "local": {"nodes": 2},
+            "models": {
+                "classifier": {"path": "classifier.onnx"},
+                "tiny_lm": {"path": "tiny_lm.onnx", "kind": "decoder"},
+            },
+        }
+    ).config.fleet.name
+    with FleetClient.connect(fleet=fleet) as client:  # another caller, as CLIENT is above
+        client.infer("classifier", random_inputs("classifier"), priority="inline")
+
+    table = cli_on_ray("status", "--fleet", fleet)
+    assert "edge-0" in table.stdout and "completed 1" in table.stdout
+    assert re.search(r"latency p50/p99 ms .* inline \d+/\d+ ", table.stdout), table.stdout
+
+    too_long = cli_on_ray("generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", *["1"] * 600)
+    assert too_long.returncode == 2 and "does not fit the context" in too_long.stderr
+
+    npy = tmp_path / "frame.npy"  # one unnamed array: the model's only input
+    np.save(npy, random_inputs("classifier")["images"])
+    one = cli_on_ray("infer", "classifier", "--fleet", fleet, "--input", str(npy))
+    assert one.returncode == 0 and "logits: float32 [1, 10]" in one.stdout, one.stderr[-3000:]
 
 
 CLIENT = """

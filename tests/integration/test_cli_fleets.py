@@ -1,7 +1,8 @@
 """A fleet's lifecycle from the command line, run as a user runs it: commands for a
 fleet that is not running answer at once, `up` refuses a fleet that runs and stops
 what it started when it fails, `down` cleans up after a head that died, and Ctrl-C
-ends every command promptly without a traceback."""
+ends every command promptly without a traceback. A command that never connects to
+Ray, failing first, runs in this process (``cli``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -27,10 +30,13 @@ ANSWER_S = 10.0  # the requirement: a command for a fleet that is not there answ
 STOP_S = 10.0  # Ctrl-C: about 2 s on an idle machine; slack for a busy one
 
 
-def _timed(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+def _timed(run: Callable[..., Any], *args: str) -> tuple[Any, float]:
     start = time.monotonic()
-    result = edgefleet(*args, timeout=120)
+    result = run(*args)
     return result, time.monotonic() - start
+
+
+in_subprocess = partial(edgefleet, timeout=120)
 
 
 def _assert_plain(stderr: str) -> None:
@@ -46,15 +52,16 @@ def _write_config(path: Path, fleet: str, extra: str = "") -> Path:
     return path
 
 
-def test_commands_for_a_fleet_that_is_not_running_answer_at_once(tmp_path):
+def test_commands_for_a_fleet_that_is_not_running_answer_at_once(tmp_path, cli):
     np.savez(tmp_path / "frame.npz", **random_inputs("classifier"))
     infer = ["infer", "classifier", "--input", str(tmp_path / "frame.npz")]
     generate = ["generate", "tiny_lm", "--prompt-ids", "1", "2"]
 
-    # A fleet nobody started: nothing recorded for it (and maybe no Ray at all).
+    # A fleet nobody started: nothing recorded for it (and maybe no Ray at all). In a
+    # subprocess: the command may find a Ray on this machine and connect to it.
     never = f"never{os.getpid()}"
     for command in (["status"], ["down"], infer, generate):
-        result, took = _timed(*command, "--fleet", never)
+        result, took = _timed(in_subprocess, *command, "--fleet", never)
         assert result.returncode == 2, (command, result.stderr[-3000:])
         assert never in result.stderr and "edgefleet up" in result.stderr, result.stderr
         assert command != ["down"] or "nothing to stop" in result.stderr, result.stderr
@@ -64,7 +71,7 @@ def test_commands_for_a_fleet_that_is_not_running_answer_at_once(tmp_path):
     # An address where nothing listens.
     nowhere = f"127.0.0.1:{_free_port()}"
     for command in (["status"], generate):
-        result, took = _timed(*command, "--fleet", never, "--address", nowhere)
+        result, took = _timed(cli, *command, "--fleet", never, "--address", nowhere)
         assert result.returncode == 2, (command, result.stderr[-3000:])
         assert f"no Ray cluster answers at {nowhere}" in result.stderr, result.stderr
         _assert_plain(result.stderr)
@@ -77,13 +84,13 @@ def test_commands_for_a_fleet_that_is_not_running_answer_at_once(tmp_path):
     (head_dir(stale) / "edgefleet.json").write_text(json.dumps(state))
     try:
         for command in (["status"], infer, generate):
-            result, took = _timed(*command, "--fleet", stale)
+            result, took = _timed(cli, *command, "--fleet", stale)
             assert result.returncode == 2, (command, result.stderr[-3000:])
             assert f"fleet {stale!r} is not running" in result.stderr, result.stderr
             assert f"`edgefleet down --fleet {stale}` cleans up" in result.stderr
             _assert_plain(result.stderr)
             assert took < ANSWER_S, (command, took)
-        down, took = _timed("down", "--fleet", stale)
+        down, took = _timed(cli, "down", "--fleet", stale)
         assert down.returncode == 0, down.stderr[-3000:]
         assert "was gone; cleaned up" in down.stdout and str(head_dir(stale)) in down.stdout
         assert not head_dir(stale).exists() and took < ANSWER_S
@@ -130,11 +137,13 @@ def test_a_running_fleet_refuses_a_second_up_ctrl_c_ends_clients_down_is_quick(t
             took = watch.interrupt()
         finally:
             watch.kill()
+        assert "overview since the nodes started" in watch.out  # the first
+        assert "overview over the last" in watch.out and "throughput 0.0 req/s" in watch.out
         assert watch.proc.returncode == 0, watch.err[-3000:]
         _assert_plain(watch.err)
         assert took < STOP_S, took
     finally:
-        down, took = _timed("down", "--fleet", fleet)
+        down, took = _timed(in_subprocess, "down", "--fleet", fleet)
     assert down.returncode == 0, down.stderr[-3000:]
     assert f"fleet {fleet!r} stopped (1 node(s) and its router)" in down.stdout
     assert "stopped the Ray head" in down.stdout
@@ -142,7 +151,7 @@ def test_a_running_fleet_refuses_a_second_up_ctrl_c_ends_clients_down_is_quick(t
     assert took < ANSWER_S, took  # it was 17 s when every process was stopped at once
 
 
-def test_down_cleans_up_after_a_head_that_died(tmp_path):
+def test_down_cleans_up_after_a_head_that_died(tmp_path, cli):
     fleet = f"dead{os.getpid()}"
     config = _write_config(tmp_path / "fleet.yaml", fleet)
     try:
@@ -152,14 +161,14 @@ def test_down_cleans_up_after_a_head_that_died(tmp_path):
         gcs.kill()
         gcs.wait(30)
 
-        status, took = _timed("status", "--fleet", fleet)
+        status, took = _timed(cli, "status", "--fleet", fleet)
         assert status.returncode == 2, status.stderr[-3000:]
         assert f"fleet {fleet!r} is not running" in status.stderr
         assert f"`edgefleet down --fleet {fleet}` cleans up" in status.stderr
         _assert_plain(status.stderr)
         assert took < ANSWER_S, took
     finally:
-        down, took = _timed("down", "--fleet", fleet)
+        down, took = _timed(cli, "down", "--fleet", fleet)
     assert down.returncode == 0, down.stderr[-3000:]
     assert "was gone; cleaned up" in down.stdout, down.stdout
     assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()

@@ -1,7 +1,8 @@
-"""The command line around configs, models and input files, run as a user runs it.
+"""The command line around configs, models and input files.
 
 None of these start Ray: `validate` and `models show` only read files, and the `infer`
-cases here fail before a fleet is contacted.
+cases here fail before a fleet is contacted; so they run in this process (``cli``),
+but for one `models show` run as a user runs it.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def _fleet(tmp_path: Path, models: dict[str, str]) -> Path:
 # ----------------------------------------------------------------------------- validate
 
 
-def test_validate_names_each_model_a_node_could_not_load(tmp_path):
+def test_validate_names_each_model_a_node_could_not_load(tmp_path, cli):
     (tmp_path / "notes.onnx").write_text("these are my notes, not a model\n")
     _matmul_model(tmp_path / "odd.onnx", op="Frobnicate")
     config = _fleet(tmp_path, {"mine": "mine.onnx", "notes": "notes.onnx", "odd": "odd.onnx"})
-    result = edgefleet("validate", str(config), timeout=60)
+    result = cli("validate", str(config))
     assert result.returncode == 2, result.stdout
     err = result.stderr
     assert "3 model(s) would not load" in err and "valid" not in result.stdout
@@ -66,23 +67,23 @@ def test_validate_names_each_model_a_node_could_not_load(tmp_path):
     assert "Traceback" not in err
 
 
-def test_validate_accepts_external_data_and_notes_missing_builtin_models(tmp_path):
+def test_validate_accepts_external_data_and_notes_missing_builtin_models(tmp_path, cli):
     _matmul_model(tmp_path / "weights.onnx", external=True)
     config = _fleet(tmp_path, {"mine": "weights.onnx", "classifier": "classifier.onnx"})
-    result = edgefleet("validate", str(config), timeout=60)
+    result = cli("validate", str(config))
     assert result.returncode == 0, result.stderr
     assert "valid" in result.stdout and "1 load in ONNX Runtime" in result.stdout
     note = next(line for line in result.stdout.splitlines() if "note:" in line)
     assert "model 'classifier'" in note and "edgefleet up" in note and "models make" in note
     (tmp_path / "weights.data").unlink()  # its external data gone: a node could not load it
-    gone = edgefleet("validate", str(config), timeout=60)
+    gone = cli("validate", str(config))
     assert gone.returncode == 2 and "model 'mine'" in gone.stderr, gone.stdout
 
 
 # ----------------------------------------------------------------------------- models show
 
 
-def test_models_show_prints_inputs_outputs_and_an_npz_line_that_works(tmp_path, monkeypatch):
+def test_models_show_prints_inputs_outputs_and_an_npz_line_that_works(tmp_path, monkeypatch, cli):
     make_classifier(tmp_path / "classifier.onnx")
     _matmul_model(tmp_path / "weights.onnx", external=True)
     config = _fleet(tmp_path, {"classifier": "classifier.onnx", "mine": "weights.onnx"})
@@ -99,10 +100,10 @@ def test_models_show_prints_inputs_outputs_and_an_npz_line_that_works(tmp_path, 
     assert {k: (v.dtype, v.shape) for k, v in written.items()} == {
         k: (v.dtype, v.shape) for k, v in expected.items()
     }
-    one_file = edgefleet("models", "show", str(tmp_path / "weights.onnx"), timeout=60)
+    one_file = cli("models", "show", str(tmp_path / "weights.onnx"))
     assert one_file.returncode == 0, one_file.stderr
     assert "input   x  float32 [N,4]" in one_file.stdout
-    unknown = edgefleet("models", "show", str(config), "nope", timeout=60)
+    unknown = cli("models", "show", str(config), "nope")
     assert unknown.returncode == 2 and "unknown model(s): nope" in unknown.stderr
 
 
@@ -120,9 +121,9 @@ def _bad_inputs(tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("kind", ["text", "object array", "pickle"])
-def test_infer_refuses_what_is_not_an_npz_or_npy_before_connecting(tmp_path, kind):
+def test_infer_refuses_what_is_not_an_npz_or_npy_before_connecting(tmp_path, kind, cli):
     path = _bad_inputs(tmp_path)[kind]
-    result = edgefleet("infer", "classifier", "--fleet", NO_FLEET, "--input", str(path))
+    result = cli("infer", "classifier", "--fleet", NO_FLEET, "--input", str(path))
     assert result.returncode == 2, result.stderr
     assert f"{path} is not a NumPy .npz/.npy file" in result.stderr
     assert "allow_pickle" not in result.stderr and "Traceback" not in result.stderr
@@ -131,14 +132,14 @@ def test_infer_refuses_what_is_not_an_npz_or_npy_before_connecting(tmp_path, kin
 
 
 @pytest.mark.parametrize("priority", ["-1", "11"])
-def test_infer_and_generate_check_an_integer_priority_before_connecting(tmp_path, priority):
+def test_infer_and_generate_check_an_integer_priority_before_connecting(tmp_path, priority, cli):
     frame = tmp_path / "frame.npy"
     np.save(frame, random_inputs("classifier")["images"])
     for command in (
         ["infer", "classifier", "--input", str(frame)],
         ["generate", "tiny_lm", "--prompt-ids", "1", "2"],
     ):
-        result = edgefleet(*command, "--fleet", NO_FLEET, "--priority", priority)
+        result = cli(*command, "--fleet", NO_FLEET, "--priority", priority)
         assert result.returncode == 2, result.stderr
         assert f"priority must be between 0 and 10, got {priority}" in result.stderr
         assert "unknown priority class" not in result.stderr
@@ -157,13 +158,12 @@ HELP = [  # command, what its --help must say
     (["dashboard", "check"], ["'.*' checks every fleet (default: local)"]),
     (["models", "make"], ["classifier, detector, stateful, slow, heavy, tiny_lm"]),
     (["models", "show"], ["example", "edgefleet models show", "np.savez("]),
-    (["bench"], ["--quick", "--only NAME", "--out PATH", "priority_latency", "edgefleet bench"]),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("command", "shown"), HELP, ids=[" ".join(c) for c, _ in HELP])
-def test_help_shows_defaults_and_how_to(command, shown):
-    result = edgefleet(*command, "--help", timeout=60)
+def test_help_shows_defaults_and_how_to(command, shown, cli):
+    result = cli(*command, "--help")
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps lines where the width says
     for words in shown:

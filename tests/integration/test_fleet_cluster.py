@@ -222,7 +222,8 @@ def test_a_frozen_node_holds_no_request_and_serves_again_after(cluster_fleet):
         _signal(pid, signal.SIGCONT)
     assert len({r.request_id for r in replies}) == 350  # one answer each
     kinds = Counter("ok" if r.error is None else type(r.error).__name__ for r in replies)
-    assert set(kinds) <= {"ok", "DeadlineExceeded"}, kinds
+    # Typed answers only: two nodes may be too few for the load on a busy machine.
+    assert set(kinds) <= {"ok", "DeadlineExceeded", "Rejected"} and kinds["ok"] >= 100, kinds
     # Each within its limit (its deadline, one probe, another node's answer), with room
     # for a busy machine; without limits, those the node held wait for it to wake.
     limit_s = 1.0 + cfg.probe_timeout_s

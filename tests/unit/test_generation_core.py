@@ -343,7 +343,7 @@ def test_a_pause_aborts_a_prefill_in_progress_and_loses_nothing(tmp_path):
 
 
 def test_status_table_shows_lifecycle_paused_work_and_kv():
-    from cluster.cli import status_table
+    from cluster.cli.tables import status_table
     from cluster.client import FleetStatus
     from edgefleet.messages import NodeStatus
 

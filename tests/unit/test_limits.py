@@ -153,10 +153,11 @@ class Silent:
         self.name = name
         self.silent = False
         self.stuck = False
+        self.busy = False  # too busy to report, but its process answers probes
         self.restarts = 0
 
     async def status(self) -> NodeStatus:
-        if self.silent:
+        if self.silent or self.busy:
             await asyncio.sleep(3600)
         state = "stuck" if self.stuck else "serving"
         failure = "engine call hangs" if self.stuck else ""
@@ -174,6 +175,9 @@ class Silent:
     async def restart(self) -> None:
         self.restarts += 1
         self.silent = self.stuck = False
+
+    async def alive(self, timeout_s: float) -> bool:
+        return not self.silent
 
 
 @pytest.mark.parametrize("how", ["silent", "stuck"])
@@ -228,3 +232,54 @@ def test_an_answer_that_comes_after_the_call_was_given_up_is_dropped(fleet):
     frozen.frozen = False  # a wakes and answers too: nobody hears it twice
     time.sleep(0.3)
     assert f.dispatcher.counted()["completed"] == 1
+
+
+def test_the_router_keeps_a_node_too_busy_to_report_whose_process_answers():
+    config = make_config(("a",), restart_after_s=1.0)
+    clock = FakeClock()
+    node = Silent("a")
+    router = Router(config, {"a": node}, clock=clock)
+
+    async def main() -> None:
+        await router.status()
+        node.busy = True  # its loop is flooded: no report, but its process answers
+        clock.advance(5.0)  # past lost_after_s and restart_after_s
+        await router.status()
+        await router.status()
+        status = router.status_now()
+        assert status.healthy["a"] and not status.unresponsive, status
+        assert node.restarts == 0 and "unresponsive" not in status.counters
+        await router.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_node_that_answers_calls_but_not_probes_in_time_keeps_its_requests(fleet):
+    # A node flooded with calls answers probes late, but its answers keep coming: that
+    # is enough to know it lives (a frozen node answers nothing).
+    f = fleet(cost_s=0.1, call_grace_s=0.05, call_limit_factor=1.0)
+    for h in f.handles.values():
+        h.probe = lambda ids, timeout_s: None  # type: ignore[method-assign]
+    futures = [f.dispatcher.submit(req(f"q{i}")) for i in range(12)]
+    replies = [fut.result(60) for fut in futures]
+    assert all(r.error is None for r in replies), [r.error for r in replies if r.error]
+    assert f.dispatcher.counted().get("replaced", 0) == 0
+    assert sum(f.node(n).status().counters["completed"] for n in f.handles) == 12
+
+
+def test_status_shows_unresponsive_and_stuck_nodes_and_why():
+    from cluster.cli.tables import status_dict, status_table
+    from edgefleet.messages import FleetStatus
+
+    nodes = (
+        NodeStatus("a", "serving", {}, 0, None, ()),
+        NodeStatus("b", "stuck", {}, 0, None, (), failure="an engine call did not stop"),
+    )
+    status = FleetStatus("t", nodes, {"a": True, "b": False, "c": False}, unresponsive={"b": 12.0})
+    table = status_table(status)
+    rows = {cells[0]: cells[1:3] for cells in map(str.split, table.splitlines()) if cells}
+    assert rows["a"] == ["ok", "serving"] and rows["b"] == ["UNRESP", "stuck"], table
+    assert rows["c"] == ["LOST"], table
+    assert "stuck: an engine call did not stop" in table
+    assert "unresponsive for 12 s" in table
+    assert status_dict(status)["unresponsive"] == {"b": 12.0}

@@ -88,6 +88,9 @@ class FakeControl:
     async def restart(self) -> None:
         pass
 
+    async def alive(self, timeout_s: float) -> bool:
+        return True
+
 
 class FakeActors:
     """Actors by name, as Ray holds them: ``create`` adopts one already there."""
@@ -413,3 +416,29 @@ def test_a_caller_adds_members_that_join_and_places_again_what_one_that_left_hel
         assert d.healthy() == {"cams/cam-1": True}
     finally:
         d.close()
+
+
+# ------------------------------------------------------------------ status
+
+
+def test_status_shows_each_pool_with_its_devices():
+    from cluster.cli.tables import status_dict, status_table
+    from edgefleet.messages import DeviceStatus, FleetStatus, PoolStatus
+
+    devices = (
+        DeviceStatus("cams/cam-0", "cam-0", "serving", "3f2a" * 14, 3900.0, 65.0, 2),
+        DeviceStatus("cams/cam-1", "cam-1", "failed", "9b1c" * 14, 30.0, 30.0, 0, "timed out"),
+        DeviceStatus("cams/cam-2", "cam-2", "left", "77aa" * 14, 700.0, 700.0, 1, "", 12.0),
+    )
+    status = FleetStatus(
+        "f",
+        (report("cams/cam-0"),),
+        {"cams/cam-0": True},
+        pools=(PoolStatus("cams", "device=camera", devices), PoolStatus("gw", "site=s1")),
+    )
+    table = status_table(status)
+    assert "pool cams (device=camera): 1 serving  0 starting  1 failed  1 left" in table
+    assert "cam-0       serving   1h05m    1m05s ago   2      3f2a3f2a3f2a" in table
+    assert "timed out" in table and "left 12s ago" in table
+    assert "pool gw (site=s1): 0 serving" in table and "no Ray node matches yet" in table
+    assert status_dict(status)["pools"][0]["devices"][1]["reason"] == "timed out"

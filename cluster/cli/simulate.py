@@ -1,0 +1,105 @@
+"""`edgefleet simulate`: a workload on a simulated fleet, and its report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from cluster.cli.common import Subparsers, err, say
+
+
+def add_parser(sub: Subparsers) -> None:
+    simulate = sub.add_parser(
+        "simulate",
+        help="run a workload on a simulated fleet (the real schedulers and placement, "
+        "in simulated time) and write a report",
+        epilog="examples:\n"
+        "  edgefleet simulate configs/local.yaml --workload configs/sim/steady.yaml "
+        "--nodes 1000\n"
+        "  edgefleet simulate configs/local.yaml --workload configs/sim/bursts.yaml "
+        "--compare expected_completion,power_of_two,round_robin",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    simulate.add_argument("config", help="fleet YAML: the nodes, models and placement")
+    simulate.add_argument("--workload", required=True, help="workload YAML (see configs/sim/)")
+    simulate.add_argument(
+        "--nodes", type=int, help="grow the fleet to this many nodes (default: the config's)"
+    )
+    simulate.add_argument("--requests", type=int, help="stop after this many arrivals")
+    simulate.add_argument("--seed", type=int, help="default: the workload's")
+    simulate.add_argument(
+        "--costs",
+        metavar="PATH",
+        help="engine costs a live fleet measured: the output of `edgefleet status --json` "
+        "(its warm-up tables; the workload's costs: take precedence), or a call record "
+        "(router.record_dir: a .jsonl file or a folder of them; each inference call takes "
+        "the engine time of a recorded call of its model and batch size, near its own time "
+        "into the run and on the node of its name when recorded, in place of the "
+        "workload's costs_from:)",
+    )
+    simulate.add_argument(
+        "--out", default="sim-report", help="folder for the report (default: %(default)s)"
+    )
+    simulate.add_argument(
+        "--compare", metavar="POLICY,...", help="run once per placement policy, side by side"
+    )
+    simulate.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from edgefleet.config import load_config
+    from policies.placement.registry import POLICIES
+    from sim.report import write_report
+    from sim.run import Progress, compare, simulate, workload_costs
+    from sim.workload import load_workload
+
+    config = load_config(args.config)
+    workload = load_workload(args.workload)
+    policies = [p for p in (args.compare or "").split(",") if p]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        err(f"unknown placement policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+        return 2
+
+    def progress(total: int | None) -> Progress:
+        bar = tqdm(total=total, unit="req", desc="simulating", file=sys.stderr, leave=False)
+        return Progress(lambda n: bar.update(n - bar.n), bar.close)
+
+    options: dict[str, Any] = {
+        "nodes": args.nodes,
+        "requests": args.requests,
+        "progress": progress,
+        "seed": args.seed,
+    }
+    if args.costs is not None:  # measured on a live fleet
+        options["costs"] = workload_costs(workload, args.costs)
+    if policies:
+        results = compare(config, workload, policies, **options)
+    else:
+        results = [simulate(config, workload, **options)]
+    nodes = len(results[0].recorder.nodes)
+    description = [
+        f"Fleet: {args.config} grown to {nodes} nodes; workload: {args.workload}",
+        f"Seed: {workload.seed if args.seed is None else args.seed}",
+    ]
+    report = write_report(args.out, results, title="Fleet simulation", description=description)
+    for r in results:
+        top, every = r.latency_table()[0], r.latency_table()[-1]
+        counts = r.counts()
+        say(
+            f"{r.label}: {every['answered']:,} answered in {r.wall_s:.1f} s "
+            f"({r.events / max(r.wall_s, 1e-9):,.0f} events/s); {top['name']} p99 "
+            f"{_ms(top['p99_ms'])}, all p99 {_ms(every['p99_ms'])}; completed "
+            f"{counts['completed']:,}, rejected {counts['rejected']:,}, evicted "
+            f"{counts['evicted']:,}, expired {counts['expired']:,}"
+            + (" (interrupted: results so far)" if r.interrupted else "")
+        )
+    say(f"report: {report}")
+    return 130 if any(r.interrupted for r in results) else 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
