@@ -33,6 +33,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,7 @@ from bench.common import (
 from bench.priority_latency import FLOOD_BACKOFF, FOREGROUND_COLUMNS, ForegroundRun, foreground
 from cluster.client import FleetClient
 from cluster.traffic import ClosedLoop, Counts
-from edgefleet.config import FleetConfig
+from edgefleet.config import FleetConfig, parse_config
 from edgefleet.modelgen import make_classifier, random_inputs
 from sim.workload import Workload, parse_workload
 
@@ -1558,8 +1559,153 @@ def run(ctx: RunContext) -> Section:
     return Section(TITLE, measured, parts=parts)
 
 
+# ------------------------------------------------------------ the cost of watching
+
+
+@dataclass(frozen=True)
+class WatchCost:
+    """CPU of the router's pool membership per reconcile, at ``nodes`` Ray nodes."""
+
+    nodes: int
+    join_ms: float  # the first pass: every device joins (a one-off)
+    steady_ms: float  # median pass, nothing changed
+    churn_ms: float  # median pass with ``churned`` Ray nodes dead and as many new
+    churned: int
+    parse_ms: float  # parsing the GCS reply's node infos (Ray's client does it)
+    interval_s: float
+
+    def share(self, ms: float) -> float:
+        """Of one core, at the default reconcile interval."""
+        return ms / 1000.0 / self.interval_s
+
+
+def watch_cost(nodes: int = 5000, passes: int = 21, churned: int = 50) -> WatchCost:
+    """The router's reconcile loop over a node table of ``nodes`` Ray nodes (one pool
+    selecting all of them), in this process, with no Ray: the table's rows come from
+    real ``GcsNodeInfo`` protobufs through :meth:`cluster.nodes.RayNodeTable.rows` (the
+    code a live router runs on the GCS's reply), and members start on fakes that answer
+    at once. CPU time (``time.process_time``) of each ``Membership.reconcile``, the
+    members' start tasks included; the parse of the reply's serialized node infos is
+    timed apart (Ray's client does it before the router sees the reply).
+
+    ``python -c "from bench.fleet import watch_cost; print(watch_cost())"``
+    """
+    import statistics
+
+    from ray._raylet import NodeID
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    from cluster.membership import RayNodeRow
+    from cluster.nodes import RayNodeTable
+    from cluster.router import Router
+    from edgefleet.clock import FakeClock
+    from edgefleet.labels import DEVICE_LABEL
+    from edgefleet.messages import NodeState, NodeStatus
+
+    config = parse_config(
+        {
+            "fleet": {"name": "watch"},
+            "models": {"m": {"path": "m.onnx"}},
+            "pools": [{"name": "cams", "selector": {"device": "camera"}}],
+        },
+        Path("/nonexistent"),
+    )
+    rng = random.Random(1)
+
+    def info(i: int, started_ms: int) -> tuple[Any, Any]:
+        node_id = NodeID(rng.randbytes(28))
+        labels = {"device": "camera", DEVICE_LABEL: f"cam-{i}", "ray.io/node-id": node_id.hex()}
+        gcs = GcsNodeInfo(
+            node_id=node_id.binary(),
+            state=GcsNodeInfo.ALIVE,
+            node_manager_address="10.0.0.1",
+            node_name="10.0.0.1",
+            start_time_ms=started_ms,
+            labels=labels,
+        )
+        gcs.resources_total.update({"CPU": 4.0, "memory": 8e9})
+        return node_id, gcs
+
+    now_ms = int(time.time() * 1000)
+    infos = dict(info(i, now_ms - 3_600_000 + i) for i in range(nodes))
+
+    class Control:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def start(self) -> NodeStatus:
+            return NodeStatus(self.name, NodeState.SERVING, {}, 0, None, ())
+
+        async def status(self) -> NodeStatus:
+            return await self.start()
+
+    class Actors:
+        async def create(self, spec: Any) -> Any:
+            return Control(spec.name)
+
+        async def remove(self, spec: Any) -> None:
+            pass
+
+    class Table(RayNodeTable):
+        async def read(self) -> list[RayNodeRow]:
+            return self.rows(infos)
+
+    router = Router(
+        config,
+        {},
+        clock=FakeClock(),
+        table=Table(10.0),
+        actors=Actors(),  # type: ignore[arg-type]
+    )
+    membership = router._membership
+    assert membership is not None
+
+    async def measure() -> tuple[float, list[float], list[float]]:
+        async def one() -> float:
+            began = time.process_time()
+            await membership.reconcile()
+            starting = [m.task for m in membership.members.values() if m.task is not None]
+            await asyncio.gather(*starting)
+            return (time.process_time() - began) * 1000.0
+
+        join = await one()
+        steady = [await one() for _ in range(passes)]
+        churn = []
+        serial = nodes
+        for _ in range(passes):
+            for node_id in rng.sample(sorted(infos, key=lambda n: n.hex()), churned):
+                dead = GcsNodeInfo()
+                dead.CopyFrom(infos[node_id])
+                dead.state = GcsNodeInfo.DEAD
+                dead.end_time_ms = int(time.time() * 1000)
+                infos[node_id] = dead
+            for _ in range(churned):  # as many devices join (new ones: new names)
+                node_id, gcs = info(serial, int(time.time() * 1000))
+                infos[node_id] = gcs
+                serial += 1
+            churn.append(await one())
+        return join, steady, churn
+
+    join, steady, churn = asyncio.run(measure())
+    blobs = [i.SerializeToString() for i in infos.values()]
+    began = time.process_time()
+    for blob in blobs:
+        GcsNodeInfo.FromString(blob)
+    parse_ms = (time.process_time() - began) * 1000.0 * nodes / len(blobs)
+    return WatchCost(
+        nodes,
+        join,
+        statistics.median(steady),
+        statistics.median(churn),
+        churned,
+        parse_ms,
+        config.router.membership.interval_s,
+    )
+
+
 __all__ = [
     "Loop",
+    "WatchCost",
     "Replay",
     "TraceItem",
     "closed_loop",
@@ -1567,4 +1713,5 @@ __all__ = [
     "replay",
     "run",
     "trace_workload",
+    "watch_cost",
 ]

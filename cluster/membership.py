@@ -30,6 +30,7 @@ import enum
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 NODE_START_TIMEOUT_S = 300.0  # a node loads, warms up and measures its models
 LEFT_KEPT_S = 3600.0  # a device that left is listed this long (until it comes back)
+LEFT_CHECK_S = 60.0  # devices listed past LEFT_KEPT_S are looked for this often
 
 
 @dataclass(frozen=True)
@@ -139,38 +141,70 @@ class Gone:
     left_at: float
 
 
+Match = tuple[str, str, str]  # a pool, the device, the member's name (POOL/DEVICE)
+
+
+def matches(pools: Sequence[tuple[str, Selector]], row: RayNodeRow) -> tuple[Match, ...]:
+    """The pools whose selector ``row``'s labels match, with the device it is."""
+    out = []
+    for pool, selector in pools:
+        if selector.matches(row.labels):
+            device = device_name(row.labels, row.node_id)
+            out.append((pool, device, f"{pool}/{device}"))
+    return tuple(out)
+
+
 def wanted(
-    pools: Sequence[tuple[str, Selector]], rows: Iterable[RayNodeRow]
+    pools: Sequence[tuple[str, Selector]],
+    rows: Iterable[RayNodeRow],
+    memo: dict[str, tuple[Match, ...]] | None = None,
 ) -> tuple[dict[str, Wanted], dict[str, Gone]]:
     """What should run (member name -> its device's newest alive Ray node), and the
-    devices the table knows only dead Ray nodes of. Pure: the desired state."""
-    want: dict[str, Wanted] = {}
-    seen: dict[str, tuple[float, float, float]] = {}  # name -> first start, last start, end
+    devices the table knows only dead Ray nodes of: the desired state. ``memo`` holds
+    each Ray node's :func:`matches` by node id between calls (a Ray node's labels never
+    change); it is filled, and kept to the nodes of ``rows``."""
+    held = memo if memo is not None else {}
+    kept: dict[str, tuple[Match, ...]] = {}
+    groups: dict[str, list[RayNodeRow]] = {}
+    devices: dict[str, tuple[str, str]] = {}
     for row in rows:
-        for pool, selector in pools:
-            if not selector.matches(row.labels):
-                continue
-            device = device_name(row.labels, row.node_id)
-            name = f"{pool}/{device}"
-            first, last, ended = seen.get(name, (row.started_at, 0.0, 0.0))
-            seen[name] = (
-                min(first, row.started_at),
-                max(last, row.started_at),
-                max(ended, row.ended_at),
-            )
-            if row.alive:
-                held = want.get(name)
-                if held is None or row.started_at > held.row.started_at:
-                    want[name] = Wanted(pool, device, row, 0.0)
+        hits = held.get(row.node_id)
+        if hits is None:
+            hits = matches(pools, row)
+        kept[row.node_id] = hits
+        for pool, device, name in hits:
+            group = groups.get(name)
+            if group is None:
+                groups[name] = [row]
+                devices[name] = (pool, device)
+            else:
+                group.append(row)
+    if memo is not None:
+        memo.clear()
+        memo.update(kept)
+    want: dict[str, Wanted] = {}
     gone: dict[str, Gone] = {}
-    for name, (first, last, ended) in seen.items():
-        held = want.get(name)
-        if held is not None:
-            want[name] = Wanted(held.pool, held.device, held.row, first)
+    for name, group in groups.items():
+        pool, device = devices[name]
+        if len(group) == 1:  # most devices: one Ray node in the table
+            (row,) = group
+            if row.alive:
+                want[name] = Wanted(pool, device, row, row.started_at)
+            else:
+                gone[name] = Gone(pool, device, row.started_at, row.started_at, row.ended_at)
+            continue
+        first = min(r.started_at for r in group)
+        alive = [r for r in group if r.alive]
+        if alive:
+            want[name] = Wanted(pool, device, max(alive, key=_started), first)
         else:
-            pool, _, device = name.partition("/")
-            gone[name] = Gone(pool, device, first, last, ended)
+            last = max(r.started_at for r in group)
+            gone[name] = Gone(pool, device, first, last, max(r.ended_at for r in group))
     return want, gone
+
+
+def _started(row: RayNodeRow) -> float:
+    return row.started_at
 
 
 @dataclass
@@ -233,7 +267,20 @@ class Membership:
         self.failures = 0  # reads of the node table that failed in a row
         self._loop: asyncio.Task[None] | None = None
         self._removals: set[asyncio.Task[None]] = set()
-        self._counts: dict[tuple[str, str], int] = {}  # (pool, state) -> devices, as exported
+        # Devices by (pool, state), kept as members move; those changed since exported.
+        self._counts: Counter[tuple[str, DeviceState]] = Counter()
+        self._changed: set[tuple[str, DeviceState]] = {
+            (p, state) for p, _ in self._pools for state in DeviceState
+        }
+        # The table as last compared (its rows kept: their ids name them) and the
+        # desired state computed from it; when a read brings the same rows and no member
+        # is due (a retry, an expiry), a pass has nothing to do.
+        self._seen: frozenset[int] = frozenset()
+        self._rows: Sequence[RayNodeRow] = ()
+        self._matches: dict[str, tuple[Match, ...]] = {}  # by Ray node id: see wanted()
+        self._want: dict[str, Wanted] = {}
+        self._gone: dict[str, Gone] = {}
+        self._due = 0.0  # on the router's clock: the next retry or expiry check
         self._stopping = False
         self._publish()
 
@@ -295,8 +342,14 @@ class Membership:
         """Read Ray's node table once and take every member one step towards it. Raises
         when the table cannot be read (nothing changes then)."""
         rows = await self._table.read()
-        want, gone = wanted(self._pools, rows)
         now = self._clock.now()
+        seen = frozenset(map(id, rows))
+        if seen != self._seen:
+            self._seen, self._rows = seen, rows
+            self._want, self._gone = wanted(self._pools, rows, self._matches)
+        elif now < self._due:
+            return  # the same table, and no member due for anything: nothing to do
+        want, gone = self._want, self._gone
         for name, member in self.members.items():
             if member.state is DeviceState.LEFT:
                 continue
@@ -307,28 +360,49 @@ class Membership:
         for name, target in want.items():
             held = self.members.get(name)
             if held is None:
-                member = self.members[name] = Member(target.pool, target.device)
+                member = self._add(Member(target.pool, target.device))
                 member.first_joined = target.first_seen
                 self._start(member, target)
             elif held.state is DeviceState.LEFT or (
                 held.state is DeviceState.FAILED and now >= held.retry_at
             ):
-                held.move(DeviceState.STARTING)
+                self._move(held, DeviceState.STARTING)
                 self._start(held, target)
-        for name, g in gone.items():  # known to Ray as gone, not to this router yet
-            if name not in self.members:
-                self.members[name] = Member(
-                    g.pool, g.device, DeviceState.LEFT, None, g.first_seen, g.last_started
-                )
-                self.members[name].left_at = g.left_at
         wall = self._wall()
+        for name, g in gone.items():  # known to Ray as gone (lately), not to this router yet
+            if name not in self.members and wall - g.left_at <= LEFT_KEPT_S:
+                member = self._add(Member(g.pool, g.device, DeviceState.LEFT))
+                member.first_joined, member.joined_at, member.left_at = (
+                    g.first_seen,
+                    g.last_started,
+                    g.left_at,
+                )
         for name in [
             n
             for n, m in self.members.items()
             if m.state is DeviceState.LEFT and wall - (m.left_at or wall) > LEFT_KEPT_S
         ]:
-            del self.members[name]
+            member = self.members.pop(name)
+            self._count(member.pool, member.state, -1)
+        self._due = now + LEFT_CHECK_S
+        for member in self.members.values():
+            if member.state is DeviceState.FAILED:
+                self._due = min(self._due, member.retry_at)
         self._publish()
+
+    def _add(self, member: Member) -> Member:
+        self.members[member.name] = member
+        self._count(member.pool, member.state, 1)
+        return member
+
+    def _move(self, member: Member, to: DeviceState) -> None:
+        self._count(member.pool, member.state, -1)
+        member.move(to)
+        self._count(member.pool, to, 1)
+
+    def _count(self, pool: str, state: DeviceState, n: int) -> None:
+        self._counts[(pool, state)] += n
+        self._changed.add((pool, state))
 
     def _start(self, member: Member, target: Wanted) -> None:
         """Create (or adopt) and start ``member``'s node on ``target``'s Ray node, on a
@@ -366,7 +440,7 @@ class Membership:
     ) -> None:
         if member.spec is not spec or member.state is not DeviceState.STARTING:
             return  # it left meanwhile
-        member.move(DeviceState.SERVING)
+        self._move(member, DeviceState.SERVING)
         member.failures = 0
         member.reason = ""
         member.joins += 1
@@ -385,11 +459,12 @@ class Membership:
     def _failed(self, member: Member, spec: NodeSpec, exc: Exception) -> None:
         if member.spec is not spec or member.state is not DeviceState.STARTING:
             return
-        member.move(DeviceState.FAILED)
+        self._move(member, DeviceState.FAILED)
         member.failures += 1
         member.reason = _one_line(exc)
         wait = min(self._cfg.retry_max_s, self._cfg.retry_s * 2 ** (member.failures - 1))
         member.retry_at = self._clock.now() + wait * (0.5 + self._rng.random())
+        self._due = min(self._due, member.retry_at)
         log.warning(
             "pool %s: device %s did not start (%s); trying again in %.0f s",
             member.pool,
@@ -406,7 +481,7 @@ class Membership:
             member.task.cancel()
             member.task = None
         was = member.state
-        member.move(DeviceState.LEFT)
+        self._move(member, DeviceState.LEFT)
         member.left_at = at
         self._members_out.drop_member(member.name)
         if was is DeviceState.SERVING:
@@ -453,13 +528,9 @@ class Membership:
 
     def _publish(self) -> None:
         """Devices per pool and state, to the metrics (only what changed)."""
-        counts = {(p, str(s)): 0 for p, _ in self._pools for s in DeviceState}
-        for m in self.members.values():
-            counts[(m.pool, str(m.state))] += 1
-        for key, n in counts.items():
-            if self._counts.get(key) != n:
-                self._metrics.pool_devices(key[0], key[1], n)
-        self._counts = counts
+        for pool, state in self._changed:
+            self._metrics.pool_devices(pool, str(state), self._counts[(pool, state)])
+        self._changed.clear()
 
 
 def _selector_text(selector: Mapping[str, str]) -> str:

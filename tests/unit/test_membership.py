@@ -13,7 +13,7 @@ import pytest
 
 from actors.metrics import POOL_CHANGES, POOL_DEVICES, MemorySink
 from cluster.dispatch import Dispatcher, FleetView, FutureCalls, NodeGone, NodeReport
-from cluster.membership import DEVICE_MOVES, DeviceState, RayNodeRow, wanted
+from cluster.membership import DEVICE_MOVES, LEFT_KEPT_S, DeviceState, RayNodeRow, wanted
 from cluster.metrics import RouterMetrics
 from cluster.names import node_actor_name
 from cluster.router import Router
@@ -268,6 +268,21 @@ def test_a_device_back_before_its_old_ray_node_is_declared_dead_moves_to_the_new
         (device,) = s.pool().devices
         assert device.state == "serving" and device.ray_node == "new"
         assert s.actors.removed == ["t/node/cams/cam-1@old"]
+
+    run(scene())
+
+
+def test_devices_ray_lists_as_dead_are_shown_left_until_they_are_old_news():
+    async def scene() -> None:
+        s = Scene()
+        s.table.rows = [
+            row("n0", "cam-0", alive=False, at=900),  # died at 950, the wall clock says 1000
+            row("n1", "cam-1", alive=False, at=100 - LEFT_KEPT_S),  # died over an hour ago
+        ]
+        await s.step()
+        (device,) = s.pool().devices
+        assert device.device == "cam-0" and device.state == "left" and device.joins == 0
+        assert s.actors.created == []
 
     run(scene())
 
