@@ -460,6 +460,7 @@ class Dispatcher:
         self._jitter = random.Random()
         directory = config.router.record_dir
         self._record = None if directory is None else CallRecord(directory)
+        self._quiet_s = config.router.lost_after_s  # see _report
         self._watch = None
         if watch:
             r = config.router
@@ -529,10 +530,14 @@ class Dispatcher:
             return
         if status is not None and status.at < entry.made_at:
             return  # older than the report this caller holds (a view in transit)
+        if status is None and not healthy:
+            return  # the router has no report of it (it restarted): nothing to go by
         if entry.lost_at is not None:
             if not (healthy and taken > entry.lost_at):
                 return
             entry.lost_at = None
+        if not healthy and self._clock.now() - entry.answered_at < self._quiet_s:
+            healthy = entry.healthy  # silent to the router, not to this caller: it decides
         if entry.healthy and not healthy and self._watch is not None:
             self._watch.expedite(name)  # its calls are given up now, not at their limits
         entry.healthy = healthy

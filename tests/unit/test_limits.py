@@ -285,3 +285,23 @@ def test_status_shows_unresponsive_and_stuck_nodes_and_why():
     assert "stuck: an engine call did not stop" in table
     assert "unresponsive for 12 s" in table
     assert status_dict(status)["unresponsive"] == {"b": 12.0}
+
+
+def test_a_caller_keeps_a_node_it_hears_from_whatever_a_restarted_or_slow_router_says(fleet):
+    from cluster.dispatch import FleetView, NodeReport
+
+    f = fleet(cost_s=0.0)
+    d = f.dispatcher
+    # A router just restarted knows nothing of its nodes yet: that says nothing of them.
+    d.update(FleetView({"a": NodeReport(None, False, 0.0), "b": NodeReport(None, False, 0.0)}))
+    assert d.healthy() == {"a": True, "b": True}
+    # The router stopped hearing from a, but this caller got an answer from it just now.
+    replies = [d.submit(req(f"h{i}")).result(30) for i in range(50)]
+    assert all(r.error is None for r in replies) and any(r.node == "a" for r in replies)
+    status = f.node("a").status()
+    d.update(FleetView({"a": NodeReport(status, False, 5.0)}))
+    assert d.healthy()["a"]
+    # Quiet to this caller too, for lost_after_s: the router's word stands.
+    time.sleep(f.config.router.lost_after_s)
+    d.update(FleetView({"a": NodeReport(status, False, 5.0)}))
+    assert not d.healthy()["a"]
