@@ -884,8 +884,9 @@ class Dispatcher:
     ) -> Iterator[TokenChunk | GenerationResult]:
         """A generation's stream from ``entry``; with calls watched, a stream silent past
         its limit (its budget, the request's deadline before the first token) has its
-        node probed, and raises :class:`_Overdue` past the request's timeout or when
-        the node does not answer."""
+        node probed, and raises :class:`_Overdue` past the request's timeout (silent or
+        not: a slow node's tokens do not stretch it) or when the node does not answer
+        (the probe waits no longer than the timeout leaves)."""
         request = attempt.request_now
         if self._watch is None:
             yield from entry.handle.generate(request)  # type: ignore[misc,arg-type]
@@ -898,15 +899,16 @@ class Dispatcher:
         wait_s = min(PIPELINE_WAIT_S, budget)
         for item in entry.handle.generate(request, wait_s):  # type: ignore[arg-type]
             now = self._clock.now()
+            if now >= attempt.give_up_at:
+                raise _Overdue(TIMED_OUT)
             if item is not None:
                 due = now + budget
                 yield item
-            elif now >= attempt.give_up_at:
-                raise _Overdue(TIMED_OUT)
             elif now >= due:
-                probe_s = self.config.router.probe_timeout_s
+                probe_s = min(self.config.router.probe_timeout_s, attempt.give_up_at - now)
                 if not entry.healthy or entry.handle.probe([request.id], probe_s) is None:
-                    raise _Overdue(UNRESPONSIVE)
+                    left = attempt.give_up_at - self._clock.now()
+                    raise _Overdue(TIMED_OUT if left <= 0 else UNRESPONSIVE)
                 due = self._clock.now() + budget
 
     # -------------------------------------------------------------------- helpers
