@@ -7,11 +7,13 @@ its expected completion x ``router.call_limit_factor`` + ``router.call_grace_s``
 one thread, :class:`CallWatch`, looks at the calls that are due:
 
 - a call past its request's ``timeout_s`` is given up (``TIMED_OUT``);
-- otherwise its node is asked whether it holds the request (one probe per node for all
-  of its due calls, bounded by ``router.probe_timeout_s``). A node that answers is
-  alive and busy: the call gets another limit. A node that does not answer, or one
-  already known to be out of service, gives up its calls (``UNRESPONSIVE``): the
-  dispatcher places them again elsewhere, or ends them as its rules say.
+- otherwise its node is asked whether it holds the request (one probe per node at a
+  time for all of its due calls, bounded by ``router.probe_timeout_s``, on a thread of
+  its own: a node slow to answer delays no other call, and a timeout that passes
+  meanwhile still acts on time). A node that answers is alive and busy: the call gets
+  another limit. A node that does not answer, or one already known to be out of
+  service, gives up its calls (``UNRESPONSIVE``): the dispatcher places them again
+  elsewhere, or ends them as its rules say.
 
 A call given up is *claimed*: whichever comes first, its answer or the watch, decides
 it, once; an answer that comes later is dropped. The watch's thread runs while calls
@@ -23,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +87,7 @@ class CallWatch:
         self._seq = itertools.count()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._probing: dict[str, list[Flight]] = {}  # node -> calls its probe settles
         self.probes = 0  # probes sent (for tests and diagnostics)
 
     def add(
@@ -154,7 +158,7 @@ class CallWatch:
         nothing left out)."""
         with self._lock:
             while True:
-                if self._closed and all(f.done for _, _, f in self._heap):
+                if self._closed and not self._probing and all(f.done for _, _, f in self._heap):
                     self._heap.clear()
                     self._thread = None
                     return False
@@ -173,8 +177,10 @@ class CallWatch:
         return True
 
     def _look(self, flights: list[Flight], now: float) -> None:
-        """The due calls of one node: give up those past their timeout, probe the node
-        for the others."""
+        """The due calls of one node: give up those past their timeout, and have the
+        node probed for the others on a thread of its own, so that a node slow to answer
+        delays no other call (calls that fall due while it is probed wait for that
+        probe's answer)."""
         waiting = []
         for flight in flights:
             if now >= flight.give_up_at:
@@ -184,23 +190,44 @@ class CallWatch:
         if not waiting:
             return
         node = waiting[0].node
-        answer = None
-        if node.healthy:  # one known to be out of service is not asked again
-            self.probes += 1
-            ids = [f.request_id for f in waiting]
-            try:
-                answer = node.handle.probe(ids, self.probe_timeout_s)
-            except Exception:
-                log.exception("probing node %s failed", node.name)
-        if answer is None:
+        if not node.healthy:  # one known to be out of service is not asked again
             for flight in waiting:
                 self._give_up(flight, UNRESPONSIVE)
             return
+        with self._lock:
+            for flight in waiting:  # its timeout still acts while the probe runs
+                if flight.give_up_at != math.inf:
+                    self._push(flight, flight.give_up_at)
+            probing = self._probing.get(node.name)
+            if probing is not None:
+                probing.extend(waiting)
+                return
+            self._probing[node.name] = list(waiting)
+            self.probes += 1
+        ids = [f.request_id for f in waiting]
+        name = f"edgefleet-probe-{node.name}"
+        threading.Thread(target=self._probe, args=(node, ids), name=name, daemon=True).start()
+
+    def _probe(self, node: Watched, ids: list[str]) -> None:
+        """Probe ``node`` about ``ids``; settle every call of it waiting on the probe:
+        another limit when it answers, else given up (past its timeout by now, or
+        unresponsive)."""
+        answer = None
+        try:
+            answer = node.handle.probe(ids, self.probe_timeout_s)
+        except Exception:
+            log.exception("probing node %s failed", node.name)
         after = self._clock.now()
         with self._lock:
+            waiting = self._probing.pop(node.name, [])
+            if answer is not None:
+                for flight in waiting:
+                    if not flight.done:
+                        self._push(flight, min(after + flight.budget_s, flight.give_up_at))
+            self._wake.notify()
+        if answer is None:
             for flight in waiting:
-                if not flight.done:
-                    self._push(flight, min(after + flight.budget_s, flight.give_up_at))
+                self._give_up(flight, TIMED_OUT if after >= flight.give_up_at else UNRESPONSIVE)
 
     def _give_up(self, flight: Flight, why: str) -> None:
         if self.claim(flight):
