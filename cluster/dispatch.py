@@ -71,6 +71,7 @@ UNSEEN_INTERVALS = 2.0
 UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait...
 UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at most this
+TIMEOUT_POLL_S = 0.01  # ...and past a request's timeout_s, for the watch to give it up
 # A node in one of these states refuses new work: placement passes it over.
 _TAKES_NO_WORK = frozenset(
     {NodeState.DRAINING, NodeState.DRAINED, NodeState.STOPPED, NodeState.STARTING, NodeState.STUCK}
@@ -818,6 +819,9 @@ class Dispatcher:
                 if not flying:
                     time.sleep(max(0.0, wait_s))
                     continue
+                if timeout_s is not None:  # a request the watch gives up is answered then
+                    first = min(attempt.give_up_at for _, attempt, _, _, _ in flying.values())
+                    wait_s = min(wait_s, max(TIMEOUT_POLL_S, first - now + TIMEOUT_POLL_S))
                 handle = next(iter(flying.values()))[2].handle
                 for call, answer in handle.wait(list(flying), wait_s):
                     i, attempt, entry, inputs, flight = flying[call]

@@ -134,6 +134,7 @@ def test_a_request_past_its_timeout_ends_timed_out_and_is_dropped_where_it_was(f
     for h in f.handles.values():
         h.frozen = True
     r = req("t1")
+    started = time.monotonic()
     if path == "submit":
         reply = f.dispatcher.submit(r, timeout_s=0.3).result(60)
     elif path == "call":
@@ -141,6 +142,7 @@ def test_a_request_past_its_timeout_ends_timed_out_and_is_dropped_where_it_was(f
     else:
         ((_, reply),) = list(f.dispatcher.pipeline([(r, None)], 1, timeout_s=0.3))
     assert isinstance(reply.error, TimedOut), reply
+    assert time.monotonic() - started < 0.8  # when the timeout passes, not a wait later
     assert "timeout_s=0.3" in str(reply.error)
     assert sum(h.forgotten.count("t1") for h in f.handles.values()) == 1
     assert f.dispatcher.counted()["timedout"] == 1
