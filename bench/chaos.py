@@ -699,6 +699,7 @@ class Sampler:
         self.healthy: dict[str, bool] = {}
         self.status_calls: Counter[str] = Counter()  # ok / typed / untyped
         self.status_errors: list[str] = []  # untyped ones
+        self.errors: list[str] = []  # the sampler's own failures
         self.routers: list[tuple[int | None, dict[str, int]]] = []  # per router incarnation
         self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -709,7 +710,11 @@ class Sampler:
     def _run(self) -> None:
         next_progress = time.monotonic() + PROGRESS_EVERY_S
         while not self.stop.wait(SAMPLE_EVERY_S):
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # a harness bug: say so, and sample on
+                self.errors.append(f"sampler: {type(exc).__name__}: {exc}")
+                log(f"sampler: {traceback.format_exc()}")
             if time.monotonic() >= next_progress:
                 next_progress += PROGRESS_EVERY_S
                 log(self.progress())
@@ -1255,6 +1260,7 @@ def _gather(parts: Parts, figures: Figures) -> list[Sample]:
         figures.fleet_counters = parts.sampler.router_totals()
         figures.routers = len(parts.sampler.routers)
         figures.status_calls = Counter(parts.sampler.status_calls)
+        figures.controller_errors += parts.sampler.errors
         figures.control_errors += parts.sampler.status_errors
     if parts.losses is not None:
         figures.losses = parts.losses.snapshot()

@@ -232,7 +232,7 @@ class Fleet:
     def processes(self) -> list[psutil.Process]:
         """Every process of the cluster: the head's and every raylet's."""
         procs = head_processes(self.name)
-        for directory in self.dirs.values():
+        for directory in list(self.dirs.values()):  # raylets come and go meanwhile
             procs += raylet_processes(directory)
         return procs
 

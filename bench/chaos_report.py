@@ -258,7 +258,10 @@ def _events(f: Figures) -> list[str]:
             "",
         ]
     if f.controller_errors:
-        out += ["Controller errors: " + "; ".join(f.controller_errors), ""]
+        out += [
+            "Harness errors (the controller's, the sampler's): " + "; ".join(f.controller_errors),
+            "",
+        ]
     if f.fleet_counters:
         keys = ("received", "completed", "spilled", "replaced", "shed", "nodes_lost", "rejoined")
         shown = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in keys)
