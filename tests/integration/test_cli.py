@@ -36,7 +36,7 @@ def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.
 
 
 COMMANDS = [
-    ["up"], ["down"], ["status"], ["infer"], ["generate"], ["demo"], ["validate"],
+    ["up"], ["down"], ["status"], ["join"], ["infer"], ["generate"], ["demo"], ["validate"],
     ["models", "make"], ["models", "show"], ["dashboard", "export"], ["dashboard", "push"],
     ["dashboard", "prometheus-config"], ["dashboard", "check"],
 ]  # fmt: skip
