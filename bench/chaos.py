@@ -1,28 +1,37 @@
-"""Chaos soak: while nodes, the router and whole machines die, every request ends with
-exactly one answer.
+"""Chaos soak: while nodes, the router and whole machines die or freeze and the head
+restarts, every request ends with exactly one answer, in time.
 
-    python -m bench.chaos --minutes N [--seed S] [--out FILE.md]
+    python -m bench.chaos --minutes N [--seed S] [--out FILE.md] [--kinds KIND ...]
 
-A multi-raylet Ray cluster on loopback (a head and three raylets; one edge node pinned
-to each raylet by a custom resource, the router on the head) serves a fleet of three
-nodes with node traces on (``node_defaults.trace_dir``, see ``actors/trace.py``) and
-three models: ``classifier``, ``slow`` (calibrated to a few milliseconds) and the
-``tiny_lm`` decoder. Mixed load goes through the public :class:`FleetClient`:
-inference at every priority class (``submit`` and ``infer``, some with deadlines, some
-with dedup keys, bursts of background work), chats with sessions (several threads,
-turn after turn), background generations, and lifecycle events. Meanwhile a seeded
-controller, at random intervals, kills a node actor's process (Ray restarts it), the
-router (Ray restarts it) or a whole raylet (it comes back after a few seconds with the
-same resources, and Ray places the node actor there again).
+A multi-raylet Ray cluster on loopback (a head, one raylet per edge node, one for the
+client; see bench/chaos_cluster.py) serves a fleet of three nodes with node traces on
+(``node_defaults.trace_dir``, see ``actors/trace.py``) and three models:
+``classifier``, ``slow`` (calibrated to a few milliseconds) and the ``tiny_lm``
+decoder. Mixed load goes through the public :class:`FleetClient`: inference at every
+priority class (``submit`` and ``infer``, some with deadlines, some with dedup keys,
+bursts of background work), chats with sessions (several threads, turn after turn),
+background generations, and lifecycle events. Meanwhile a seeded controller, at
+random intervals, kills a node actor's process, the router or a whole raylet; freezes
+(SIGSTOP, later SIGCONT) a node actor's process or a whole raylet; or kills the head
+and starts it again (Ray's GCS fault tolerance on Redis; without redis-server that
+kind is left out).
 
-Every request has its own id, and the harness records every answer the public API
-delivered for it: a future's Reply, an ``infer`` result or exception, a stream's
-tokens and its end. The report counts answers per request (exactly one each: a result
-or a typed EdgeFleetError), executions per id from the node traces (re-runs after a
-node died before answering are at-least-once by nature and counted apart; any other
-re-run is a bug), the tokens of every greedy generation against a reference run of
-the same prompt, inference outputs against references, memory of the long-lived
-processes over time, and actors left alive after the client closed.
+Every request has its own id and its own ``timeout_s`` (drawn from TIMEOUT_S), and
+the harness records every answer the public API delivered for it: a future's Reply,
+an ``infer`` result or exception, a stream's tokens and its end. The report counts
+answers per request (exactly one each: a result or a typed EdgeFleetError), executions
+per id from the node traces (re-runs after a node died, or froze, before answering
+are at-least-once by nature and counted apart; any other re-run is a bug), the tokens
+of every greedy generation against a reference run of the same prompt, inference
+outputs against references, memory of the long-lived processes over time, and actors
+left alive after the client closed.
+
+Answer time. A request's *limit* is what its caller was promised: ``timeout_s``, the
+longest the whole request may take (past it the fleet ends it ``TimedOut``; this is
+what bounds a request whose node froze, whatever the call-limit probes found), or its
+deadline (``deadline_s``) when that is later. Every request must be answered within
+max(deadline_s, timeout_s) + ANSWER_SLACK_S, measured by the harness from just before
+the API call to the answer's delivery (a generation: its stream's end).
 
 Progress goes to stderr, the Markdown report to stdout (and ``--out``). The run ends
 by itself after N minutes (the answers still out get a bounded wait); Ctrl-C ends the
@@ -35,11 +44,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import logging
+import json
 import math
-import os
 import random
-import signal
+import shutil
 import sys
 import tempfile
 import threading
@@ -47,33 +55,34 @@ import time
 import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import psutil
-import ray
-from ray.cluster_utils import Cluster
 
 from actors.decoder import DecoderEngine, Generation
 from actors.trace import read_traces
-from bench.common import EnvFacts, fmt, log, md_table, percentile, utc_now
+from bench.chaos_cluster import (
+    CONTROL_TIMEOUT_S,
+    KINDS,
+    LM,
+    NODES,
+    Controller,
+    Event,
+    Fleet,
+)
+from bench.chaos_report import render
+from bench.common import EnvFacts, log, percentile, utc_now
 from cluster.client import FleetClient
-from cluster.deploy import LOOPBACK, pin_loopback
-from cluster.names import NAMESPACE, actor_name, router_name
-from edgefleet.config import parse_config
 from edgefleet.errors import EdgeFleetError
-from edgefleet.messages import NodeState, NodeStatus, Reply
+from edgefleet.messages import Reply
 from edgefleet.modelgen import calibrate_slow, make_classifier, make_tiny_lm, random_inputs
 from edgefleet.request import GenerateRequest
 
-FLEET = "chaos"
-NODES = ("edge-0", "edge-1", "edge-2")
-KINDS = ("node", "router", "raylet")
-LM = "tiny_lm"
 SLOW_MS = 4.0  # batch-1 cost the slow model is calibrated to
 FEEDS = 8  # distinct inputs per tensor model, each with a reference output
 SYSTEM = tuple(range(1, 17))  # the system prompt every generation starts with
@@ -86,28 +95,13 @@ PRIORITIES = ("foreground", "inline", "background", "offline", 5, 1)
 SUBMIT_RATE = 25.0  # submitted requests per second (plus bursts)
 BURST = 24  # background requests submitted at once, now and then
 AT_MOST_ONCE_SHARE = 0.5  # inference and summaries sent with at_most_once=True
-REPORT_INTERVAL_S = 0.25
-KV_BUDGET_MB = 16  # sessions' and paused generations' KV per node
-LOST_AFTER_S = 2.0
-# A raylet that dies is found dead by the GCS's health checks: a few seconds, not Ray's
-# default of about 15 s, so a machine's node actor moves on within the run.
-HEALTH_CHECKS = {
-    "health_check_initial_delay_ms": 1000,
-    "health_check_period_ms": 1000,
-    "health_check_timeout_ms": 2000,
-    "health_check_failure_threshold": 3,
-}
-FIRST_KILL_S = (5.0, 8.0)  # the first kill, seconds after the load starts
-AIM_WORK = 2  # a node or raylet kill waits for a target holding this many requests...
-AIM_S = 2.0  # ...for at most this long
-QUIET_END_S = 12.0  # no kill this close to the end: what died comes back
-DOWN_S = (4.0, 8.0)  # how long a killed raylet stays away
+TIMEOUT_S = (2.0, 30.0)  # every request's timeout_s: log-uniform between these
+ANSWER_SLACK_S = 1.0  # an answer may come this long after max(deadline_s, timeout_s)
 SAMPLE_EVERY_S = 2.0  # memory and health samples
 PROGRESS_EVERY_S = 5.0
+LOSS_POLL_S = 0.05  # how often the caller's view of its nodes is looked at
 DRAIN_S = 45.0  # after the load: the longest wait for answers still out
 RECOVER_S = 30.0  # then the longest wait for every node to serve again
-LEAK_WAIT_S = 15.0  # after close: how long actors get to be reported dead
-CONTROL_TIMEOUT_S = 10.0
 
 PROMPT_RANGE = (20, 500)  # token ids of user turns (the tiny LM's vocabulary is 512)
 
@@ -120,8 +114,10 @@ class Options:
     minutes: float = 1.0
     seed: int = 0
     out: Path | None = None
-    kill_every_s: float = 12.0  # mean interval between kills
-    spare: tuple[str, ...] = ("edge-0",)  # nodes never killed: they live the whole run
+    answers: Path | None = None  # every request and its answers, a JSON line each
+    kill_every_s: float = 12.0  # mean interval between chaos events
+    spare: tuple[str, ...] = ("edge-0",)  # nodes never hit: they live the whole run
+    kinds: tuple[str, ...] = KINDS  # the kinds of chaos events
 
     @property
     def seconds(self) -> float:
@@ -133,19 +129,35 @@ def build_parser(prog: str = "python -m bench.chaos") -> argparse.ArgumentParser
         prog=prog,
         description="Chaos soak: mixed load through FleetClient on a multi-raylet Ray "
         "cluster on loopback while node processes, the router and whole raylets are "
-        "killed at seeded random intervals; reports whether every request got exactly "
-        "one answer (progress on stderr, the Markdown report on stdout).",
+        "killed, node processes and raylets frozen and the head restarted at seeded "
+        "random intervals; reports whether every request got exactly one answer, in "
+        "time (progress on stderr, the Markdown report on stdout).",
         epilog=f"example: {prog} --minutes 10 --seed 1 --out /tmp/chaos.md",
     )
     parser.add_argument("--minutes", type=float, default=1.0, help="load duration (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the load and the kills")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the load and the chaos")
     parser.add_argument("--out", type=Path, metavar="FILE", help="also write the report here")
+    parser.add_argument(
+        "--answers",
+        type=Path,
+        metavar="FILE",
+        help="write every request and its answers here, a JSON line each (to look into a failure)",
+    )
     parser.add_argument(
         "--kill-every",
         type=float,
         default=12.0,
         metavar="S",
-        help="mean seconds between kills (each interval is 0.6-1.4 times this; default 12)",
+        help="mean seconds between chaos events (each interval is 0.6-1.4 times this; default 12)",
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(KINDS),
+        choices=KINDS,
+        metavar="KIND",
+        help=f"the kinds of chaos events (default: all of {', '.join(KINDS)}; head restarts "
+        "need redis-server)",
     )
     parser.add_argument(
         "--spare",
@@ -153,7 +165,7 @@ def build_parser(prog: str = "python -m bench.chaos") -> argparse.ArgumentParser
         default=["edge-0"],
         choices=NODES,
         metavar="NODE",
-        help="nodes never killed, so their memory is followed over the whole run "
+        help="nodes never hit, so their memory is followed over the whole run "
         "(default: edge-0; none: --spare with no name)",
     )
     return parser
@@ -166,13 +178,15 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     if args.kill_every <= 0:
         raise SystemExit("--kill-every must be > 0")
     if set(args.spare) >= set(NODES):
-        raise SystemExit("--spare: at least one node must be left to kill")
+        raise SystemExit("--spare: at least one node must be left to hit")
     return Options(
         minutes=args.minutes,
         seed=args.seed,
         out=args.out,
+        answers=args.answers,
         kill_every_s=args.kill_every,
         spare=tuple(args.spare),
+        kinds=tuple(k for k in KINDS if k in args.kinds),
     )
 
 
@@ -206,10 +220,17 @@ class Sent:
     after_end: int = 0  # tokens or errors delivered after the answer (must stay 0)
     wrong: str = ""  # why the answer's content is wrong ('' when it is right)
     at_most_once: bool = False  # never placed again once sent: NodeLost instead
+    timeout_s: float = math.inf  # the request's timeout_s
+    deadline_s: float | None = None  # the request's deadline_s, if it has one
 
     @property
     def answered_at(self) -> float | None:
         return self.answers[0].at if self.answers else None
+
+    @property
+    def limit_s(self) -> float:
+        """How long its caller was promised it may take: max(deadline_s, timeout_s)."""
+        return max(self.deadline_s or 0.0, self.timeout_s)
 
 
 class Ledger:
@@ -229,6 +250,8 @@ class Ledger:
         ref: tuple[Any, ...],
         max_new_tokens: int = 0,
         at_most_once: bool = False,
+        timeout_s: float = math.inf,
+        deadline_s: float | None = None,
     ) -> Sent:
         with self._lock:
             rid = f"{api[0]}{next(self._ids):07d}"
@@ -236,6 +259,7 @@ class Ledger:
                 rid, api, model, priority, time.time(), ref, max_new_tokens
             )
             sent.at_most_once = at_most_once
+            sent.timeout_s, sent.deadline_s = timeout_s, deadline_s
         return sent
 
     def answer(self, sent: Sent, answer: Answer) -> None:
@@ -253,16 +277,23 @@ class Ledger:
         sent, answered = self.counts()
         return sent - answered
 
-
-@dataclass
-class Kill:
-    at: float  # unix time
-    kind: str  # node | router | raylet
-    target: str
-    pids: tuple[int, ...]
-    back_at: float | None = None  # a raylet added back
-    healthy_at: float | None = None  # the node (or router) answering again
-    note: str = ""
+    def write(self, path: Path, t0: float) -> None:
+        """Every request and its answers, a JSON line each (times in s from ``t0``)."""
+        with self._lock, path.open("w") as out:
+            for s in self.sent.values():
+                line = {
+                    "id": s.id,
+                    "api": s.api,
+                    "at": round(s.at - t0, 3),
+                    "timeout_s": round(s.timeout_s, 3),
+                    "deadline_s": s.deadline_s,
+                    "at_most_once": s.at_most_once,
+                    "answers": [
+                        [round(a.at - t0, 3), a.outcome, a.what, a.node, a.detail]
+                        for a in s.answers
+                    ],
+                }
+                out.write(json.dumps(line) + "\n")
 
 
 @dataclass(frozen=True)
@@ -374,6 +405,12 @@ def _typed(exc: BaseException) -> tuple[str, str]:
     return ("typed" if isinstance(exc, EdgeFleetError) else "untyped"), type(exc).__name__
 
 
+def _timeout(rng: random.Random) -> float:
+    """A request's timeout_s: log-uniform in TIMEOUT_S."""
+    low, high = TIMEOUT_S
+    return low * (high / low) ** rng.random()
+
+
 class Load:
     """The mixed workload, on threads that end when ``stop`` is set."""
 
@@ -435,7 +472,15 @@ class Load:
     ) -> None:
         model, i = self._feed(rng)
         once = rng.random() < AT_MOST_ONCE_SHARE
-        sent = self.ledger.new("submit", model, priority, (model, i), at_most_once=once)
+        sent = self.ledger.new(
+            "submit",
+            model,
+            priority,
+            (model, i),
+            at_most_once=once,
+            timeout_s=_timeout(rng),
+            deadline_s=deadline_s,
+        )
         key = f"camera-{rng.randrange(2)}" if priority == "inline" and rng.random() < 0.3 else None
         try:
             future = self.client.submit(
@@ -446,6 +491,7 @@ class Load:
                 key=key,
                 request_id=sent.id,
                 at_most_once=once,
+                timeout_s=sent.timeout_s,
             )
         except Exception as exc:
             outcome, what = _typed(exc)
@@ -493,7 +539,10 @@ class Load:
             model, i = self._feed(rng)
             priority = rng.choice(PRIORITIES)
             once = rng.random() < AT_MOST_ONCE_SHARE
-            sent = self.ledger.new("infer", model, priority, (model, i), at_most_once=once)
+            timeout_s = _timeout(rng)
+            sent = self.ledger.new(
+                "infer", model, priority, (model, i), at_most_once=once, timeout_s=timeout_s
+            )
             try:
                 outputs = self.client.infer(
                     model,
@@ -501,6 +550,7 @@ class Load:
                     priority=priority,
                     request_id=sent.id,
                     at_most_once=once,
+                    timeout_s=timeout_s,
                 )
             except Exception as exc:
                 outcome, what = _typed(exc)
@@ -522,6 +572,8 @@ class Load:
                 prefix_len=len(SYSTEM),
                 request_id=sent.id,
                 at_most_once=sent.at_most_once,
+                deadline_s=sent.deadline_s,
+                timeout_s=sent.timeout_s,
                 **kw,
             )
             for token in stream:
@@ -548,7 +600,12 @@ class Load:
         while not self.stop.is_set():
             prompt, expected = self.refs.chats[(thread, turn)]
             sent = self.ledger.new(
-                "generate", LM, priority, ("chat", thread, turn), max_new_tokens=CHAT_TOKENS
+                "generate",
+                LM,
+                priority,
+                ("chat", thread, turn),
+                max_new_tokens=CHAT_TOKENS,
+                timeout_s=_timeout(rng),
             )
             reason = self._generate(sent, prompt, session=f"chat-{thread}-{epoch}")
             if reason == "length" and sent.tokens == expected and turn + 1 < CHAT_TURNS:
@@ -568,9 +625,10 @@ class Load:
                 ("summary", j),
                 max_new_tokens=SUMMARY_TOKENS,
                 at_most_once=rng.random() < AT_MOST_ONCE_SHARE,
+                timeout_s=_timeout(rng),
+                deadline_s=rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None,
             )
-            deadline = rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None
-            self._generate(sent, self.refs.summaries[j][0], deadline_s=deadline)
+            self._generate(sent, self.refs.summaries[j][0])
             self.stop.wait(rng.uniform(0.05, 0.3))
 
     # control -------------------------------------------------------------------
@@ -589,332 +647,37 @@ class Load:
                 self.control["ok"] += 1
 
 
-# ----------------------------------------------------------------- the cluster
-
-
-def _own(pid: int | None) -> psutil.Process | None:
-    """The process ``pid`` if this process started it (directly or not), else None."""
-    if pid is None:
-        return None
-    try:
-        proc = psutil.Process(pid)
-        if proc.pid != os.getpid() and any(p.pid == os.getpid() for p in proc.parents()):
-            return proc
-    except psutil.Error:
-        pass
-    return None
-
-
-def _kill(proc: psutil.Process | None) -> bool:
-    """SIGKILL ``proc`` (found by :func:`_own`); False when it had exited already.
-    psutil checks that the pid still names the same process before signalling it."""
-    if proc is None:
-        return False
-    try:
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        proc.send_signal(signal.SIGKILL)
-    except psutil.Error:
-        return False
-    return True
-
-
-def _actors_of(title: str) -> list[psutil.Process]:
-    """Ray worker processes this process started whose title starts with ``title``."""
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            cmd = proc.cmdline()
-        except psutil.Error:
-            continue
-        if cmd and cmd[0].startswith(title):
-            found.append(proc)
-    return found
-
-
-class Fleet:
-    """The cluster (head + one raylet per node, on loopback) and the deployed fleet."""
-
-    def __init__(self, models: Path, traces: Path) -> None:
-        self.models = models
-        self.traces = traces
-        self.cluster: Cluster | None = None
-        self.raylets: dict[str, Any] = {}
-        self.client: FleetClient | None = None
-        self.closed = False
-
-    def start(self) -> FleetClient:
-        pin_loopback()
-        if ray.is_initialized():
-            ray.shutdown()
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 2,
-                "resources": {"head": 1},
-                "node_ip_address": LOOPBACK,
-                "include_dashboard": False,
-                "_system_config": HEALTH_CHECKS,
-            },
-        )
-        for name in NODES:
-            self.add_raylet(name)
-        self.cluster.wait_for_nodes()
-        ray.init(
-            address=self.cluster.address,
-            namespace=NAMESPACE,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
-        config = parse_config(
-            {
-                "fleet": {"name": FLEET},
-                "models": {
-                    "classifier": {
-                        "path": "classifier.onnx",
-                        "batching": {"window_ms": 2, "max_batch_size": 8},
-                    },
-                    "slow": {"path": "slow.onnx"},
-                    LM: {"path": "tiny_lm.onnx", "kind": "decoder"},
-                },
-                "node_defaults": {
-                    "queue": {"capacity": 24},
-                    # Bounded caches fill within the warm-up, so later growth is a leak.
-                    "kv_budget_mb": KV_BUDGET_MB,
-                    "trace_dir": str(self.traces),
-                },
-                "nodes": [{"name": n, "resources": {n: 0.5}} for n in NODES],
-                "router": {
-                    "resources": {"head": 0.5},
-                    "report_interval_s": REPORT_INTERVAL_S,
-                    "lost_after_s": LOST_AFTER_S,
-                },
-            },
-            self.models,
-        )
-        self.client = FleetClient.local(config, progress=lambda m: log(f"  {m}"))
-        return self.client
-
-    def add_raylet(self, name: str) -> None:
-        assert self.cluster is not None
-        self.raylets[name] = self.cluster.add_node(
-            num_cpus=1, resources={name: 1}, node_ip_address=LOOPBACK
-        )
-
-    def remove_raylet(self, name: str) -> None:
-        assert self.cluster is not None
-        self.cluster.remove_node(self.raylets.pop(name), allow_graceful=False)
-
-    def node_status(self, name: str) -> NodeStatus | None:
-        """The node's status, asked of it (its pid is NodeStatus.pid); None when it does
-        not answer or does not serve."""
-        try:
-            actor = ray.get_actor(actor_name(FLEET, name), namespace=NAMESPACE)
-            status: NodeStatus = ray.get(actor.status.remote(), timeout=2.0)
-        except Exception:
-            return None
-        return status if status.state == NodeState.SERVING and status.pid else None
-
-    @staticmethod
-    def router_pid() -> int | None:
-        procs = _actors_of("ray::RouterActor")
-        return procs[0].pid if len(procs) == 1 else None
-
-    def close(self) -> list[str]:
-        """Close the client (it tears the fleet down); what is still alive after."""
-        leaked: list[str] = []
-        if self.client is not None:
-            self.client.close()
-            self.client = None
-            leaked = _alive_actors()
-        return leaked
-
-    def shutdown(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(Exception):
-            if self.client is not None:
-                self.client.close()
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        if self.cluster is not None:
-            try:
-                self.cluster.shutdown()
-            except Exception as exc:
-                log(f"cluster shutdown: {type(exc).__name__}: {exc}")
-
-
-def _alive_actors() -> list[str]:
-    """Actors Ray does not report dead, and processes of this fleet's actors still
-    running, waiting up to LEAK_WAIT_S for the ones just killed to go."""
-    end = time.monotonic() + LEAK_WAIT_S
-    while True:
-        actors = ray._private.state.actors()
-        alive = [
-            f"{a.get('Name') or a.get('ActorClassName') or actor_id} ({a.get('State')})"
-            for actor_id, a in actors.items()
-            if a.get("State") != "DEAD"
-        ]
-        alive += [
-            f"process {p.pid} ({title})"
-            for title in ("ray::NodeRuntime", "ray::RouterActor")
-            for p in _actors_of(title)
-        ]
-        if not alive or time.monotonic() >= end:
-            return sorted(alive)
-        time.sleep(0.5)
-
-
-# ------------------------------------------------------------------ the chaos
-
-
-class Controller:
-    """Kills on a seeded schedule: a node's process, the router, a whole raylet (added
-    back after a while). The first three kills are one of each kind, in a seeded order.
-
-    Driven by :meth:`tick` from the main thread: Ray adds a raylet only from there."""
-
-    def __init__(self, fleet: Fleet, options: Options) -> None:
-        self.fleet = fleet
-        self.options = options
-        self.rng = random.Random(f"{options.seed}/chaos")
-        self.kills: list[Kill] = []
-        self.down: dict[str, tuple[float, Kill]] = {}  # raylet -> (back at, its kill)
-        self.errors: list[str] = []
-        self._lock = threading.Lock()
-        order = list(KINDS)
-        self.rng.shuffle(order)
-        self._first = order
-        self._next = math.inf
-        self.until = 0.0
-        self._kind: str | None = None  # the kind of the kill that is due
-        self._due = 0.0
-
-    def start(self, t0: float) -> None:
-        self._next = t0 + self.rng.uniform(*FIRST_KILL_S)
-        self.until = t0 + max(self.options.seconds - QUIET_END_S, FIRST_KILL_S[1])
-
-    def targets(self) -> list[str]:
-        return [n for n in NODES if n not in self.options.spare and n not in self.down]
-
-    def tick(self) -> None:
-        """Add back the raylets whose time has come; kill when the schedule says so."""
-        now = time.monotonic()
-        for name, (back, kill) in list(self.down.items()):
-            if now >= back:
-                self._restore(name, kill)
-        if now < self._next or now >= self.until:
-            return
-        if self._kind is None:
-            self._kind = self._first.pop(0) if self._first else self.rng.choice(KINDS)
-            self._due = now
-        try:
-            done = self._attempt(self._kind, aim=now < self._due + AIM_S)
-            if done is None:
-                return  # waiting for the target to hold work, a little longer
-            missed = not isinstance(done, Kill) or done.kind != self._kind
-            if missed and not any(k.kind == self._kind for k in self.snapshot()):
-                self._first.insert(0, self._kind)  # its first time is still to come
-        except Exception as exc:
-            self.errors.append(f"{type(exc).__name__}: {exc}")
-            log(f"chaos: a kill failed: {type(exc).__name__}: {exc}")
-        mean = self.options.kill_every_s
-        self._next = now + self.rng.uniform(0.6 * mean, 1.4 * mean)
-        self._kind = None
-
-    def _attempt(self, kind: str, *, aim: bool) -> Kill | None | bool:
-        """Kill one of ``kind`` (another kind when none can be): the Kill, None to wait
-        (``aim``: no node holds work yet), False when nothing could be killed."""
-        kinds = [kind, *(k for k in self.rng.sample(list(KINDS), len(KINDS)) if k != kind)]
-        for k in kinds:
-            if k == "router":
-                kill = self._kill_router()
-            else:
-                target = self._target(aim=aim and k == kind)
-                if target == "wait":
-                    return None
-                if target is None:
-                    continue
-                kill = self._kill_node(*target) if k == "node" else self._kill_raylet(*target)
-            if kill:
-                with self._lock:
-                    self.kills.append(kill)
-                log(f"chaos: killed {k} {kill.target} (pids {list(kill.pids)}) {kill.note}")
-                return kill
-        return False
-
-    def _target(self, *, aim: bool) -> tuple[str, int | None] | Literal["wait"] | None:
-        """The node to kill (name, pid): of the nodes that may be killed, the one
-        holding the most requests. "wait" while none holds AIM_WORK requests yet
-        (``aim``); None when there is none to kill."""
-        names = self.targets()
-        self.rng.shuffle(names)  # a seeded choice among equals
-        held: list[tuple[int, str, int | None]] = []
-        for name in names:
-            status = self.fleet.node_status(name)
-            if status is None:
-                held.append((-1, name, None))
-                continue
-            work = status.queue_length + sum(status.paused.values())
-            work += len(status.running.request_ids) if status.running is not None else 0
-            held.append((work, name, int(status.pid)))
-        if not held:
-            return None
-        work, name, pid = max(held, key=lambda h: h[0])
-        if aim and work < AIM_WORK:
-            return "wait"
-        return name, pid
-
-    def finish(self) -> None:
-        """Nothing stays dead: add back every raylet still away."""
-        self._next = math.inf
-        for name, (_, kill) in list(self.down.items()):
-            self._restore(name, kill)
-
-    def _kill_node(self, name: str, pid: int | None) -> Kill | None:
-        if pid is not None and _kill(_own(pid)):
-            return Kill(time.time(), "node", name, (pid,))
-        return None
-
-    def _kill_router(self) -> Kill | None:
-        pid = self.fleet.router_pid()
-        try:
-            router = ray.get_actor(router_name(FLEET), namespace=NAMESPACE)
-        except ValueError:
-            return None
-        ray.kill(router, no_restart=False)  # Ray restarts it
-        return Kill(time.time(), "router", "router", (pid,) if pid else ())
-
-    def _kill_raylet(self, name: str, pid: int | None) -> Kill | None:
-        proc = _own(pid)  # found now: once its raylet is gone it is no longer our child
-        self.fleet.remove_raylet(name)
-        # The machine is gone: its node's process goes with its raylet (a worker whose
-        # raylet alone died may otherwise finish the calls it holds).
-        killed = _kill(proc)
-        down = self.rng.uniform(*DOWN_S)
-        kill = Kill(time.time(), "raylet", name, (pid,) if pid else (), note=f"down {down:.1f} s")
-        if pid is not None and not killed:
-            kill.note += "; its node's process exited with its raylet"
-        self.down[name] = (time.monotonic() + down, kill)
-        return kill
-
-    def _restore(self, name: str, kill: Kill) -> None:
-        self.down.pop(name, None)
-        try:
-            self.fleet.add_raylet(name)
-        except Exception as exc:
-            self.errors.append(f"adding raylet {name} back: {type(exc).__name__}: {exc}")
-            return
-        kill.back_at = time.time()
-        log(f"chaos: raylet {name} added back")
-
-    def snapshot(self) -> list[Kill]:
-        with self._lock:
-            return list(self.kills)
-
-
 # --------------------------------------------------------------- the sampler
+
+
+class Losses:
+    """When the caller (the harness's FleetClient) held each node out of service: it
+    did not answer a probe in time, died, or the router reported it so. Polled every
+    LOSS_POLL_S on a thread of its own: the windows explain re-runs (see
+    :func:`_rerun_cause`)."""
+
+    def __init__(self, client: FleetClient, stop: threading.Event) -> None:
+        self.client = client
+        self.stop = stop
+        self.windows: dict[str, list[list[float]]] = defaultdict(list)  # [from, to]
+        self.thread = threading.Thread(target=self._run, name="losses", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(LOSS_POLL_S):
+            now = time.time()
+            for name, healthy in self.client._dispatcher.healthy().items():
+                held = self.windows[name]
+                out = bool(held) and held[-1][1] == math.inf
+                if not healthy and not out:
+                    held.append([now - LOSS_POLL_S, math.inf])
+                elif healthy and out:
+                    held[-1][1] = now
+
+    def snapshot(self) -> dict[str, list[tuple[float, float]]]:
+        return {n: [(a, b) for a, b in w] for n, w in self.windows.items()}
 
 
 class Sampler:
@@ -936,6 +699,7 @@ class Sampler:
         self.healthy: dict[str, bool] = {}
         self.status_calls: Counter[str] = Counter()  # ok / typed / untyped
         self.status_errors: list[str] = []  # untyped ones
+        self.errors: list[str] = []  # the sampler's own failures
         self.routers: list[tuple[int | None, dict[str, int]]] = []  # per router incarnation
         self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
@@ -946,7 +710,11 @@ class Sampler:
     def _run(self) -> None:
         next_progress = time.monotonic() + PROGRESS_EVERY_S
         while not self.stop.wait(SAMPLE_EVERY_S):
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # a harness bug: say so, and sample on
+                self.errors.append(f"sampler: {type(exc).__name__}: {exc}")
+                log(f"sampler: {traceback.format_exc()}")
             if time.monotonic() >= next_progress:
                 next_progress += PROGRESS_EVERY_S
                 log(self.progress())
@@ -970,23 +738,31 @@ class Sampler:
             for node in status.nodes:
                 if status.healthy.get(node.name) and node.pid:
                     self.samples.append(Sample(now, node.name, node.pid, node.rss_mb))
-            for kill in self.controller.snapshot():
-                if (
-                    kill.healthy_at is None
-                    and kill.kind != "router"
-                    and self.healthy.get(kill.target)
-                    and _pid_of(status, kill.target) not in (0, *kill.pids)
-                ):
-                    kill.healthy_at = now
+            self._serving_again(status, now)
         pid = self.fleet.router_pid()
         if pid is not None:
             now = time.time()
             with contextlib.suppress(psutil.Error):
                 rss = psutil.Process(pid).memory_info().rss / (1024 * 1024)
                 self.samples.append(Sample(now, "router", pid, rss))
-                for kill in self.controller.snapshot():
-                    if kill.kind == "router" and kill.healthy_at is None and pid not in kill.pids:
-                        kill.healthy_at = now
+                for e in self.controller.snapshot():
+                    if e.kind == "router" and e.healthy_at is None and pid not in e.pids:
+                        e.healthy_at = now
+
+    def _serving_again(self, status: Any, now: float) -> None:
+        """Date the events whose target serves again: a node healthy in a new process,
+        or (a freeze) healthy after its SIGCONT; the head once the router answers."""
+        for event in self.controller.snapshot():
+            if event.healthy_at is not None or event.kind == "router":
+                continue
+            if event.kind == "head":
+                if event.back_at is not None:
+                    event.healthy_at = now
+                continue
+            pid = _pid_of(status, event.target)
+            thawed = event.freeze and event.back_at is not None
+            if self.healthy.get(event.target) and (pid not in (0, *event.pids) or thawed):
+                event.healthy_at = now
 
     def _router_counters(self, counters: dict[str, int]) -> None:
         """Keep the router's counters per incarnation (a restarted router counts from 0)."""
@@ -1014,12 +790,12 @@ class Sampler:
 
     def progress(self) -> str:
         sent, answered = self.ledger.counts()
-        kinds = Counter(k.kind for k in self.controller.snapshot())
+        kinds = Counter(e.kind for e in self.controller.snapshot())
         healthy = ",".join(n for n in NODES if self.healthy.get(n)) or "-"
+        events = ", ".join(f"{k} {kinds[k]}" for k in self.controller.kinds)
         return (
             f"{time.monotonic() - self.t0:5.0f} s: {sent} sent, {answered} answered, "
-            f"{sent - answered} out | kills: node {kinds['node']}, router {kinds['router']}, "
-            f"raylet {kinds['raylet']} | healthy {healthy}"
+            f"{sent - answered} out | {events} | healthy {healthy}"
         )
 
 
@@ -1050,6 +826,10 @@ class Figures:
     untyped: Counter[str] = field(default_factory=Counter)
     wrong_outputs: int = 0
     examples: list[str] = field(default_factory=list)
+    # answer time against max(deadline_s, timeout_s) (see the module's text)
+    late: int = 0  # answered more than ANSWER_SLACK_S after it
+    worst_late_s: float = -math.inf  # the largest answer time minus it
+    timed_out_late: int = 0  # of the late ones, answered TimedOut
     # executions (node traces)
     trace_lines: int = 0
     trace_files: int = 0
@@ -1058,6 +838,8 @@ class Figures:
     ran_once: int = 0
     ran_more: int = 0
     reran_after_kill: int = 0
+    reran_after_freeze: int = 0  # a node froze holding it; it ran elsewhere and after
+    reran_after_loss: int = 0  # the caller held a node that ran it out of service
     reran_unexplained: int = 0
     reran_at_most_once: int = 0  # at_most_once ids run more than once (for any reason)
     at_most_once_sent: int = 0
@@ -1077,7 +859,8 @@ class Figures:
     # control
     control: Counter[str] = field(default_factory=Counter)
     # chaos
-    kills: list[Kill] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    losses: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # Losses
     controller_errors: list[str] = field(default_factory=list)
     fleet_counters: Counter[str] = field(default_factory=Counter)  # over router restarts
     routers: int = 0  # router incarnations seen
@@ -1096,8 +879,8 @@ class Figures:
     error: str | None = None  # the soak could not run to the end
 
     @property
-    def kill_kinds(self) -> Counter[str]:
-        return Counter(k.kind for k in self.kills)
+    def event_kinds(self) -> Counter[str]:
+        return Counter(e.kind for e in self.events)
 
     @property
     def growth_pct(self) -> float:
@@ -1110,6 +893,11 @@ class Figures:
             ("requests without an answer", self.no_answer, self.no_answer == 0),
             ("requests with two or more answers", self.two_answers, self.two_answers == 0),
             ("untyped errors (requests)", sum(self.untyped.values()), not self.untyped),
+            (
+                f"requests answered later than max(deadline_s, timeout_s) + {ANSWER_SLACK_S:g} s",
+                self.late,
+                self.late == 0,
+            ),
             (
                 "untyped errors (lifecycle events and status calls)",
                 self.control["untyped"] + self.status_calls["untyped"],
@@ -1142,7 +930,7 @@ class Figures:
                 self.wrong_node == 0,
             ),
             (
-                "ids run more than once without a kill to explain it",
+                "ids run more than once with no kill, freeze or loss to explain it",
                 self.reran_unexplained,
                 self.reran_unexplained == 0,
             ),
@@ -1166,9 +954,10 @@ class Figures:
 
     @property
     def covered(self) -> bool:
-        """Every kind of kill happened at least once (a run too short or interrupted
-        may miss one: then it proves less, but nothing it checked is wrong)."""
-        return all(self.kill_kinds[kind] > 0 for kind in KINDS)
+        """Every kind of chaos event asked for happened at least once (a run too short
+        or interrupted may miss one: then it proves less, but nothing it checked is
+        wrong)."""
+        return all(self.event_kinds[kind] > 0 for kind in self.options.kinds)
 
     @property
     def passed(self) -> bool:
@@ -1184,24 +973,34 @@ def analyse(
     t_start: float,
     t_end: float,
 ) -> None:
-    f = figures
+    """Fill ``figures`` from the ledger, the references, the node traces and the
+    memory samples."""
     sent = list(ledger.sent.values())
-    f.sent = len(sent)
-    f.by_api = Counter(s.api for s in sent)
+    figures.sent = len(sent)
+    figures.by_api = Counter(s.api for s in sent)
+    _answers(figures, sent)
+    _answer_times(figures, sent)
+    _generations(figures, sent, refs)
+    _executions(figures, ledger, traces, t_start)
+    _memory(figures, samples, t_start, t_end)
 
-    def example(text: str) -> None:
-        if len(f.examples) < 12:
-            f.examples.append(text)
 
+def _example(f: Figures, text: str) -> None:
+    if len(f.examples) < 12:
+        f.examples.append(text)
+
+
+def _answers(f: Figures, sent: Sequence[Sent]) -> None:
+    """Exactly one answer each, typed when an error, with the right outputs."""
     for s in sent:
         f.at_most_once_sent += s.at_most_once
         if not s.answers:
             f.no_answer += 1
-            example(f"{s.id} ({s.api} {s.model} p={s.priority}): no answer")
+            _example(f, f"{s.id} ({s.api} {s.model} p={s.priority}): no answer")
             continue
         if len(s.answers) > 1:
             f.two_answers += 1
-            example(f"{s.id}: {len(s.answers)} answers: {[a.what for a in s.answers]}")
+            _example(f, f"{s.id}: {len(s.answers)} answers: {[a.what for a in s.answers]}")
         a = s.answers[0]
         f.at_most_once_lost += s.at_most_once and a.what == "NodeLost"
         if a.outcome == "ok":
@@ -1210,21 +1009,39 @@ def analyse(
             f.typed[a.what] += 1
         else:
             f.untyped[a.what] += 1
-            example(f"{s.id}: untyped {a.what}: {a.detail[:160]}")
+            _example(f, f"{s.id}: untyped {a.what}: {a.detail[:160]}")
         if s.api != "generate" and s.wrong:
             f.wrong_outputs += 1
-            example(f"{s.id}: wrong outputs: {s.wrong}")
+            _example(f, f"{s.id}: wrong outputs: {s.wrong}")
         f.after_end += s.after_end
 
+
+def _answer_times(f: Figures, sent: Sequence[Sent]) -> None:
+    """Answer times by API, and each answer against its request's limit."""
     waits: dict[str, list[float]] = defaultdict(list)
     for s in sent:
-        if s.answers:
-            waits[s.api].append(s.answers[0].at - s.at)
+        if not s.answers:
+            continue
+        took = s.answers[0].at - s.at
+        waits[s.api].append(took)
+        over = took - s.limit_s
+        f.worst_late_s = max(f.worst_late_s, over)
+        if over > ANSWER_SLACK_S:
+            f.late += 1
+            f.timed_out_late += s.answers[0].what == "TimedOut"
+            _example(
+                f,
+                f"{s.id} ({s.api}, sent at {s.at - f.t_start:.1f} s): answered "
+                f"{s.answers[0].what} after {took:.2f} s, "
+                f"{over:.2f} s past max(deadline_s, timeout_s) = {s.limit_s:.2f} s",
+            )
     f.latency = {
         api: (percentile(w, 50), percentile(w, 99), max(w)) for api, w in waits.items() if w
     }
 
-    # generations against the references
+
+def _generations(f: Figures, sent: Sequence[Sent], refs: References) -> None:
+    """Generations against the references."""
     for s in sent:
         if s.api != "generate" or not s.answers:
             continue
@@ -1236,7 +1053,7 @@ def analyse(
             problem = token_problem(s.tokens, expected, full=a.what == "length") or s.wrong
             if problem:
                 f.gen_token_errors += 1
-                example(f"{s.id} (generate, {a.what}): {problem}")
+                _example(f, f"{s.id} (generate, {a.what}): {problem}")
             else:
                 f.gen_exact += 1
         else:
@@ -1247,9 +1064,56 @@ def analyse(
             problem = token_problem(s.tokens, expected, full=False)
             if problem:
                 f.gen_partial_errors += 1
-                example(f"{s.id} (generate, ended {a.what}): {problem}")
+                _example(f, f"{s.id} (generate, ended {a.what}): {problem}")
 
-    # executions per id from the node traces
+
+def _rerun_cause(
+    ran: Sequence[dict[str, Any]],
+    s: Sent,
+    events: Sequence[Event],
+    losses: Mapping[str, Sequence[tuple[float, float]]],
+) -> str:
+    """Why request ``s`` ran more than once (its runs ``ran``, in time order): "kill"
+    when each run but the last was on a process killed after it ran there, before the
+    next run and before the answer (the node that knew the answer was gone); "freeze"
+    when one of its runs was on a process frozen while the request was out (its caller
+    placed it again; the frozen node ran it on SIGCONT); "loss" when the caller held
+    the node of a run but the last out of service (it did not answer a probe in time)
+    after the request was sent and before the next run; "" when nothing explains it."""
+    killed: dict[int, float] = {}
+    frozen: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        for pid in e.pids:
+            if e.freeze:
+                frozen[pid].append(e)
+            else:
+                killed.setdefault(pid, e.at)
+    answered = s.answered_at
+    by_kill = True
+    for first, then in itertools.pairwise(ran):
+        died = killed.get(int(first["pid"]))
+        if (
+            died is None
+            or died < float(first["t"]) - 0.5  # killed before it ran there: not this
+            or float(then["t"]) < died  # ran again before the first node died
+            or (answered is not None and answered < died)  # answered before the kill
+        ):
+            by_kill = False
+    if by_kill:
+        return "kill"
+    for run in ran:
+        for e in frozen.get(int(run["pid"]), ()):
+            if s.at < (e.back_at or math.inf) and (answered is None or e.at < answered):
+                return "freeze"
+    for run, then in itertools.pairwise(ran):
+        for start, end in losses.get(str(run["node"]), ()):
+            if start <= float(then["t"]) and end >= s.at:
+                return "loss"
+    return ""
+
+
+def _executions(f: Figures, ledger: Ledger, traces: Path, t_start: float) -> None:
+    """Executions per id from the node traces."""
     lines, f.truncated_lines = read_traces(traces)
     f.trace_lines = len(lines)
     f.trace_files = len(list(traces.glob("trace-*.jsonl")))
@@ -1260,53 +1124,48 @@ def analyse(
             f.unknown_ids += 1
         elif line.get("ran"):
             runs[rid].append(line)
-    killed: dict[int, float] = {}
-    for kill in f.kills:
-        for pid in kill.pids:
-            killed.setdefault(pid, kill.at)
     for rid, ran in runs.items():
         if len(ran) == 1:
             f.ran_once += 1
             continue
         f.ran_more += 1
-        f.reran_at_most_once += ledger.sent[rid].at_most_once
-        answered = ledger.sent[rid].answered_at
-        explained = True
-        for first, then in itertools.pairwise(ran):
-            died = killed.get(int(first["pid"]))
-            if (
-                died is None
-                or died < float(first["t"]) - 0.5  # killed before it ran there: not this
-                or float(then["t"]) < died  # ran again before the first node died
-                or (answered is not None and answered < died)  # answered before the kill
-            ):
-                explained = False
-        if explained:
+        s = ledger.sent[rid]
+        f.reran_at_most_once += s.at_most_once
+        cause = _rerun_cause(ran, s, f.events, f.losses)
+        if cause == "kill":
             f.reran_after_kill += 1
+        elif cause == "freeze":
+            f.reran_after_freeze += 1
+        elif cause == "loss":
+            f.reran_after_loss += 1
         else:
             f.reran_unexplained += 1
             where = ", ".join(f"{r['node']}/{r['pid']}@{float(r['t']) - t_start:.2f}s" for r in ran)
-            example(f"{rid}: ran {len(ran)} times without a kill to explain it: {where}")
-    for s in sent:
-        if not s.answers:
-            continue
-        a = s.answers[0]
-        success = a.outcome == "ok" and (
-            s.api != "generate" or a.what in ("stop", "length", "budget")
-        )
-        if success and s.id not in runs:
-            if s.api == "generate" and a.node == "":
-                f.success_by_caller += 1  # every token sent before its node died
-            else:
-                f.success_without_run += 1
-                example(f"{s.id} ({s.api}): a success without an execution in the traces")
-        elif success and a.node and a.node not in {line["node"] for line in runs[s.id]}:
-            f.wrong_node += 1
-            example(f"{s.id}: answered by {a.node}, which has no execution of it")
-        elif not success and s.id in runs and a.outcome != "ok":
-            f.ran_but_error += 1
+            _example(f, f"{rid}: ran {len(ran)} times with nothing to explain it: {where}")
+    for s in ledger.sent.values():
+        if s.answers:
+            _success_and_runs(f, s, runs)
 
-    # memory of the long-lived processes
+
+def _success_and_runs(f: Figures, s: Sent, runs: Mapping[str, list[dict[str, Any]]]) -> None:
+    """A success must have run, on the node it names."""
+    a = s.answers[0]
+    success = a.outcome == "ok" and (s.api != "generate" or a.what in ("stop", "length", "budget"))
+    if success and s.id not in runs:
+        if s.api == "generate" and a.node == "":
+            f.success_by_caller += 1  # every token sent before its node died
+        else:
+            f.success_without_run += 1
+            _example(f, f"{s.id} ({s.api}): a success without an execution in the traces")
+    elif success and a.node and a.node not in {line["node"] for line in runs[s.id]}:
+        f.wrong_node += 1
+        _example(f, f"{s.id}: answered by {a.node}, which has no execution of it")
+    elif not success and s.id in runs and a.outcome != "ok":
+        f.ran_but_error += 1
+
+
+def _memory(f: Figures, samples: Sequence[Sample], t_start: float, t_end: float) -> None:
+    """Memory of the long-lived processes: growth after the warm-up."""
     f.warmup_s = max(10.0, 0.2 * (t_end - t_start))
     by_process: dict[tuple[str, int], list[Sample]] = defaultdict(list)
     for sample in samples:
@@ -1324,357 +1183,138 @@ def analyse(
                     marks.append(x.rss_mb)
                     due = x.at + step
             f.memory_over_time.append((f"{role} (pid {pid})", step, marks))
-        f.memory.append(
-            (
-                role,
-                pid,
-                last.at - head.at,
-                head.rss_mb,
-                warm.rss_mb if warm is not None else math.nan,
-                last.rss_mb,
-                growth,
-            )
-        )
-
-
-# --------------------------------------------------------------------- report
-
-
-def render(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> str:
-    o = f.options
-    command = "python -m bench.chaos" + (f" {' '.join(argv)}" if argv else "")
-    verdict = "PASS" if f.passed else "FAIL"
-    out = [
-        "# edgefleet chaos soak",
-        "",
-        f"- Date: {started}; this report: `{command}`",
-        f"- Machine: {facts.line()}",
-        f"- Load: {f.seconds:.0f} s{' (interrupted by Ctrl-C)' if f.interrupted else ''}; "
-        f"seed {o.seed}; a kill every {0.6 * o.kill_every_s:.1f}-{1.4 * o.kill_every_s:.1f} s "
-        f"(none in the last {QUIET_END_S:g} s); never killed: "
-        f"{', '.join(o.spare) or 'none'}",
-        f"- Cluster: a Ray head and {len(NODES)} raylets on {LOOPBACK}, one edge node pinned "
-        "to each raylet, the router on the head; GCS health checks every "
-        f"{HEALTH_CHECKS['health_check_period_ms'] / 1000:g} s; router reports every "
-        f"{REPORT_INTERVAL_S:g} s, a node lost after {LOST_AFTER_S:g} s",
-        f"- Verdict: **{verdict}** (every invariant below holds)"
-        if f.passed
-        else f"- Verdict: **{verdict}**",
-        f"- Kills: {len(f.kills)} ("
-        + ", ".join(f"{kind} {f.kill_kinds[kind]}" for kind in KINDS)
-        + (")" if f.covered else "; not every kind: the run was too short or cut short)"),
-        "",
-    ]
-    if f.error:
-        out += ["**The soak did not run to the end:**", "", "```", f.error, "```", ""]
-    out += [
-        "## Invariants",
-        "",
-        md_table(
-            ["check", "value", "result"],
-            [[what, value, "ok" if ok else "**FAIL**"] for what, value, ok in f.invariants()],
-        ),
-        "",
-    ]
-    typed = ", ".join(f"{k} {v}" for k, v in f.typed.most_common()) or "none"
-    untyped = ", ".join(f"{k} {v}" for k, v in f.untyped.most_common()) or "none"
-    apis = ", ".join(f"{k} {v}" for k, v in sorted(f.by_api.items()))
-    out += [
-        "## Requests and answers",
-        "",
-        md_table(
-            ["figure", "value"],
-            [
-                ["requests sent", f"{f.sent} ({apis})"],
-                ["answered exactly once", f.sent - f.no_answer - f.two_answers],
-                ["without an answer", f.no_answer],
-                ["with two or more answers", f.two_answers],
-                ["answered with a result", f.ok],
-                ["answered with a typed error", f"{sum(f.typed.values())} ({typed})"],
-                ["answered with an untyped error", f"{sum(f.untyped.values())} ({untyped})"],
-                ["inference results with wrong outputs", f.wrong_outputs],
-                *(
-                    [f"answer time p50 / p99 / max, {api} (s)", " / ".join(fmt(v, 3) for v in t)]
-                    for api, t in sorted(f.latency.items())
-                ),
-                [
-                    "lifecycle events (ok / typed / untyped)",
-                    f"{f.control['ok']} / {f.control['typed']} / {f.control['untyped']}",
-                ],
-                [
-                    "status calls (ok / typed / untyped)",
-                    f"{f.status_calls['ok']} / {f.status_calls['typed']} / "
-                    f"{f.status_calls['untyped']}",
-                ],
-            ],
-        ),
-        "",
-        *(f"- {e}" for e in f.control_errors[:5]),
-        *([""] if f.control_errors else []),
-        "## Executions (node traces)",
-        "",
-        md_table(
-            ["figure", "value"],
-            [
-                ["trace files (node processes)", f.trace_files],
-                ["trace lines", f.trace_lines],
-                ["lines cut short by a killed process", f.truncated_lines],
-                ["lines of ids the harness never sent", f.unknown_ids],
-                ["ids run to completion once", f.ran_once],
-                ["ids run to completion more than once", f.ran_more],
-                [
-                    "... re-run after the node that ran them was killed before answering",
-                    f.reran_after_kill,
-                ],
-                ["... re-run with no kill to explain it", f.reran_unexplained],
-                [
-                    "requests sent at_most_once / answered NodeLost ('may have run')",
-                    f"{f.at_most_once_sent:,} / {f.at_most_once_lost:,}",
-                ],
-                ["at_most_once ids run more than once", f.reran_at_most_once],
-                ["successes without an execution", f.success_without_run],
-                ["successes naming a node that has no execution of them", f.wrong_node],
-                [
-                    "generations ended by the caller after their node died, every token sent",
-                    f.success_by_caller,
-                ],
-                [
-                    "ran on a node, yet answered with an error (its node died first)",
-                    f.ran_but_error,
-                ],
-            ],
-        ),
-        "",
-        "A request whose node dies after running it but before its answer leaves is run "
-        "again elsewhere under the same id: the node that knew the answer is gone. That "
-        "at-least-once execution on node death is inherent and counted above, not hidden; "
-        "the caller still gets one answer.",
-        "",
-        "## Generations",
-        "",
-        md_table(
-            ["figure", "value"],
-            [
-                ["generations answered", f.generations],
-                [
-                    "completed (stop / length / budget)",
-                    f"{f.gen_completed['stop']} / {f.gen_completed['length']} / "
-                    f"{f.gen_completed['budget']}",
-                ],
-                ["... tokens identical to the reference run (in order, each once)", f.gen_exact],
-                ["... tokens duplicated, missing or wrong", f.gen_token_errors],
-                ["cancelled by a node", f.gen_completed["cancelled"]],
-                ["ended with a typed error", f.gen_typed],
-                ["... tokens so far not a prefix of the reference", f.gen_partial_errors],
-                ["tokens or errors after a stream's end", f.after_end],
-            ],
-        ),
-        "",
-        "## Kills",
-        "",
-    ]
-    kinds = f.kill_kinds
-    out += [
-        f"{len(f.kills)} kills: node process {kinds['node']}, router {kinds['router']}, "
-        f"raylet {kinds['raylet']}"
-        + ("." if f.covered else " (**not every kind**: the run was too short or cut short)."),
-        "",
-    ]
-    if f.kills:
-        t0 = f.t_start
-        rows = []
-        for k in f.kills:
-            back = f"{k.back_at - k.at:.1f}" if k.back_at else "-"
-            healthy = f"{k.healthy_at - k.at:.1f}" if k.healthy_at else "-"
-            rows.append(
-                [
-                    f"{k.at - t0:.1f}",
-                    k.kind,
-                    k.target,
-                    " ".join(map(str, k.pids)) or "-",
-                    back,
-                    healthy,
-                    k.note or "-",
-                ]
-            )
-        out += [
-            md_table(
-                [
-                    "at s",
-                    "kind",
-                    "target",
-                    "pids",
-                    "raylet back after s",
-                    "serving again after s",
-                    "note",
-                ],
-                rows,
-            ),
-            "",
-        ]
-    if f.controller_errors:
-        out += ["Controller errors: " + "; ".join(f.controller_errors), ""]
-    if f.fleet_counters:
-        keys = ("received", "completed", "spilled", "replaced", "shed", "nodes_lost", "rejoined")
-        shown = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in keys)
-        out += [
-            f"Fleet counters (what callers handed to the router, and the router's own), added "
-            f"up over the {f.routers} router processes seen: {shown}. Approximate: what a "
-            "router held when it was killed, since the last sample, is not counted.",
-            "",
-        ]
-    out += [
-        "## Memory",
-        "",
-        f"Resident memory of the router and node processes, sampled every {SAMPLE_EVERY_S:g} s "
-        f"while they answered; growth from the first sample after a warm-up of "
-        f"{f.warmup_s:.0f} s to the last (shown for processes that lived at least 10 s "
-        "past the warm-up). Every kill starts a new process.",
-        "",
-    ]
-    if f.memory:
-        out += [
-            md_table(
-                [
-                    "process",
-                    "pid",
-                    "lived s",
-                    "first MB",
-                    "after warm-up MB",
-                    "last MB",
-                    "growth %",
-                ],
-                [
-                    [
-                        role,
-                        pid,
-                        fmt(lived, 0),
-                        fmt(first, 1),
-                        fmt(warm, 1),
-                        fmt(last, 1),
-                        "-" if growth is None else fmt(growth, 1, signed=True),
-                    ]
-                    for role, pid, lived, first, warm, last, growth in f.memory
-                ],
-            ),
-            "",
-            f"Largest growth after warm-up: {fmt(f.growth_pct, 1, signed=True)} %.",
-            "",
-        ]
-    if f.memory_over_time:
-        out += [
-            "Over time (MB), for the processes that lived past the warm-up:",
-            "",
-            *(
-                f"- {what}, every {step:.0f} s: {' '.join(f'{mb:.0f}' for mb in marks)}"
-                for what, step, marks in f.memory_over_time
-            ),
-            "",
-        ]
-    out += [
-        "## Leaks",
-        "",
-        "Actors (or processes of the fleet's actors) alive after the client closed: "
-        f"{len(f.leaked)}" + (f" ({', '.join(f.leaked)})" if f.leaked else "") + ".",
-        "",
-    ]
-    if f.still_running:
-        out += [f"Load threads still running at the end: {', '.join(f.still_running)}.", ""]
-    if f.not_serving:
-        out += [f"Nodes not serving again at the end: {', '.join(f.not_serving)}.", ""]
-    if f.examples:
-        out += ["## Examples of failures", "", *(f"- {e}" for e in f.examples), ""]
-    return "\n".join(out)
+        warm_mb = warm.rss_mb if warm is not None else math.nan
+        f.memory.append((role, pid, last.at - head.at, head.rss_mb, warm_mb, last.rss_mb, growth))
 
 
 # ------------------------------------------------------------------------ main
+
+
+@dataclass
+class Parts:
+    """What a soak started, for the figures whatever happened."""
+
+    fleet: Fleet
+    load: Load | None = None
+    controller: Controller | None = None
+    sampler: Sampler | None = None
+    losses: Losses | None = None
+
+
+def _load_and_chaos(parts: Parts, figures: Figures, ledger: Ledger, refs: References) -> float:
+    """Start the fleet, run the load and the chaos for the options' minutes, wait for
+    the answers still out and for every node to serve again, close the client; the
+    unix time the load stopped."""
+    options, stop = figures.options, threading.Event()
+    t0 = time.perf_counter()
+    client = parts.fleet.start()
+    log(f"cluster and fleet up in {time.perf_counter() - t0:.1f} s")
+    load = parts.load = Load(client, refs, ledger, stop, options.seed)
+    controller = parts.controller = Controller(
+        parts.fleet, options.kinds, options.spare, options.seed
+    )
+    stop_sampling = threading.Event()
+    sampler = parts.sampler = Sampler(parts.fleet, ledger, controller, stop_sampling)
+    losses = parts.losses = Losses(client, stop_sampling)
+    figures.t_start = time.time()
+    began = time.monotonic()
+    load.start()
+    controller.start(began, options.seconds, options.kill_every_s)
+    sampler.start(began)
+    losses.start()
+    try:
+        while time.monotonic() < began + options.seconds:
+            controller.tick()
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        figures.interrupted = True
+        log("interrupted: stopping the load, then reporting")
+    stop.set()
+    t_end = time.time()
+    figures.seconds = t_end - figures.t_start
+    drain_until = time.monotonic() + DRAIN_S
+    try:
+        controller.finish()  # what is down or frozen comes back
+        figures.still_running = load.join(drain_until)
+        while ledger.outstanding() and time.monotonic() < drain_until:
+            time.sleep(0.2)
+        log(f"load stopped; {ledger.outstanding()} answers still out")
+        figures.not_serving = sampler.wait_healthy(time.monotonic() + RECOVER_S)
+    except KeyboardInterrupt:
+        figures.interrupted = True
+    stop_sampling.set()
+    sampler.thread.join(SAMPLE_EVERY_S + CONTROL_TIMEOUT_S)
+    sampler.sample()  # the last counters of the router
+    figures.leaked = parts.fleet.close()
+    return t_end
+
+
+def _gather(parts: Parts, figures: Figures) -> list[Sample]:
+    """Copy what the soak's parts recorded into ``figures``; the memory samples."""
+    if parts.controller is not None:
+        figures.events = parts.controller.snapshot()
+        figures.controller_errors = list(parts.controller.errors)
+    samples: list[Sample] = []
+    if parts.sampler is not None:
+        samples = list(parts.sampler.samples)
+        figures.fleet_counters = parts.sampler.router_totals()
+        figures.routers = len(parts.sampler.routers)
+        figures.status_calls = Counter(parts.sampler.status_calls)
+        figures.controller_errors += parts.sampler.errors
+        figures.control_errors += parts.sampler.status_errors
+    if parts.losses is not None:
+        figures.losses = parts.losses.snapshot()
+    if parts.load is not None:
+        figures.control = Counter(parts.load.control)
+        figures.control_errors += parts.load.control_errors
+        if parts.load.failures and figures.error is None:
+            figures.error = "\n".join(parts.load.failures)
+    return samples
 
 
 def soak(options: Options, argv: Sequence[str] = ()) -> tuple[Figures, str]:
     """Run the soak; its figures and the Markdown report."""
     started = utc_now()
     facts = EnvFacts.collect()
+    redis = shutil.which("redis-server") is not None
+    if not redis and "head" in options.kinds:
+        log("no redis-server: head restarts are left out (Debian: apt-get install redis-server)")
+        options = replace(options, kinds=tuple(k for k in options.kinds if k != "head"))
     figures = Figures(options)
     ledger = Ledger()
-    stop = threading.Event()
-    samples: list[Sample] = []
-    t_start = t_end = time.time()
+    t_end = time.time()
     with tempfile.TemporaryDirectory(prefix="edgefleet-chaos-") as tmp:
         root = Path(tmp)
         traces = root / "trace"
         log(f"chaos soak: {options.minutes:g} min, seed {options.seed}; {facts.line()}")
         t0 = time.perf_counter()
-        paths = make_models(root)
-        refs = make_references(paths, options.seed)
+        refs = make_references(make_models(root), options.seed)
         log(f"models and references ready in {time.perf_counter() - t0:.1f} s")
-        fleet = Fleet(root, traces)
-        controller: Controller | None = None
-        sampler: Sampler | None = None
-        load: Load | None = None
+        parts = Parts(Fleet(root, traces, redis="head" in options.kinds, spare=options.spare))
         try:
-            t0 = time.perf_counter()
-            client = fleet.start()
-            log(f"cluster and fleet up in {time.perf_counter() - t0:.1f} s")
-            load = Load(client, refs, ledger, stop, options.seed)
-            controller = Controller(fleet, options)
-            stop_sampling = threading.Event()
-            sampler = Sampler(fleet, ledger, controller, stop_sampling)
-            t_start = time.time()
-            figures.t_start = t_start
-            began = time.monotonic()
-            load.start()
-            controller.start(began)
-            sampler.start(began)
-            try:
-                while time.monotonic() < began + options.seconds:
-                    controller.tick()
-                    time.sleep(0.1)
-            except KeyboardInterrupt:
-                figures.interrupted = True
-                log("interrupted: stopping the load, then reporting")
-            stop.set()
-            t_end = time.time()
-            figures.seconds = t_end - t_start
-            drain_until = time.monotonic() + DRAIN_S
-            try:
-                controller.finish()  # what is down comes back
-                figures.still_running = load.join(drain_until)
-                while ledger.outstanding() and time.monotonic() < drain_until:
-                    time.sleep(0.2)
-                log(f"load stopped; {ledger.outstanding()} answers still out")
-                figures.not_serving = sampler.wait_healthy(time.monotonic() + RECOVER_S)
-            except KeyboardInterrupt:
-                figures.interrupted = True
-            stop_sampling.set()
-            sampler.thread.join(SAMPLE_EVERY_S + CONTROL_TIMEOUT_S)
-            sampler.sample()  # the last counters of the router
-            figures.control = Counter(load.control)
-            figures.leaked = fleet.close()
+            t_end = _load_and_chaos(parts, figures, ledger, refs)
         except BaseException as exc:
-            stop.set()
             figures.error = f"{type(exc).__name__}: {exc}"
             log(f"the soak failed: {figures.error}")
             if not isinstance(exc, Exception | KeyboardInterrupt):
                 raise
         finally:
-            stop.set()
-            fleet.shutdown()
-        if controller is not None:
-            figures.kills = controller.snapshot()
-            figures.controller_errors = list(controller.errors)
-        if sampler is not None:
-            samples = list(sampler.samples)
-            figures.fleet_counters = sampler.router_totals()
-            figures.routers = len(sampler.routers)
-            figures.status_calls = Counter(sampler.status_calls)
-            figures.control_errors += sampler.status_errors
-        if load is not None:
-            figures.control = Counter(load.control)
-            figures.control_errors += load.control_errors
-            if load.failures and figures.error is None:
-                figures.error = "\n".join(load.failures)
-        analyse(figures, ledger, refs, traces, samples, t_start, t_end)
-    report = render(figures, facts, started, argv)
+            if parts.load is not None:
+                parts.load.stop.set()
+            parts.fleet.shutdown()
+        samples = _gather(parts, figures)
+        if options.answers is not None:
+            ledger.write(options.answers, figures.t_start)
+        analyse(figures, ledger, refs, traces, samples, figures.t_start or t_end, t_end)
+    report = render(
+        figures,
+        facts,
+        started,
+        argv,
+        timeouts=TIMEOUT_S,
+        slack_s=ANSWER_SLACK_S,
+        sample_every_s=SAMPLE_EVERY_S,
+    )
     return figures, report
 
 

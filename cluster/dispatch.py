@@ -71,6 +71,7 @@ UNSEEN_INTERVALS = 2.0
 UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait...
 UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at most this
+TIMEOUT_POLL_S = 0.01  # ...and past a request's timeout_s, for the watch to give it up
 # A node in one of these states refuses new work: placement passes it over.
 _TAKES_NO_WORK = frozenset(
     {NodeState.DRAINING, NodeState.DRAINED, NodeState.STOPPED, NodeState.STARTING, NodeState.STUCK}
@@ -473,6 +474,7 @@ class Dispatcher:
         self._jitter = random.Random()
         directory = config.router.record_dir
         self._record = None if directory is None else CallRecord(directory)
+        self._quiet_s = config.router.lost_after_s  # see _report
         self._watch = None
         if watch:
             r = config.router
@@ -591,10 +593,14 @@ class Dispatcher:
             return
         if status is not None and status.at < entry.made_at:
             return  # older than the report this caller holds (a view in transit)
+        if status is None and not healthy:
+            return  # the router has no report of it (it restarted): nothing to go by
         if entry.lost_at is not None:
             if not (healthy and taken > entry.lost_at):
                 return
             entry.lost_at = None
+        if not healthy and self._clock.now() - entry.answered_at < self._quiet_s:
+            healthy = entry.healthy  # silent to the router, not to this caller: it decides
         if entry.healthy and not healthy and self._watch is not None:
             self._watch.expedite(name)  # its calls are given up now, not at their limits
         entry.healthy = healthy
@@ -896,6 +902,9 @@ class Dispatcher:
                 if not flying:
                     time.sleep(max(0.0, wait_s))
                     continue
+                if timeout_s is not None:  # a request the watch gives up is answered then
+                    first = min(attempt.give_up_at for _, attempt, _, _, _ in flying.values())
+                    wait_s = min(wait_s, max(TIMEOUT_POLL_S, first - now + TIMEOUT_POLL_S))
                 handle = next(iter(flying.values()))[2].handle
                 for call, answer in handle.wait(list(flying), wait_s):
                     i, attempt, entry, inputs, flight = flying[call]
@@ -960,8 +969,9 @@ class Dispatcher:
     def _items(self, attempt: _Attempt, entry: _Entry) -> Iterator[TokenChunk | GenerationResult]:
         """A generation's stream from ``entry``; with calls watched, a stream silent past
         its limit (its budget, the request's deadline before the first token) has its
-        node probed, and raises :class:`_Overdue` past the request's timeout or when
-        the node does not answer."""
+        node probed, and raises :class:`_Overdue` past the request's timeout (silent or
+        not: a slow node's tokens do not stretch it) or when the node does not answer
+        (the probe waits no longer than the timeout leaves)."""
         request = attempt.request_now
         if self._watch is None:
             yield from entry.handle.generate(request)  # type: ignore[misc,arg-type]
@@ -974,20 +984,21 @@ class Dispatcher:
         wait_s = min(PIPELINE_WAIT_S, budget)
         for item in entry.handle.generate(request, wait_s):  # type: ignore[arg-type]
             now = self._clock.now()
+            if now >= attempt.give_up_at:
+                raise _Overdue(TIMED_OUT)
             if item is not None:
                 entry.answered_at = now
                 due = now + budget
                 yield item
-            elif now >= attempt.give_up_at:
-                raise _Overdue(TIMED_OUT)
             elif now >= due:  # as CallWatch judges a call (cluster/limits.py)
                 r = self.config.router
+                probe_s = min(r.probe_timeout_s, attempt.give_up_at - now)
                 answer = None
                 if entry.healthy:
-                    answer = entry.handle.probe([request.id], r.probe_timeout_s)
-                quiet = self._clock.now() - entry.heard_at >= r.lost_after_s
-                if answer is None and quiet:
-                    raise _Overdue(UNRESPONSIVE)
+                    answer = entry.handle.probe([request.id], probe_s)
+                after = self._clock.now()
+                if answer is None and after - entry.heard_at >= r.lost_after_s:
+                    raise _Overdue(TIMED_OUT if after >= attempt.give_up_at else UNRESPONSIVE)
                 due = self._clock.now() + budget
 
     # -------------------------------------------------------------------- helpers

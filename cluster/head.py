@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import psutil
@@ -83,13 +84,16 @@ def start_head(
     dashboard_port: int | None = None,
     token_auth: bool = True,
     redis: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> str:
     """Start a Ray head bound to 127.0.0.1 for ``fleet``; returns its address. With
     ``dashboard_port`` it also serves Ray's dashboard and job API there (loopback).
     With ``redis`` it first starts a ``redis-server`` on loopback (its data under
     :func:`head_dir`) and keeps the cluster's state there (Ray's GCS fault tolerance).
-    What it started is recorded for :func:`restart_head` and :func:`stop_head`; when
-    the head does not start, the Redis it started is stopped."""
+    ``env``: more environment for the head's processes (Ray's ``RAY_*`` settings, such
+    as its health checks). What it started is recorded for :func:`restart_head` (which
+    starts it with the same settings) and :func:`stop_head`; when the head does not
+    start, the Redis it started is stopped."""
     directory = head_dir(fleet)
     directory.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -119,7 +123,7 @@ def start_head(
     ]
     # Loopback only, and token authentication on unless the config turns it off (the
     # token lives in ~/.ray/auth_token; clients here find it once RAY_AUTH_MODE=token).
-    settings = {"RAY_AUTH_MODE": "token" if token_auth else "disabled"}
+    settings = {**(env or {}), "RAY_AUTH_MODE": "token" if token_auth else "disabled"}
     address = f"{LOOPBACK}:{port}"
     state: dict[str, object] = {"fleet": fleet, "address": address, "token_auth": token_auth}
     if redis:
@@ -247,10 +251,17 @@ def head_processes(fleet: str) -> list[psutil.Process]:
     address = recorded_address(fleet)
     if address is not None:  # Ray's client server names only the head's address
         markers.append(f"--address={address}")
-    found: dict[int, psutil.Process] = {}
     redis = _redis_process(_recorded(fleet))  # its data lives in the folder too
+    return processes_naming(markers, skip=() if redis is None else (redis.pid,))
+
+
+def processes_naming(markers: Iterable[str], skip: Iterable[int] = ()) -> list[psutil.Process]:
+    """Processes whose command line names one of ``markers`` (a Ray folder, say), and
+    their descendants, but for the pids in ``skip``."""
+    markers, skip = list(markers), set(skip)
+    found: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter(["cmdline"]):
-        if redis is not None and proc.pid == redis.pid:
+        if proc.pid in skip:
             continue
         try:
             if any(m in part for part in proc.info["cmdline"] or () for m in markers):
@@ -259,6 +270,19 @@ def head_processes(fleet: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return list(found.values())
+
+
+def kill_head(fleet: str) -> list[int]:
+    """The head's machine dies: SIGKILL ``fleet``'s GCS and head raylet at once (the
+    head's other processes follow its raylet, or :func:`restart_head` stops them). Its
+    Redis lives on. Returns the pids killed."""
+    doomed = []
+    for proc in head_processes(fleet):
+        with contextlib.suppress(psutil.Error):
+            if proc.name() in ("gcs_server", "raylet"):
+                proc.kill()
+                doomed.append(proc.pid)
+    return doomed
 
 
 def _gone(proc: psutil.Process) -> bool:

@@ -7,14 +7,15 @@ its expected completion x ``router.call_limit_factor`` + ``router.call_grace_s``
 one thread, :class:`CallWatch`, looks at the calls that are due:
 
 - a call past its request's ``timeout_s`` is given up (``TIMED_OUT``);
-- otherwise its node is asked whether it holds the request (one probe per node for all
-  of its due calls, bounded by ``router.probe_timeout_s``). A node that answers is
-  alive and busy: the call gets another limit. So does one the caller heard live
-  within ``router.lost_after_s`` (an answer to any of its calls, or a report the router
-  took): a node flooded with calls answers probes late, but it answers. A node that
-  does neither, or one already known to be out of service, gives up its calls
+- otherwise its node is asked whether it holds the request (one probe per node at a
+  time for all of its due calls, bounded by ``router.probe_timeout_s``, on a thread of
+  its own: a node slow to answer delays no other call, and a timeout that passes
+  meanwhile still acts on time). A node that answers is alive and busy: the call gets
+  another limit. So does one the caller heard live within ``router.lost_after_s`` (an
+  answer to any of its calls, or a report the router took): a node flooded with calls
+  answers probes late, but it answers. A node that does neither gives up its calls
   (``UNRESPONSIVE``): the dispatcher places them again elsewhere, or ends them as its
-  rules say.
+  rules say. A node known to be out of service is not asked.
 
 A call given up is *claimed*: whichever comes first, its answer or the watch, decides
 it, once; an answer that comes later is dropped. The watch's thread runs while calls
@@ -26,6 +27,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +98,7 @@ class CallWatch:
         self._seq = itertools.count()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._probing: dict[str, list[Flight]] = {}  # node -> calls its probe settles
         self.probes = 0  # probes sent (for tests and diagnostics)
 
     def add(
@@ -166,7 +169,7 @@ class CallWatch:
         nothing left out)."""
         with self._lock:
             while True:
-                if self._closed and all(f.done for _, _, f in self._heap):
+                if self._closed and not self._probing and all(f.done for _, _, f in self._heap):
                     self._heap.clear()
                     self._thread = None
                     return False
@@ -185,8 +188,10 @@ class CallWatch:
         return True
 
     def _look(self, flights: list[Flight], now: float) -> None:
-        """The due calls of one node: give up those past their timeout, probe the node
-        for the others."""
+        """The due calls of one node: give up those past their timeout, and have the
+        node probed for the others on a thread of its own, so that a node slow to answer
+        delays no other call (calls that fall due while it is probed wait for that
+        probe's answer)."""
         waiting = []
         for flight in flights:
             if now >= flight.give_up_at:
@@ -196,23 +201,49 @@ class CallWatch:
         if not waiting:
             return
         node = waiting[0].node
-        answer = None
-        if node.healthy:  # one known to be out of service is not asked again
-            self.probes += 1
-            ids = [f.request_id for f in waiting]
-            try:
-                answer = node.handle.probe(ids, self.probe_timeout_s)
-            except Exception:
-                log.exception("probing node %s failed", node.name)
-        after = self._clock.now()
-        if answer is None and after - node.heard_at >= self.quiet_s:
-            for flight in waiting:
-                self._give_up(flight, UNRESPONSIVE)
-            return
         with self._lock:
+            for flight in waiting:  # its timeout still acts while the probe runs
+                if flight.give_up_at != math.inf:
+                    self._push(flight, flight.give_up_at)
+            probing = self._probing.get(node.name)
+            if probing is not None:
+                probing.extend(waiting)
+                return
+            self._probing[node.name] = list(waiting)
+            if node.healthy:  # one known to be out of service is not asked again
+                self.probes += 1
+        if not node.healthy:
+            self._settle(node, None)
+            return
+        ids = [f.request_id for f in waiting]
+        name = f"edgefleet-probe-{node.name}"
+        threading.Thread(target=self._probe, args=(node, ids), name=name, daemon=True).start()
+
+    def _probe(self, node: Watched, ids: list[str]) -> None:
+        """Probe ``node`` about ``ids``, then settle its calls waiting on the probe."""
+        answer = None
+        try:
+            answer = node.handle.probe(ids, self.probe_timeout_s)
+        except Exception:
+            log.exception("probing node %s failed", node.name)
+        self._settle(node, answer)
+
+    def _settle(self, node: Watched, answer: Mapping[str, bool] | None) -> None:
+        """Every call of ``node`` waiting on its probe: another limit when the node
+        answered or was heard live lately, else given up (past its timeout by now, or
+        unresponsive)."""
+        after = self._clock.now()
+        alive = answer is not None or after - node.heard_at < self.quiet_s
+        with self._lock:
+            waiting = self._probing.pop(node.name, [])
+            if alive:
+                for flight in waiting:
+                    if not flight.done:
+                        self._push(flight, min(after + flight.budget_s, flight.give_up_at))
+            self._wake.notify()
+        if not alive:
             for flight in waiting:
-                if not flight.done:
-                    self._push(flight, min(after + flight.budget_s, flight.give_up_at))
+                self._give_up(flight, TIMED_OUT if after >= flight.give_up_at else UNRESPONSIVE)
 
     def _give_up(self, flight: Flight, why: str) -> None:
         if self.claim(flight):

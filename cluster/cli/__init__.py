@@ -10,7 +10,7 @@ import argparse
 import os
 import textwrap
 
-from cluster.cli import dashboard, demo, inference, lifecycle, models, simulate
+from cluster.cli import dashboard, demo, device, inference, lifecycle, models, simulate
 from cluster.cli.common import Parser, RawHelpFormatter, err
 from cluster.cli.interrupts import exit_on_stuck_interrupt
 from edgefleet.errors import EdgeFleetError
@@ -34,11 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
               edgefleet models show configs/local.yaml  # every model's inputs and outputs
               edgefleet validate configs/local.yaml   # check a fleet file
               edgefleet dashboard export fleet.json   # the Grafana dashboard
+              edgefleet join 10.0.0.1:6379 --labels zone=dock  # on a device: join the cluster
             """
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (models, lifecycle, inference, demo, dashboard, simulate):  # help's order
+    for group in (models, lifecycle, device, inference, demo, dashboard, simulate):  # help's order
         group.add_parser(sub)
     return parser
 

@@ -36,7 +36,7 @@ def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.
 
 
 COMMANDS = [
-    ["up"], ["down"], ["status"], ["infer"], ["generate"], ["demo"], ["validate"],
+    ["up"], ["down"], ["status"], ["join"], ["infer"], ["generate"], ["demo"], ["validate"],
     ["models", "make"], ["models", "show"], ["dashboard", "export"], ["dashboard", "push"],
     ["dashboard", "prometheus-config"], ["dashboard", "check"],
 ]  # fmt: skip
@@ -92,13 +92,18 @@ class Running:
     def err(self) -> str:
         return b"".join(self._err).decode()
 
-    def wait_for(self, text: str, timeout_s: float = START_S) -> None:
-        """Until ``text`` is in the output; fails, showing the output, if it never comes."""
+    def wait_for(self, text: str, timeout_s: float = START_S, *, err: bool = False) -> None:
+        """Until ``text`` is in the output (``err``: in what it wrote to stderr); fails,
+        showing the output, if it never comes."""
+
+        def said() -> str:
+            return self.err if err else self.out
+
         with self._more:
             came = self._more.wait_for(
-                lambda: text in self.out or self.proc.poll() is not None, timeout_s
+                lambda: text in said() or self.proc.poll() is not None, timeout_s
             )
-        assert came and text in self.out, (self.out + self.err)[-3000:]
+        assert came and text in said(), (self.out + self.err)[-3000:]
 
     def interrupt(self) -> float:
         """Ctrl-C; the seconds until the command exited."""

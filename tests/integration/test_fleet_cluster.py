@@ -188,7 +188,9 @@ def test_a_frozen_node_holds_no_request_and_serves_again_after(cluster_fleet):
     """A node's process stopped (SIGSTOP) under load: every request is answered once,
     within its limit, none is placed there once it is known frozen, and it serves again
     when continued; frozen for longer, the router restarts it."""
-    _, _, client = cluster_fleet
+    _, _, fleet = cluster_fleet
+    # Round robin: the frozen node is sure to be sent requests after it froze.
+    client = fleet.with_placement(picker="round_robin")
     cfg = client.config.router
     feed = random_inputs("slow")
     pid = client.status().node("edge-2").pid
@@ -253,7 +255,8 @@ def test_a_frozen_node_holds_no_request_and_serves_again_after(cluster_fleet):
         _signal(pid, signal.SIGCONT)
     assert status.node("edge-2").pid != pid
     _serves(client, "edge-2")
-    wait_idle(client)
+    client.close()
+    wait_idle(fleet)
 
 
 def test_killing_a_node_mid_load_loses_no_request(cluster_fleet):

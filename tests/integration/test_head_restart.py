@@ -10,18 +10,17 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
-from cluster.head import _free_port, head_processes, restart_head, start_head, stop_head
+from cluster.head import kill_head, restart_head, start_head, stop_head
+from cluster.raylet import kill_raylet, start_raylet
 
 REPO = Path(__file__).resolve().parents[2]
 NODES = ["edge-0", "edge-1"]
@@ -38,33 +37,6 @@ HEAD_ENV = {
     "RAY_health_check_failure_threshold": "3",
     "RAY_gcs_rpc_server_reconnect_timeout_s": "180",
 }
-
-# A worker raylet on loopback, started as `ray start --address` starts one (which
-# refuses to join a head on 127.0.0.1 unless Ray's multi-machine mode is on, and that
-# mode swaps 127.0.0.1 for this machine's address); it outlives this script.
-RAYLET = """
-import sys
-from ray._private.node import Node
-from ray._private.parameter import RayParams
-from cluster.deploy import pin_loopback
-
-address, name, directory, agent_port = sys.argv[1:]
-pin_loopback()
-params = RayParams(
-    gcs_address=address,
-    node_ip_address="127.0.0.1",
-    temp_dir=directory,
-    num_cpus=1,
-    resources={name: 1},
-    object_store_memory=100 * 1024 * 1024,
-    dashboard_agent_listen_port=int(agent_port),
-    include_log_monitor=False,
-    node_manager_port=0,
-    min_worker_port=0,
-    max_worker_port=0,
-)
-Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
-"""
 
 # The caller: attached to a worker raylet (one attached to the head's raylet loses it
 # with the head), it keeps a few requests in flight at a steady pace and writes a line per
@@ -120,24 +92,6 @@ with lock:
 """
 
 
-def _processes_naming(marker: str) -> list[psutil.Process]:
-    """Processes whose command line names ``marker`` (a raylet's folder), and theirs."""
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            if any(marker in part for part in proc.info["cmdline"] or ()):
-                found[proc.pid] = proc
-                found.update((c.pid, c) for c in proc.children(recursive=True))
-    return list(found.values())
-
-
-def _stop(procs: list[psutil.Process]) -> None:
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(procs, timeout=10)
-
-
 def _read(path: Path) -> tuple[list[dict], dict | None]:
     answers, summary = [], None
     with contextlib.suppress(FileNotFoundError):
@@ -185,6 +139,9 @@ def test_requests_keep_completing_while_the_head_restarts(
 ):
     for key, value in HEAD_ENV.items():
         monkeypatch.setenv(key, value)
+    # start_raylet sets them in this process for the raylets it starts: undone after.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     fleet = f"hr{os.getpid()}"
     config = tmp_path / "fleet.yaml"
     config.write_text(
@@ -212,14 +169,7 @@ def test_requests_keep_completing_while_the_head_restarts(
     try:
         address = start_head(fleet, 1, redis=True)
         for name, directory in raylet_dirs.items():
-            joined = subprocess.run(
-                [sys.executable, "-c", RAYLET, address, name, str(directory), str(_free_port())],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert joined.returncode == 0, joined.stderr[-3000:]
+            start_raylet(address, directory, resources={name: 1})
         up = subprocess.run(
             [sys.executable, "-m", "cluster.cli", "up", str(config), "--address", address]
             + ["--detach"],
@@ -240,11 +190,8 @@ def test_requests_keep_completing_while_the_head_restarts(
 
         # The head's machine dies: its GCS and raylet at once (the rest of its processes
         # follow the raylet, or are stopped by the restart).
-        doomed = [p for p in head_processes(fleet) if p.name() in ("gcs_server", "raylet")]
-        assert sorted(p.name() for p in doomed) == ["gcs_server", "raylet"]
         killed_at = time.time()
-        for p in doomed:
-            p.send_signal(signal.SIGKILL)
+        assert len(kill_head(fleet)) == 2  # its GCS and its raylet
         time.sleep(HEAD_DOWN_S)  # the scenario: a head that stays down for a while
         assert caller.poll() is None, (tmp_path / "caller.log").read_text()[-3000:]
         restart_head(fleet)
@@ -293,7 +240,7 @@ def test_requests_keep_completing_while_the_head_restarts(
             caller.wait(timeout=30)
         caller_log.close()
         for directory in raylet_dirs.values():
-            _stop(_processes_naming(str(directory)))
+            kill_raylet(directory)
         stop_head(fleet)
         for directory in raylet_dirs.values():
             shutil.rmtree(directory, ignore_errors=True)

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from bench.chaos import (
+    ANSWER_SLACK_S,
     Answer,
+    Event,
     Figures,
-    Kill,
     Ledger,
     Options,
     References,
@@ -85,7 +86,7 @@ def test_every_broken_promise_is_counted(tmp_path):
     trace(traces, "b", 2, [{"t": t + 8, "id": explained.id, "ran": True}])
     with (traces / "trace-b-2.jsonl").open("a") as f:
         f.write('{"t": 3, "id": "cut sh')  # a writer killed mid-line
-    figures = Figures(Options(), kills=[Kill(t + 5, "node", "a", (1,))])
+    figures = Figures(Options(), events=[Event(t + 5, "node", "a", (1,))])
     samples = [Sample(t + i, "a", 1, 100.0 + i) for i in range(0, 40, 2)]
     analyse(figures, ledger, refs, traces, samples, t, t + 40)
 
@@ -106,3 +107,58 @@ def test_every_broken_promise_is_counted(tmp_path):
     assert not figures.covered  # one kind of kill only
     failed = {what for what, _, holds in figures.invariants() if not holds}
     assert "requests without an answer" in failed and len(failed) >= 9
+
+
+def test_a_request_answered_after_its_limit_and_the_slack_is_late(tmp_path):
+    """The limit is max(deadline_s, timeout_s); an answer more than ANSWER_SLACK_S
+    after it fails the answer-time invariant, whatever the answer was."""
+    ledger = Ledger()
+    t = 1000.0
+
+    def answered(after_s, timeout_s, deadline_s=None, what="completed"):
+        s = ledger.new("submit", "m", 3, ("m", 0), timeout_s=timeout_s, deadline_s=deadline_s)
+        s.at = t
+        ledger.answer(s, Answer(t + after_s, "ok" if what == "completed" else "typed", what))
+        return s
+
+    ok = [answered(2.9, timeout_s=2.0)]  # within the slack
+    ok.append(answered(4.5, timeout_s=2.0, deadline_s=4.0))  # the deadline is the later
+    late = answered(3.5, timeout_s=2.0, what="TimedOut")  # 1.5 s past its timeout
+    trace(tmp_path, "a", 1, [{"t": t + 1, "id": s.id, "ran": True} for s in ok])
+    figures = Figures(Options())
+    analyse(figures, ledger, References({}, {}, {}, []), tmp_path, [], t, t + 10)
+
+    assert (figures.late, figures.timed_out_late) == (1, 1)
+    assert abs(figures.worst_late_s - 1.5) < 1e-9
+    assert any(late.id in e for e in figures.examples)
+    failed = {what for what, _, holds in figures.invariants() if not holds}
+    assert failed == {
+        f"requests answered later than max(deadline_s, timeout_s) + {ANSWER_SLACK_S:g} s"
+    }
+
+
+def test_reruns_after_a_freeze_or_a_loss_are_explained_and_others_are_not(tmp_path):
+    ledger = Ledger()
+    t = 1000.0
+
+    def sent():
+        s = ledger.new("submit", "m", 3, ("m", 0))
+        s.at = t
+        ledger.answer(s, Answer(t + 9, "ok", "completed", "b"))
+        return s
+
+    frozen, lost, neither = sent(), sent(), sent()
+    trace(tmp_path, "a", 1, [{"t": t + 8, "id": frozen.id, "ran": True}])  # on its SIGCONT
+    trace(tmp_path, "b", 2, [{"t": t + 4, "id": s.id, "ran": True} for s in ledger.sent.values()])
+    trace(tmp_path, "c", 3, [{"t": t + 1, "id": lost.id, "ran": True}])
+    trace(tmp_path, "d", 4, [{"t": t + 1, "id": neither.id, "ran": True}])
+    figures = Figures(
+        Options(),
+        events=[Event(t + 0.5, "node-freeze", "a", (1,), back_at=t + 7.5)],
+        losses={"c": [(t + 2, t + 6)], "d": [(t + 5, t + 6)]},  # d: only after the rerun
+    )
+    analyse(figures, ledger, References({}, {}, {}, []), tmp_path, [], t, t + 10)
+
+    assert figures.ran_more == 3
+    assert (figures.reran_after_freeze, figures.reran_after_loss) == (1, 1)
+    assert figures.reran_unexplained == 1 and any(neither.id in e for e in figures.examples)

@@ -20,7 +20,7 @@ from actors.node import NodeRuntime
 from cluster.client import TokenStream
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
-from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost
+from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost, TimedOut
 from edgefleet.messages import GenerationResult, NodeState, TokenChunk
 from edgefleet.modelgen import TINY_LM_VOCAB, make_tiny_lm
 from edgefleet.request import GenerateRequest, Request
@@ -293,6 +293,28 @@ def test_a_stream_whose_node_handle_breaks_ends_with_a_typed_error(lm_fleet):
     assert stream.tokens and stream.result is not None
     assert stream.result.tokens == tuple(stream.tokens)  # what was sent, each once
     assert not any(v.work for v in f.dispatcher.views())  # no longer in flight anywhere
+
+
+def test_a_generation_still_streaming_at_its_timeout_ends_timed_out(lm_fleet):
+    # A node that keeps sending tokens, slowly (one that was frozen, say, and runs
+    # again): timeout_s bounds the whole generation, not only a silence.
+    f = lm_fleet(("a",))
+    handle = f.handles["a"]
+    streamed = handle.generate
+
+    def slow(request, wait_s=None):
+        for item in streamed(request, wait_s):
+            time.sleep(0.2)
+            yield item
+
+    handle.generate = slow  # type: ignore[method-assign]
+    request = GenerateRequest("lm", tuple(range(5, 25)), 60)
+    started = time.monotonic()
+    stream = TokenStream(request.id, f.dispatcher.stream(request, timeout_s=0.5))
+    with pytest.raises(TimedOut):
+        stream.collect()
+    assert time.monotonic() - started < 1.0
+    assert stream.result is not None and stream.result.tokens == tuple(stream.tokens)
 
 
 def test_generation_result_unwrap():

@@ -12,7 +12,7 @@ import pytest
 from actors.engine import Signature
 from actors.models import ModelInfo
 from actors.node import NodeRuntime
-from cluster.cli import status_table
+from cluster.cli.tables import status_table
 from edgefleet.clock import FakeClock
 from edgefleet.config import ModelConfig
 from edgefleet.errors import EngineTimeout, Evicted, Rejected

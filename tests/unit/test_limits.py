@@ -6,6 +6,8 @@ no Ray)."""
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -13,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from actors.node import NodeRuntime
+from cluster.limits import TIMED_OUT, UNRESPONSIVE, CallWatch
 from cluster.router import Router
-from edgefleet.clock import FakeClock
+from edgefleet.clock import FakeClock, MonotonicClock
 from edgefleet.config import parse_config
 from edgefleet.errors import NodeLost, TimedOut
 from edgefleet.messages import NodeStatus
@@ -131,6 +134,7 @@ def test_a_request_past_its_timeout_ends_timed_out_and_is_dropped_where_it_was(f
     for h in f.handles.values():
         h.frozen = True
     r = req("t1")
+    started = time.monotonic()
     if path == "submit":
         reply = f.dispatcher.submit(r, timeout_s=0.3).result(60)
     elif path == "call":
@@ -138,9 +142,52 @@ def test_a_request_past_its_timeout_ends_timed_out_and_is_dropped_where_it_was(f
     else:
         ((_, reply),) = list(f.dispatcher.pipeline([(r, None)], 1, timeout_s=0.3))
     assert isinstance(reply.error, TimedOut), reply
+    assert time.monotonic() - started < 0.8  # when the timeout passes, not a wait later
     assert "timeout_s=0.3" in str(reply.error)
     assert sum(h.forgotten.count("t1") for h in f.handles.values()) == 1
     assert f.dispatcher.counted()["timedout"] == 1
+
+
+class Probed:
+    """A node as the watch sees it, whose probes take ``delay_s`` (None past the
+    probe's timeout)."""
+
+    def __init__(self, name: str, delay_s: float) -> None:
+        self.name = name
+        self.healthy = True
+        self.handle = self
+        self.delay_s = delay_s
+        self.heard_at = -math.inf  # never heard from otherwise
+
+    def probe(self, request_ids, timeout_s):
+        time.sleep(min(self.delay_s, timeout_s))
+        return None if self.delay_s >= timeout_s else {r: True for r in request_ids}
+
+
+def test_a_node_slow_to_answer_a_probe_delays_no_timeout():
+    watch = CallWatch(probe_timeout_s=1.0, quiet_s=1.0, clock=MonotonicClock())
+    frozen, fine = Probed("a", 5.0), Probed("b", 0.0)
+    given: dict[str, tuple[str, float]] = {}
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def on(rid):
+        def overdue(why):
+            given[rid] = (why, time.monotonic() - t0)
+            if len(given) == 3:
+                done.set()
+
+        return overdue
+
+    watch.add(frozen, "a1", t0 + 0.1, 10.0, math.inf, on("a1"))  # its probe hangs 1 s
+    watch.add(frozen, "a2", t0 + 0.1, 10.0, t0 + 0.4, on("a2"))  # times out meanwhile
+    watch.add(fine, "b1", t0 + 0.3, 10.0, t0 + 0.4, on("b1"))  # another node's
+    assert done.wait(5)
+    watch.close()
+    # The two timeouts act while a's probe still waits (it waits 1 s for nothing).
+    assert given["a2"][0] == TIMED_OUT and given["b1"][0] == TIMED_OUT, given
+    assert given["a1"][0] == UNRESPONSIVE and given["a1"][1] >= 1.0, given
+    assert given["a2"][1] < given["a1"][1] and given["b1"][1] < given["a1"][1], given
 
 
 # ---------------------------------------------------------------------- the router
@@ -283,3 +330,23 @@ def test_status_shows_unresponsive_and_stuck_nodes_and_why():
     assert "stuck: an engine call did not stop" in table
     assert "unresponsive for 12 s" in table
     assert status_dict(status)["unresponsive"] == {"b": 12.0}
+
+
+def test_a_caller_keeps_a_node_it_hears_from_whatever_a_restarted_or_slow_router_says(fleet):
+    from cluster.dispatch import FleetView, NodeReport
+
+    f = fleet(cost_s=0.0)
+    d = f.dispatcher
+    # A router just restarted knows nothing of its nodes yet: that says nothing of them.
+    d.update(FleetView({"a": NodeReport(None, False, 0.0), "b": NodeReport(None, False, 0.0)}))
+    assert d.healthy() == {"a": True, "b": True}
+    # The router stopped hearing from a, but this caller got an answer from it just now.
+    replies = [d.submit(req(f"h{i}")).result(30) for i in range(50)]
+    assert all(r.error is None for r in replies) and any(r.node == "a" for r in replies)
+    status = f.node("a").status()
+    d.update(FleetView({"a": NodeReport(status, False, 5.0)}))
+    assert d.healthy()["a"]
+    # Quiet to this caller too, for lost_after_s: the router's word stands.
+    time.sleep(f.config.router.lost_after_s)
+    d.update(FleetView({"a": NodeReport(status, False, 5.0)}))
+    assert not d.healthy()["a"]

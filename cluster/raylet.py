@@ -1,0 +1,98 @@
+"""A worker raylet on loopback that joins a head: another machine of the cluster, on
+this one (tests and benchmarks of multi-machine behaviour: a head restart, a machine
+that dies or freezes).
+
+``ray start --address`` refuses a head on 127.0.0.1 unless Ray's multi-machine mode
+is on, and that mode swaps 127.0.0.1 for this machine's address; so the raylet is
+started from this process the way ``ray start`` starts one, with loopback pinned. It
+outlives this process, like ``ray start``'s; everything it runs names its own folder,
+by which :func:`raylet_processes` finds it (workers rename themselves, so their
+parents are followed too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+
+from cluster.deploy import pin_loopback, use_auth_mode
+from cluster.head import LOOPBACK, _free_port, _gone, processes_naming
+from edgefleet.errors import FleetStartError
+
+OBJECT_STORE_BYTES = 100 * 1024 * 1024
+
+
+def start_raylet(
+    address: str,
+    directory: Path,
+    *,
+    resources: Mapping[str, float],
+    num_cpus: int = 1,
+    token_auth: bool = True,
+) -> None:
+    """Start a worker raylet bound to 127.0.0.1 that joins the head at ``address``,
+    its Ray folder ``directory`` (keep it short: Ray puts Unix sockets there), with
+    ``num_cpus`` and custom ``resources``; returns once it has joined. Pins this
+    process to loopback and sets its authentication mode (see cluster.deploy), which
+    the raylet inherits. Raises FleetStartError when it does not start (what it
+    started is stopped)."""
+    from ray._private.node import Node
+    from ray._private.parameter import RayParams
+
+    pin_loopback()
+    use_auth_mode(token=token_auth)
+    params = RayParams(
+        gcs_address=address,
+        node_ip_address=LOOPBACK,
+        temp_dir=str(directory),
+        num_cpus=num_cpus,
+        resources=dict(resources),
+        object_store_memory=OBJECT_STORE_BYTES,
+        dashboard_agent_listen_port=_free_port(),
+        include_log_monitor=False,
+        node_manager_port=0,
+        min_worker_port=0,
+        max_worker_port=0,
+    )
+    try:
+        Node(params, head=False, shutdown_at_exit=False, spawn_reaper=False)
+    except Exception as exc:
+        kill_raylet(directory)
+        raise FleetStartError(f"a raylet did not join {address}: {exc}") from exc
+
+
+def raylet_processes(directory: Path) -> list[psutil.Process]:
+    """Every process of the raylet whose folder is ``directory``: the raylet, its
+    agents and its workers."""
+    return processes_naming([str(directory)], skip=(os.getpid(),))
+
+
+def the_raylet(directory: Path) -> psutil.Process | None:
+    """The raylet process itself, while it runs."""
+    for proc in raylet_processes(directory):
+        try:
+            if proc.name() == "raylet" and proc.status() != psutil.STATUS_ZOMBIE:
+                return proc
+        except psutil.Error:
+            continue
+    return None
+
+
+def kill_raylet(directory: Path, timeout_s: float = 10.0) -> int:
+    """The machine dies: SIGKILL every process of that raylet, and wait (at most
+    ``timeout_s``) until they are gone; how many there were."""
+    procs = raylet_processes(directory)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    deadline = time.monotonic() + timeout_s
+    # Not psutil.wait_procs: a process that is not our child stays a zombie until its
+    # parent reaps it, and is gone for all that matters here.
+    while any(not _gone(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(procs)
