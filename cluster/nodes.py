@@ -193,7 +193,7 @@ class RayNode:
             await asyncio.wait_for(self._probe([]), timeout_s)
         except TimeoutError:
             return False
-        except ray.exceptions.RayActorError as exc:
+        except ACTOR_GONE as exc:
             raise self._gone(exc) from None
         return True
 
