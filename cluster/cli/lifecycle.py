@@ -118,6 +118,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     )
     for spec in specs:
         say(f"  {spec.name}: {', '.join(spec.models)} (queue {spec.queue.capacity})")
+    for pool in config.pools:  # what each member will be, on every Ray node that matches
+        spec = config.member_spec(pool.name, "DEVICE", "")
+        selector = ", ".join(f"{k}={v}" for k, v in pool.selector.items())
+        say(
+            f"  pool {pool.name} ({selector}): {spec.name}: {', '.join(spec.models)} "
+            f"(queue {spec.queue.capacity})"
+        )
     for name, path in later.items():
         say(f"  note: {missing_model_problem(name, path)}")
     return 0
