@@ -99,6 +99,7 @@ TIMEOUT_S = (2.0, 30.0)  # every request's timeout_s: log-uniform between these
 ANSWER_SLACK_S = 1.0  # an answer may come this long after max(deadline_s, timeout_s)
 SAMPLE_EVERY_S = 2.0  # memory and health samples
 PROGRESS_EVERY_S = 5.0
+ROUTER_OWN = ("joined", "rejoined", "nodes_lost", "unresponsive", "restarted")  # not the callers'
 LOSS_POLL_S = 0.05  # how often the caller's view of its nodes is looked at
 DRAIN_S = 45.0  # after the load: the longest wait for answers still out
 RECOVER_S = 30.0  # then the longest wait for every node to serve again
@@ -700,7 +701,7 @@ class Sampler:
         self.status_calls: Counter[str] = Counter()  # ok / typed / untyped
         self.status_errors: list[str] = []  # untyped ones
         self.errors: list[str] = []  # the sampler's own failures
-        self.routers: list[tuple[int | None, dict[str, int]]] = []  # per router incarnation
+        self.routers: dict[int, dict[str, int]] = {}  # by router process: its last counters
         self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
 
     def start(self, t0: float) -> None:
@@ -767,17 +768,20 @@ class Sampler:
     def _router_counters(self, counters: dict[str, int]) -> None:
         """Keep the router's counters per incarnation (a restarted router counts from 0)."""
         pid = self.fleet.router_pid()
-        if self.routers:
-            last_pid, last = self.routers[-1]
-            if pid == last_pid and counters.get("received", 0) >= last.get("received", 0):
-                self.routers[-1] = (pid, counters)
-                return
-        self.routers.append((pid, counters))
+        if pid is not None:  # else between two incarnations: the next sample has it
+            self.routers[pid] = counters  # counts only grow within one
 
     def router_totals(self) -> Counter[str]:
+        """The fleet-wide counters over the router's incarnations: the router's own
+        (ROUTER_OWN) added up, each counting from 0; the caller's the largest any
+        incarnation held (a restarted router takes a running caller's totals whole)."""
         totals: Counter[str] = Counter()
-        for _, counters in self.routers:
-            totals.update(counters)
+        for counters in self.routers.values():
+            for key, value in counters.items():
+                if key in ROUTER_OWN:
+                    totals[key] += value
+                else:
+                    totals[key] = max(totals[key], value)
         return totals
 
     def wait_healthy(self, deadline: float) -> list[str]:

@@ -267,9 +267,11 @@ def _events(f: Figures) -> list[str]:
         shown = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in keys)
         more = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in ("unresponsive", "restarted"))
         out += [
-            f"Fleet counters (what callers handed to the router, and the router's own), added "
-            f"up over the {f.routers} router processes seen: {shown}; {more}. Approximate: "
-            "what a router held when it was killed, since the last sample, is not counted.",
+            f"Fleet counters over the {f.routers} router processes seen: {shown}; {more}. "
+            "What the caller handed to the router (received ... shed) are its totals, the "
+            "largest a router process held; the router's own (nodes_lost, rejoined, "
+            "unresponsive, restarted) are added up over its processes. Approximate: what a "
+            "router counted since the last sample before it was killed is not counted.",
             "",
         ]
     return out

@@ -72,6 +72,7 @@ UNREACHABLE_FIRST_WAIT_S = 0.05  # asking a node out of reach again: first wait.
 UNREACHABLE_MAX_WAIT_S = 1.0  # ...doubling up to this, with jitter
 PIPELINE_WAIT_S = 1.0  # Dispatcher.pipeline waits for answers in slices of at most this
 TIMEOUT_POLL_S = 0.01  # ...and past a request's timeout_s, for the watch to give it up
+STREAM_TIMEOUT_SLICE_S = 0.1  # a stream with a timeout_s waits for its items in these
 # A node in one of these states refuses new work: placement passes it over.
 _TAKES_NO_WORK = frozenset(
     {NodeState.DRAINING, NodeState.DRAINED, NodeState.STOPPED, NodeState.STARTING, NodeState.STUCK}
@@ -982,6 +983,8 @@ class Dispatcher:
         if deadline is not None:
             due = min(due, self._clock.now() + max(0.0, deadline - time.time()))
         wait_s = min(PIPELINE_WAIT_S, budget)
+        if attempt.give_up_at != math.inf:  # a silence past the timeout ends it promptly
+            wait_s = min(wait_s, STREAM_TIMEOUT_SLICE_S)
         for item in entry.handle.generate(request, wait_s):  # type: ignore[arg-type]
             now = self._clock.now()
             if now >= attempt.give_up_at:

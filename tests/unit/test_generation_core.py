@@ -317,6 +317,18 @@ def test_a_generation_still_streaming_at_its_timeout_ends_timed_out(lm_fleet):
     assert stream.result is not None and stream.result.tokens == tuple(stream.tokens)
 
 
+def test_a_silent_generation_ends_timed_out_when_its_timeout_passes(lm_fleet):
+    f = lm_fleet(("a",))
+    f.handles["a"].frozen = True  # nothing comes: the stream waits in slices
+    request = GenerateRequest("lm", tuple(range(5, 25)), 8)
+    started = time.monotonic()
+    stream = TokenStream(request.id, f.dispatcher.stream(request, timeout_s=0.3))
+    with pytest.raises(TimedOut):
+        stream.collect()
+    assert time.monotonic() - started < 0.6  # not at the end of a second's wait
+    f.handles["a"].frozen = False
+
+
 def test_generation_result_unwrap():
     ok = GenerationResult("r", "n", (1, 2), finish_reason="length")
     assert ok.unwrap() == (1, 2)
