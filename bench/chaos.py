@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import math
@@ -101,6 +102,7 @@ SAMPLE_EVERY_S = 2.0  # memory and health samples
 PROGRESS_EVERY_S = 5.0
 ROUTER_OWN = ("joined", "rejoined", "nodes_lost", "unresponsive", "restarted")  # not the callers'
 LOSS_POLL_S = 0.05  # how often the caller's view of its nodes is looked at
+GC_FREEZE_EVERY_S = 5.0
 DRAIN_S = 45.0  # after the load: the longest wait for answers still out
 RECOVER_S = 30.0  # then the longest wait for every node to serve again
 
@@ -1226,9 +1228,16 @@ def _load_and_chaos(parts: Parts, figures: Figures, ledger: Ledger, refs: Refere
     controller.start(began, options.seconds, options.kill_every_s)
     sampler.start(began)
     losses.start()
+    next_freeze = began
     try:
         while time.monotonic() < began + options.seconds:
             controller.tick()
+            if time.monotonic() >= next_freeze:
+                # The ledger only grows: out of the collector's full passes, which would
+                # stall this process (the caller whose answer times are measured) longer
+                # and longer.
+                gc.freeze()
+                next_freeze += GC_FREEZE_EVERY_S
             time.sleep(0.1)
     except KeyboardInterrupt:
         figures.interrupted = True
@@ -1306,6 +1315,7 @@ def soak(options: Options, argv: Sequence[str] = ()) -> tuple[Figures, str]:
             if parts.load is not None:
                 parts.load.stop.set()
             parts.fleet.shutdown()
+            gc.unfreeze()
         samples = _gather(parts, figures)
         if options.answers is not None:
             ledger.write(options.answers, figures.t_start)

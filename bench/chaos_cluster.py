@@ -54,6 +54,7 @@ from cluster.head import head_processes, kill_head, restart_head, start_head, st
 from cluster.names import NAMESPACE, actor_name, router_name
 from cluster.raylet import kill_raylet, raylet_processes, start_raylet, the_raylet
 from edgefleet.config import parse_config
+from edgefleet.errors import FleetStartError
 from edgefleet.messages import NodeState, NodeStatus
 
 NODES = ("edge-0", "edge-1", "edge-2")
@@ -79,6 +80,7 @@ AIM_S = 2.0  # ...for at most this long
 QUIET_END_S = 12.0  # no event this close to the end: what was hit comes back
 DOWN_S = (4.0, 8.0)  # how long a killed raylet stays away
 HEAD_DOWN_S = (3.0, 6.0)  # how long a killed head stays dead
+HEAD_STARTS = 3  # tries to start it again
 # How long a frozen node's process stays stopped: shorter than lost_after_s; past it
 # (unresponsive); past lost_after_s + restart_after_s (the router kills it).
 NODE_FREEZE_S = (
@@ -91,6 +93,9 @@ RAYLET_FREEZE_S = (("short", (1.5, 3.0)), ("past the health checks", (12.0, 15.0
 # Raylets and drivers wait this long for a head that is down, not Ray's 60 s: a head
 # restart on a busy machine can take longer.
 GCS_RECONNECT = {"RAY_gcs_rpc_server_reconnect_timeout_s": "300"}
+# The head's settings: its health checks, and the time its raylet gets to register
+# (Ray's 10 s is short on a busy machine; restart_head starts it with the same).
+HEAD_ENV = {**HEALTH_CHECKS, "RAY_raylet_start_wait_time_s": "60"}
 EXITED_WITHIN_S = 8.0  # a raylet thawed past the health checks exits by then
 CONTROL_TIMEOUT_S = 10.0
 
@@ -152,7 +157,7 @@ class Fleet:
         if ray.is_initialized():
             ray.shutdown()
         t0 = time.monotonic()
-        self.address = start_head(self.name, 1, redis=self.redis, env=HEALTH_CHECKS)
+        self.address = start_head(self.name, 1, redis=self.redis, env=HEAD_ENV)
         log(f"  head up in {time.monotonic() - t0:.1f} s")
         for name in ([] if self.home in NODES else [CLIENT]) + list(NODES):
             self.add_raylet(name)  # one at a time: a GCS on a busy machine times out
@@ -508,8 +513,18 @@ class Controller:
         return event
 
     def _restart_head(self, event: Event) -> None:
+        """Start the head again; as an operator would, once more when a start fails (on
+        a busy machine its raylet may not register in time)."""
         try:
-            self.fleet.restart_head()
+            for attempt in range(1, HEAD_STARTS + 1):
+                try:
+                    self.fleet.restart_head()
+                    break
+                except FleetStartError as exc:
+                    log(f"chaos: starting the head again failed: {str(exc)[:300]}")
+                    if attempt == HEAD_STARTS:
+                        raise
+                    event.note += f"; start {attempt} failed, started again"
             event.back_at = time.time()
             log(f"chaos: head started again ({event.back_at - event.at:.1f} s after the kill)")
         finally:
