@@ -589,6 +589,7 @@ class _ViewFeed:
                 self.failures += 1
                 if self.failures == 1:
                     log.warning("the fleet view could not be refreshed (%s); retrying", exc)
+                self._dispatcher.revive()  # no router to say a lost node is back: ask it
                 backoff = min(self._timeout, self._interval * 2**self.failures)
                 delay = backoff * (0.5 + jitter.random())
                 continue

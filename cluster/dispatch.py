@@ -665,6 +665,24 @@ class Dispatcher:
             entry = self._nodes.get(name)
         return None if entry is None else entry.handle
 
+    def revive(self) -> list[str]:
+        """Probe the nodes this caller took out of service and take back those that
+        answer (each probe bounded by ``router.probe_timeout_s``); their names. For when
+        the router cannot say so (its head is down): a node lost to a missed probe
+        otherwise comes back only with a router report taken after the loss."""
+        with self._lock:
+            lost = [e for e in self._nodes.values() if e.lost_at is not None]
+        back = []
+        for entry in lost:
+            if entry.handle.probe([], self.config.router.probe_timeout_s) is not None:
+                with self._lock:
+                    if entry.lost_at is not None:
+                        entry.lost_at = None
+                        entry.healthy = True
+                        entry.answered_at = self._clock.now()
+                        back.append(entry.name)
+        return back
+
     def healthy(self) -> dict[str, bool]:
         with self._lock:
             return {n: e.healthy for n, e in self._nodes.items()}

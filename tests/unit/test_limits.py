@@ -350,3 +350,15 @@ def test_a_caller_keeps_a_node_it_hears_from_whatever_a_restarted_or_slow_router
     time.sleep(f.config.router.lost_after_s)
     d.update(FleetView({"a": NodeReport(status, False, 5.0)}))
     assert not d.healthy()["a"]
+
+
+def test_a_caller_takes_back_a_lost_node_that_answers_when_no_router_can_say_so(fleet):
+    f = fleet(cost_s=0.02, placement={"picker": "best", "shed": {}})
+    f.handles["a"].frozen = True
+    replies = [f.dispatcher.submit(req(f"v{i}")).result(60) for i in range(4)]
+    assert all(r.error is None for r in replies)
+    assert not f.dispatcher.healthy()["a"]  # it missed a probe: out of this caller's service
+    assert f.dispatcher.revive() == []  # still frozen: it stays out
+    f.handles["a"].frozen = False
+    assert f.dispatcher.revive() == ["a"]  # it answers: back, with no router report
+    assert f.dispatcher.healthy()["a"]
