@@ -167,12 +167,13 @@ def test_a_device_lost_under_load_answers_each_request_once_and_comes_back(pool_
     futures = []
     stop = threading.Event()
 
-    def load() -> None:  # about 30 requests/s until told to stop
+    def load() -> None:  # bursts of 9, about 30 requests/s, until told to stop
         i = 0
-        while not stop.is_set():
-            futures.append(client.submit("slow10", feed, request_id=f"load-{i}"))
-            i += 1
-            time.sleep(0.03)
+        while not stop.is_set():  # a burst outlasts one node's turn: each gets some
+            for _ in range(9):
+                futures.append(client.submit("slow10", feed, request_id=f"load-{i}"))
+                i += 1
+            time.sleep(0.3)
 
     before = client.status()
     pid = before.node("cams/cam-1").pid
@@ -181,7 +182,7 @@ def test_a_device_lost_under_load_answers_each_request_once_and_comes_back(pool_
     try:
         entry = client._dispatcher._nodes["cams/cam-1"]
         end = time.monotonic() + 60
-        while not entry.inflight:  # a request there now (each is there for a few ms)
+        while not entry.inflight:  # a request there now (each burst leaves some for 30 ms+)
             assert time.monotonic() < end, "cam-1 was sent nothing"
             time.sleep(0.002)
         # The device dies: its raylet and the node's process, at once.
