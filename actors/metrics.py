@@ -102,8 +102,8 @@ PAUSED = _gauge(
 NODE_STATE = _gauge(
     "edgefleet_node_state",
     (*_NODE, "state"),
-    "1 for the node's current service state (starting, serving, draining, drained, stopped, "
-    "failed)",
+    "1 for the node's current service state (starting, serving, draining, drained, stuck, "
+    "failed, stopped)",
 )
 NODE_LIFECYCLE = _gauge(
     "edgefleet_node_lifecycle",
@@ -206,19 +206,19 @@ MODEL_LOAD_SECONDS = _histogram(
 ROUTER_REQUESTS = _counter(
     "edgefleet_router_requests_total",
     ("fleet", "priority", "outcome"),
-    "Answers the router gave callers, by outcome (completed, or the error: rejected, "
-    "evicted, nodelost, invalidinput, ...)",
+    "Answers callers got, by outcome (completed, or the error: rejected, evicted, nodelost, "
+    "deadlineexceeded, invalidinput, ...)",
 )
 ROUTER_LATENCY = _histogram(
     "edgefleet_router_latency_seconds",
     ("fleet", "priority", "model"),
-    "Router receipt to answer of completed requests, spills included (the caller's view)",
+    "Placement to answer of completed requests, in the caller, spills included",
     LATENCY_BUCKETS,
 )
 ROUTER_SPILLED = _counter(
     "edgefleet_router_spilled_total",
     ("fleet", "priority"),
-    "Requests a node refused that the router tried on another node",
+    "Node refusals after which the caller tried another node",
 )
 ROUTER_REPLACED = _counter(
     "edgefleet_router_replaced_total",
@@ -231,7 +231,9 @@ ROUTER_SHED = _counter(
     "Low-priority requests refused to keep headroom for urgent work",
 )
 NODE_HEALTHY = _gauge(
-    "edgefleet_node_healthy", _NODE, "1 while the router hears from the node, 0 once it is lost"
+    "edgefleet_node_healthy",
+    _NODE,
+    "1 while the router hears from the node, 0 once it is lost or unresponsive",
 )
 NODES_LOST = _counter("edgefleet_nodes_lost_total", _NODE, "Times the router declared a node lost")
 NODE_UNRESPONSIVE = _gauge(

@@ -102,7 +102,10 @@ class GenerationConfig(_Strict):
 class ModelConfig(_Strict):
     """One model a node can serve."""
 
-    path: Path
+    path: Path = Field(
+        description="the ONNX file, relative to model_dir; it must resolve (symlinks "
+        "followed) inside model_dir"
+    )
     kind: Literal["tensor", "decoder"] = Field(
         "tensor",
         description="'tensor': infer() with named arrays; 'decoder': a causal language "
@@ -117,7 +120,12 @@ class ModelConfig(_Strict):
         description="what the older caller of a replaced duplicate gets: "
         "'supersede' = a Superseded error, 'follow' = the newer request's result",
     )
-    max_input_bytes: int = Field(64 * MiB, ge=1)
+    max_input_bytes: int = Field(
+        64 * MiB,
+        ge=1,
+        description="the most bytes a request's inputs may hold; larger ones get "
+        "InvalidInput before they are queued",
+    )
     reject_non_finite: bool = Field(
         True,
         description="refuse floating-point inputs holding NaN or infinity (InvalidInput "
@@ -127,7 +135,11 @@ class ModelConfig(_Strict):
     memory_mb: float | None = Field(
         None, gt=0, description="memory the loaded model takes; default: estimated at load"
     )
-    warmup: bool = True
+    warmup: bool = Field(
+        True,
+        description="measure the model's cost per batch size when a node starts (the costs "
+        "batching, placement and max_call_s go by); false: nothing measured",
+    )
     max_call_s: float | None = Field(
         None,
         gt=0,
@@ -143,13 +155,26 @@ class ModelConfig(_Strict):
 
 
 class QueueConfig(_Strict):
+    """A node's bounded queue. When it is full, an arrival that outranks the
+    lowest-priority queued request evicts it (Evicted); otherwise the arrival gets
+    Rejected with a retry-after estimate."""
+
     capacity: int = Field(64, ge=1, le=1_000_000, description="queued requests")
     max_bytes: int = Field(256 * MiB, ge=1, description="bytes of queued inputs")
 
 
 class PreemptionConfig(_Strict):
-    enabled: bool = True
-    min_priority_gap: int = Field(5, ge=1, le=10)
+    """When an arrival aborts the engine call in progress (a generation: pauses it at the
+    next token) to run first."""
+
+    enabled: bool = Field(True, description="false: a running call always runs to its end")
+    min_priority_gap: int = Field(
+        5,
+        ge=1,
+        le=10,
+        description="an arrival preempts only a call whose priority is at least this much "
+        "lower than its own",
+    )
 
 
 class StarvationClass(_Strict):
@@ -231,9 +256,16 @@ def _default_token_budget() -> dict[Lifecycle, dict[str, float]]:
 
 
 class NodeDefaults(_Strict):
+    """Settings of every node; a node of ``nodes:`` or a pool may override some."""
+
     queue: QueueConfig = QueueConfig()
     preemption: PreemptionConfig = PreemptionConfig()
-    memory_budget_mb: float = Field(2048, gt=0)
+    memory_budget_mb: float = Field(
+        2048,
+        gt=0,
+        description="memory for resident models; past it the least recently used model "
+        "is unloaded to make room for one loaded on demand",
+    )
     kv_budget_mb: float = Field(
         256,
         gt=0,
@@ -287,18 +319,34 @@ class _NodeSettings(_Strict):
     """What a node (``nodes:``) or every member of a pool (``pools:``) may set for itself;
     unset: the node defaults."""
 
-    name: str = Field(pattern=NAME_PATTERN)
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="the node's name (a pool's: its members are named POOL/DEVICE)",
+    )
     models: list[str] | None = Field(None, description="default: every model in the file")
-    queue: QueueConfig | None = None
-    preemption: PreemptionConfig | None = None
-    memory_budget_mb: float | None = Field(None, gt=0)
-    kv_budget_mb: float | None = Field(None, gt=0)
-    order: Literal["priority", "fifo"] | None = None
-    starvation: StarvationConfig | None = None
-    num_cpus: float | None = Field(None, ge=0)
+    queue: QueueConfig | None = Field(None, description="default: node_defaults.queue")
+    preemption: PreemptionConfig | None = Field(
+        None, description="default: node_defaults.preemption"
+    )
+    memory_budget_mb: float | None = Field(
+        None, gt=0, description="default: node_defaults.memory_budget_mb"
+    )
+    kv_budget_mb: float | None = Field(
+        None, gt=0, description="default: node_defaults.kv_budget_mb"
+    )
+    order: Literal["priority", "fifo"] | None = Field(
+        None, description="default: node_defaults.order"
+    )
+    starvation: StarvationConfig | None = Field(
+        None, description="replaces node_defaults.starvation; default: node_defaults.starvation"
+    )
+    num_cpus: float | None = Field(None, ge=0, description="default: node_defaults.num_cpus")
 
 
 class NodeConfig(_NodeSettings):
+    """One node of a fixed list: a node actor, placed on a machine that offers its
+    ``resources`` and carries its ``labels``."""
+
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources the node actor needs: pins it to matching machines",
@@ -331,12 +379,22 @@ class PoolConfig(_NodeSettings):
 
 
 class LocalConfig(_Strict):
+    """The embedded default: a Ray cluster on 127.0.0.1 started by ``demo``, ``up``
+    without ``--address`` and ``FleetClient.local``."""
+
     nodes: int = Field(1, ge=1, le=64, description="simulated nodes when `nodes:` is empty")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of the embedded Ray cluster")
 
 
 class FleetMeta(_Strict):
-    name: str = Field("edgefleet", pattern=NAME_PATTERN)
+    """The fleet's identity."""
+
+    name: str = Field(
+        "edgefleet",
+        pattern=NAME_PATTERN,
+        description="names the fleet's actors and the `fleet` label of its metrics; "
+        "commands find a running fleet by it (--fleet)",
+    )
 
 
 class PlacementConfig(PipelineParams):
@@ -389,6 +447,9 @@ class MembershipConfig(_Strict):
 
 
 class RouterConfig(_Strict):
+    """The fleet's router (membership, health, the fleet view) and how callers place,
+    spill and bound their requests."""
+
     placement: PlacementConfig = PlacementConfig()
     max_attempts: int = Field(3, ge=1, le=64, description="nodes tried per request")
     report_interval_s: float = Field(0.5, gt=0, le=60, description="node status polling")
@@ -423,7 +484,7 @@ class RouterConfig(_Strict):
         "again in place (its requests follow the node-loss rules); null: never",
     )
     membership: MembershipConfig = MembershipConfig()
-    num_cpus: float = Field(0, ge=0)
+    num_cpus: float = Field(0, ge=0, description="Ray CPUs reserved for the router actor")
     resources: dict[str, float] = Field(
         default_factory=dict, description="Ray custom resources: pins the router to a machine"
     )
@@ -495,19 +556,30 @@ class NodeSpec(_Strict):
 
 
 class FleetConfig(_Strict):
+    """A fleet file: its models, its nodes (a fixed list and/or pools that follow the Ray
+    cluster), the router and the Ray cluster it runs on."""
+
     fleet: FleetMeta = FleetMeta()
     local: LocalConfig = LocalConfig()
-    priorities: dict[str, int] = Field(default_factory=lambda: dict(DEFAULT_PRIORITIES))
+    priorities: dict[str, int] = Field(
+        default_factory=lambda: dict(DEFAULT_PRIORITIES),
+        description="priority class -> priority (0-10, higher runs first); requests name a "
+        "class or give an integer",
+    )
     model_dir: Path | None = Field(
         None, description="models must live under this folder; default: the YAML's folder"
     )
     models: dict[str, ModelConfig]
     node_defaults: NodeDefaults = NodeDefaults()
-    nodes: list[NodeConfig] = Field(default_factory=list)
+    nodes: list[NodeConfig] = Field(
+        default_factory=list,
+        description="a fixed list of nodes; with neither nodes nor pools, local.nodes "
+        "identical nodes",
+    )
     pools: list[PoolConfig] = Field(
         default_factory=list,
         description="nodes started on every Ray node whose labels match, as such nodes "
-        "join the cluster (see README, A fleet of devices)",
+        "join the cluster (see docs/operations.md, A fleet of devices)",
     )
     router: RouterConfig = RouterConfig()
     ray: RayClusterConfig = RayClusterConfig()
