@@ -60,6 +60,7 @@ from edgefleet.messages import (
     Reply,
     TokenChunk,
 )
+from edgefleet.priorities import MAX_PRIORITY, check_priority
 from edgefleet.request import (
     GenerateRequest,
     IllegalTransition,
@@ -123,7 +124,7 @@ class NodeRuntime:
         self._gens = NodeGenerations(spec, self._clock, self._counters)
         self._preempted: set[str] = set()  # generations paused for more urgent work
         # Generations below this priority are ones the top class may preempt: bulk work
-        self._bulk_below = max(spec.priorities.values(), default=10) - (
+        self._bulk_below = max(spec.priorities.values(), default=MAX_PRIORITY) - (
             spec.preemption.min_priority_gap - 1
         )
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
@@ -469,9 +470,7 @@ class NodeRuntime:
             info.config.max_input_bytes,
             finite=info.config.reject_non_finite,
         )
-        priority = request.priority
-        if not 0 <= priority <= 10:
-            raise InvalidInput(f"priority must be 0-10, got {priority}")
+        priority = check_priority(request.priority)
         now = self._clock.now()
         deadline = None
         if request.deadline_unix is not None:

@@ -31,7 +31,8 @@ from edgefleet.errors import (
     Superseded,
 )
 from edgefleet.messages import RunningStatus
-from edgefleet.request import MAX_PRIORITY, MIN_PRIORITY, Request, RequestState
+from edgefleet.priorities import MAX_PRIORITY, MIN_PRIORITY
+from edgefleet.request import Request, RequestState
 from policies import (
     Admit,
     BatchParams,

@@ -36,14 +36,8 @@ from cluster.nodes import RayNode
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
-from edgefleet.request import (
-    GenerateRequest,
-    InferRequest,
-    check_text,
-    new_request_id,
-    resolve_priority,
-    token_ids,
-)
+from edgefleet.priorities import resolve_priority
+from edgefleet.request import GenerateRequest, InferRequest, check_text, new_request_id, token_ids
 
 __all__ = ["FleetClient", "FleetStatus", "TokenStream"]
 

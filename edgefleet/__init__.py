@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from edgefleet import errors
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.request import DEFAULT_PRIORITIES, RequestState
+from edgefleet.priorities import DEFAULT_PRIORITIES
+from edgefleet.request import RequestState
 
 if TYPE_CHECKING:
     from cluster.client import FleetClient, FleetStatus

@@ -17,8 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edgefleet.errors import ConfigError, ModelNotFound
 from edgefleet.labels import Selector, parse_selector
-from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
-from policies.placement.registry import PipelineParams, PlacementParams
+from edgefleet.priorities import (
+    DEFAULT_PRIORITIES,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    PRIORITY_RANGE,
+    is_priority,
+)
+from policies.placement.registry import DEFAULT_SHED, PipelineParams, PlacementParams
 from policies.starvation import ClassBound, StarvationParams
 
 MiB = 1024 * 1024
@@ -149,7 +155,7 @@ class QueueConfig(_Strict):
 
 class PreemptionConfig(_Strict):
     enabled: bool = True
-    min_priority_gap: int = Field(5, ge=1, le=10)
+    min_priority_gap: int = Field(5, ge=1, le=MAX_PRIORITY - MIN_PRIORITY)
 
 
 class StarvationClass(_Strict):
@@ -344,7 +350,7 @@ class PlacementConfig(PipelineParams):
     shedding limits by priority class, and the seed of each caller's random choices."""
 
     shed: dict[str, float] = Field(
-        default_factory=lambda: {"background": 0.75, "offline": 0.5},
+        default_factory=lambda: dict(DEFAULT_SHED),
         description="priority class -> largest queue occupancy (0-1] that work of that "
         "priority or lower may fill on a node; keeps headroom for urgent work",
     )
@@ -534,8 +540,8 @@ class FleetConfig(_Strict):
     @classmethod
     def _priority_range(cls, v: dict[str, int]) -> dict[str, int]:
         for name, value in v.items():
-            if not MIN_PRIORITY <= value <= MAX_PRIORITY:
-                raise ValueError(f"priority class {name!r} is {value}; allowed 0-10")
+            if not is_priority(value):
+                raise ValueError(f"priority class {name!r} is {value}; allowed {PRIORITY_RANGE}")
         return v
 
     @model_validator(mode="after")

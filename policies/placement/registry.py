@@ -11,10 +11,15 @@ from collections.abc import Callable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from edgefleet.priorities import DEFAULT_PRIORITIES
 from policies.placement.base import Filter, Picker, Placement, Scorer
 from policies.placement.filters import Healthy, ServesModel, ShedBelowPriority
 from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin, Uniform
 from policies.placement.scorers import ExpectedCompletion, ModelLoad, SessionAffinity
+
+# Priority class -> the largest queue occupancy that work of that class or lower may
+# fill on a node (``router.placement.shed``), unless the configuration says otherwise.
+DEFAULT_SHED: Mapping[str, float] = {"background": 0.75, "offline": 0.5}
 
 
 class PipelineParams(BaseModel):
@@ -88,7 +93,7 @@ class PlacementParams(PipelineParams):
     """The pipeline's parameters with shedding limits by integer priority."""
 
     shed: dict[int, float] = Field(
-        default_factory=lambda: {3: 0.75, 0: 0.5},
+        default_factory=lambda: {DEFAULT_PRIORITIES[c]: f for c, f in DEFAULT_SHED.items()},
         description="priority -> largest queue occupancy work at or below it may fill",
     )
 
