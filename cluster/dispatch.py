@@ -51,6 +51,7 @@ from edgefleet.errors import (
 )
 from edgefleet.messages import GenerationResult, NodeState, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest, input_rows
+from policies.costs import UNTIMED_ROW_COST
 from policies.placement import (
     NodeView,
     PlacementRequest,
@@ -1138,7 +1139,7 @@ class Dispatcher:
             waits = []
             for e in entries:
                 view = e.view(now, self._unseen_per_s)
-                per_row = max(view.row_cost_s.values(), default=0.005)
+                per_row = max(view.row_cost_s.values(), default=UNTIMED_ROW_COST.caller_s)
                 excess = sum(view.work.values()) + view.unseen + 1 - int(limit * view.capacity)
                 waits.append((view.running_left_s + max(1, excess) * per_row, per_row))
             first, per_row = min(waits)

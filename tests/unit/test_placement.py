@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from policies.costs import UNTIMED_ROW_COST
 from policies.placement import (
     PICKERS,
     PLACEMENT_POLICIES,
@@ -32,7 +33,7 @@ def node(name, work=None, **kw):
     kw.setdefault("loaded", frozenset({"m"}))
     kw.setdefault("row_cost_s", {"m": 0.010})
     work = work or {}
-    per_row = kw["row_cost_s"].get("m", 0.005)
+    per_row = kw["row_cost_s"].get("m", UNTIMED_ROW_COST.caller_s)
     kw.setdefault("backlog_s", {p: n * per_row for p, n in work.items()})
     return NodeView(name=name, work=work, **kw)
 
