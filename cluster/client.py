@@ -34,7 +34,7 @@ from cluster.dispatch import Dispatcher, FleetView, NodeGone, NodeReport
 from cluster.names import NAMESPACE, actor_name, node_actor_name
 from cluster.nodes import RayNode
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost, TimedOut
+from edgefleet.errors import InvalidInput, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.priorities import resolve_priority
 from edgefleet.request import GenerateRequest, InferRequest, check_text, new_request_id, token_ids
@@ -73,7 +73,6 @@ class FleetClient:
         self._nodes = dict(nodes)
         self._owns_fleet = owns_fleet
         self._owns_ray = owns_ray
-        self._served = config.served_models()
         fleet = config.fleet.name
         handles = {
             name: RayNode(actor_name(fleet, name), NAMESPACE, actor)
@@ -469,9 +468,9 @@ class FleetClient:
         raise AssertionError("unreachable")
 
     def _check_model(self, model: str) -> None:
-        if model not in self._served:
-            known = ", ".join(sorted(self._served)) or "none"
-            raise ModelNotFound(f"no node serves model {model!r}; the fleet serves: {known}")
+        error = self._dispatcher.unknown_model(model)
+        if error is not None:
+            raise error
 
     def _node(self, name: str) -> ActorHandle:
         """A node's actor: one of ``nodes:``, or a pool member in the fleet now."""

@@ -371,6 +371,10 @@ def test_every_node_lost_or_unknown_model(fleet):
     unknown = f.infer(InferRequest(model="zzz", inputs=x(1.0)))
     assert isinstance(unknown.error, ModelNotFound)
     assert "the fleet serves: m" in str(unknown.error)
+    # The client asks the same question before it builds a request.
+    assert f.dispatcher.unknown_model("m") is None
+    asked = f.dispatcher.unknown_model("zzz")
+    assert str(asked) == str(unknown.error) and asked.request_id is None
 
 
 def test_shed_clients_are_told_to_come_back_in_turn(fleet):
