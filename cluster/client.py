@@ -413,19 +413,12 @@ class FleetClient:
         """Fresh reports from every reachable node, with the fleet-wide counters (this
         client's included)."""
         counted = dict(self._dispatcher.counted())
-        rs = self._ask_router("status", timeout_s, self._caller, counted)
-        fresh = {n.name: NodeReport(n, rs.healthy.get(n.name, False), 0.0) for n in rs.nodes}
+        status: FleetStatus = self._ask_router("status", timeout_s, self._caller, counted)
+        fresh = {
+            n.name: NodeReport(n, status.healthy.get(n.name, False), 0.0) for n in status.nodes
+        }
         self._dispatcher.update(FleetView(fresh))  # place on these fresh reports too
-        return FleetStatus(
-            rs.fleet,
-            rs.nodes,
-            rs.healthy,
-            rs.counters,
-            rs.callers,
-            rs.placement,
-            rs.unresponsive,
-            rs.pools,
-        )
+        return status
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""

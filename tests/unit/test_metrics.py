@@ -23,11 +23,10 @@ from actors.metrics import (
 )
 from actors.node import NodeRuntime
 from cluster import dashboard
-from cluster.client import FleetStatus
 from cluster.metrics import OverviewWindow, RouterMetrics
 from edgefleet.config import parse_config
 from edgefleet.errors import Rejected
-from edgefleet.messages import NodeStatus
+from edgefleet.messages import FleetStatus, NodeStatus
 from edgefleet.priorities import DEFAULT_PRIORITIES
 from edgefleet.request import InferRequest
 from tests.fakes import FakeLoader, LocalFleet, fake_spec, x
