@@ -68,7 +68,6 @@ from edgefleet.request import (
     Request,
     RequestState,
 )
-from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
 
 S = RequestState
 log = logging.getLogger(__name__)
@@ -103,13 +102,7 @@ class NodeRuntime:
         self._trace = None if spec.trace_dir is None else NodeTrace(spec.trace_dir, spec.name)
         self._clock = clock or MonotonicClock()
         self._models = ModelManager(spec.models, spec.memory_budget_mb, loader or load_onnx)
-        self._sched = LocalScheduler(
-            clock=self._clock,
-            limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
-            order=QUEUE_ORDERS[spec.order](),
-            preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
-            starvation=spec.starvation.params(spec.priorities),
-        )
+        self._sched = LocalScheduler.for_node(spec, self._clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
         # The loop and the engine thread (starting the next call itself) both drive the

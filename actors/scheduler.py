@@ -34,6 +34,7 @@ from edgefleet.messages import RunningStatus
 from edgefleet.priorities import MAX_PRIORITY, MIN_PRIORITY
 from edgefleet.request import Request, RequestState
 from policies import (
+    QUEUE_ORDERS,
     Admit,
     BatchParams,
     Candidate,
@@ -53,7 +54,7 @@ from policies.starvation import StarvationParams, promote
 from policies.views import ArrivalView
 
 if TYPE_CHECKING:
-    from edgefleet.config import ModelConfig
+    from edgefleet.config import ModelConfig, NodeSpec
 
 S = RequestState
 DRAIN_RETRY_S = 1.0  # a draining node will not take work again soon: try elsewhere
@@ -232,6 +233,22 @@ class LocalScheduler:
         self._served: deque[tuple[float, int, float]] = deque()  # (end, priority, seconds)
         self._served_sum: dict[int, float] = {}  # the sums of ``_served`` by priority
         self.draining = False
+
+    @classmethod
+    def for_node(
+        cls, spec: NodeSpec, clock: Clock, rules: Mapping[str, ModelRules] | None = None
+    ) -> LocalScheduler:
+        """The scheduler of the node ``spec`` describes (its queue limits and order,
+        preemption and starvation bounds), on ``clock``: the node's and the simulated
+        node's alike."""
+        return cls(
+            clock=clock,
+            limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
+            order=QUEUE_ORDERS[spec.order](),
+            preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
+            rules=rules,
+            starvation=spec.starvation.params(spec.priorities),
+        )
 
     # ----------------------------------------------------------------- configuration
 
