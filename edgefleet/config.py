@@ -24,6 +24,8 @@ from edgefleet.priorities import (
     PRIORITY_RANGE,
     is_priority,
 )
+from policies.budget import Lifecycle
+from policies.ordering import QueueOrderName
 from policies.placement.registry import DEFAULT_SHED, PipelineParams, PlacementParams
 from policies.starvation import ClassBound, StarvationParams
 
@@ -229,9 +231,6 @@ class StarvationConfig(_Strict):
         )
 
 
-Lifecycle = Literal["foreground", "background"]
-
-
 def _default_token_budget() -> dict[Lifecycle, dict[str, float]]:
     return {"background": {"background": 0.25, "offline": 0.25}}
 
@@ -252,7 +251,7 @@ class NodeDefaults(_Strict):
         "(0-1); unlisted classes get all of it",
     )
     lifecycle: Lifecycle = Field("foreground", description="the state a node starts in")
-    order: Literal["priority", "fifo"] = Field(
+    order: QueueOrderName = Field(
         "priority", description="queue discipline; 'fifo' ignores priorities (a baseline)"
     )
     starvation: StarvationConfig = StarvationConfig()
@@ -299,7 +298,7 @@ class _NodeSettings(_Strict):
     preemption: PreemptionConfig | None = None
     memory_budget_mb: float | None = Field(None, gt=0)
     kv_budget_mb: float | None = Field(None, gt=0)
-    order: Literal["priority", "fifo"] | None = None
+    order: QueueOrderName | None = None
     starvation: StarvationConfig | None = None
     num_cpus: float | None = Field(None, ge=0)
 
@@ -487,7 +486,7 @@ class NodeSpec(_Strict):
     kv_budget_mb: float = 256
     token_budget: dict[Lifecycle, dict[str, float]] = Field(default_factory=dict)
     lifecycle: Lifecycle = "foreground"
-    order: Literal["priority", "fifo"] = "priority"
+    order: QueueOrderName = "priority"
     starvation: StarvationConfig = StarvationConfig()
     num_cpus: float = 0
     resources: dict[str, float] = Field(default_factory=dict)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from edgefleet.priorities import DEFAULT_CLASSES, MIN_PRIORITY, class_of
 
-LIFECYCLE_STATES = ("foreground", "background")
+Lifecycle = Literal["foreground", "background"]
+LIFECYCLE_STATES: tuple[Lifecycle, ...] = get_args(Lifecycle)
 
 
 @dataclass(frozen=True)

@@ -58,9 +58,10 @@ from pydantic import (
     model_validator,
 )
 
-from edgefleet.config import Lifecycle, _format_errors, _Strict, _where, read_yaml
+from edgefleet.config import _format_errors, _Strict, _where, read_yaml
 from edgefleet.errors import ConfigError
 from edgefleet.priorities import DEFAULT_PRIORITIES, PRIORITY_RANGE, is_priority
+from policies.budget import Lifecycle
 
 _CHUNK = 16_384  # candidate arrivals drawn per NumPy call
 

@@ -10,7 +10,7 @@ import pytest
 from policies.costs import UNTIMED_ROW_COST
 from policies.placement import (
     PICKERS,
-    PLACEMENT_POLICIES,
+    POLICIES,
     SCORERS,
     NodeView,
     PlacementParams,
@@ -18,6 +18,7 @@ from policies.placement import (
     ShedBelowPriority,
     drain,
     make_placement,
+    placement_policies,
 )
 from policies.placement.filters import Healthy, ServesModel
 from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin
@@ -253,8 +254,15 @@ def test_pipelines_are_built_from_named_plugins():
         PlacementParams(picker="first")
 
 
+def test_the_policy_names_come_from_the_registry():
+    assert placement_policies() == tuple(POLICIES)
+    assert placement_policies()[0] == PlacementParams().policy  # the default first
+    described = PlacementParams.model_fields["policy"].description or ""
+    assert all(name in described for name in placement_policies())
+
+
 CONFORMANCE = (
-    [PlacementParams(policy=name) for name in sorted(PLACEMENT_POLICIES)]
+    [PlacementParams(policy=name) for name in sorted(placement_policies())]
     + [PlacementParams(picker=picker) for picker in sorted(PICKERS)]
     + [PlacementParams(scorers={name: 1.0}) for name in sorted(SCORERS)]
 )
