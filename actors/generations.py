@@ -19,6 +19,7 @@ from actors.models import ModelInfo
 from edgefleet.clock import Clock
 from edgefleet.config import MiB, NodeSpec
 from edgefleet.errors import InvalidInput
+from edgefleet.priorities import check_priority
 from edgefleet.request import GenerateRequest, Request
 from policies.budget import LIFECYCLE_STATES, TokenBudgets, token_limit
 from policies.kv import CacheView, KVAction, plan_kv_release
@@ -50,8 +51,7 @@ class NodeGenerations:
         problem, for a request the model cannot run."""
         if info.config.kind != "decoder":
             raise InvalidInput(f"model {request.model!r} is not a decoder: use infer()")
-        if not 0 <= request.priority <= 10:
-            raise InvalidInput(f"priority must be 0-10, got {request.priority}")
+        check_priority(request.priority)
         settings = info.config.generation
         check_generation(
             request,

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.messages import LATENCY_BUCKETS, MetricsSummary, NodeState, NodeStatus
-from edgefleet.request import DEFAULT_PRIORITIES, TERMINAL_STATES, RequestState
+from edgefleet.priorities import DEFAULT_PRIORITIES, PRIORITIES, class_name
+from edgefleet.request import TERMINAL_STATES, RequestState
 from policies.budget import LIFECYCLE_STATES
 
 if TYPE_CHECKING:
@@ -405,17 +406,6 @@ def default_sink() -> Sink:
 # --------------------------------------------------------------------- recorders
 
 
-def priority_label(priority: int, classes: Mapping[str, int]) -> str:
-    """The class a priority belongs to: the highest class at or below it (the lowest
-    class for a priority below all of them)."""
-    if not classes:
-        return str(priority)
-    below = [(value, name) for name, value in classes.items() if value <= priority]
-    if below:
-        return max(below)[1]
-    return min((value, name) for name, value in classes.items())[1]
-
-
 class Recorder:
     """Shared plumbing: fixed labels, priority labels, records that cannot fail, and
     counters and histograms kept back and recorded in batches.
@@ -438,7 +428,7 @@ class Recorder:
     ) -> None:
         self._base = dict(base)
         self._classes = dict(priorities) or dict(DEFAULT_PRIORITIES)
-        self._labels = {p: priority_label(p, self._classes) for p in range(0, 11)}
+        self._labels = {p: class_name(p, self._classes) for p in PRIORITIES}
         self._sink = sink if sink is not None else default_sink()
         self.errors = 0  # records that failed and were dropped
         if flush_s is None:
@@ -457,7 +447,7 @@ class Recorder:
         return tuple(sorted(self._classes, key=lambda n: -self._classes[n]))
 
     def label(self, priority: int) -> str:
-        return self._labels.get(priority) or priority_label(priority, self._classes)
+        return self._labels.get(priority) or class_name(priority, self._classes)
 
     def zero(self, metric: MetricDef, **choices: Iterable[str]) -> None:
         """Record ``metric`` at zero for every combination of the label values in

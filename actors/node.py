@@ -60,6 +60,7 @@ from edgefleet.messages import (
     Reply,
     TokenChunk,
 )
+from edgefleet.priorities import MAX_PRIORITY, check_priority
 from edgefleet.request import (
     GenerateRequest,
     IllegalTransition,
@@ -67,7 +68,6 @@ from edgefleet.request import (
     Request,
     RequestState,
 )
-from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits
 
 S = RequestState
 log = logging.getLogger(__name__)
@@ -102,13 +102,7 @@ class NodeRuntime:
         self._trace = None if spec.trace_dir is None else NodeTrace(spec.trace_dir, spec.name)
         self._clock = clock or MonotonicClock()
         self._models = ModelManager(spec.models, spec.memory_budget_mb, loader or load_onnx)
-        self._sched = LocalScheduler(
-            clock=self._clock,
-            limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
-            order=QUEUE_ORDERS[spec.order](),
-            preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
-            starvation=spec.starvation.params(spec.priorities),
-        )
+        self._sched = LocalScheduler.for_node(spec, self._clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
         # The loop and the engine thread (starting the next call itself) both drive the
@@ -123,7 +117,7 @@ class NodeRuntime:
         self._gens = NodeGenerations(spec, self._clock, self._counters)
         self._preempted: set[str] = set()  # generations paused for more urgent work
         # Generations below this priority are ones the top class may preempt: bulk work
-        self._bulk_below = max(spec.priorities.values(), default=10) - (
+        self._bulk_below = max(spec.priorities.values(), default=MAX_PRIORITY) - (
             spec.preemption.min_priority_gap - 1
         )
         self._waiters: dict[str, asyncio.Future[Reply]] = {}
@@ -469,9 +463,7 @@ class NodeRuntime:
             info.config.max_input_bytes,
             finite=info.config.reject_non_finite,
         )
-        priority = request.priority
-        if not 0 <= priority <= 10:
-            raise InvalidInput(f"priority must be 0-10, got {priority}")
+        priority = check_priority(request.priority)
         now = self._clock.now()
         deadline = None
         if request.deadline_unix is not None:

@@ -31,8 +31,10 @@ from edgefleet.errors import (
     Superseded,
 )
 from edgefleet.messages import RunningStatus
-from edgefleet.request import MAX_PRIORITY, MIN_PRIORITY, Request, RequestState
+from edgefleet.priorities import MAX_PRIORITY, MIN_PRIORITY
+from edgefleet.request import Request, RequestState
 from policies import (
+    QUEUE_ORDERS,
     Admit,
     BatchParams,
     Candidate,
@@ -47,14 +49,14 @@ from policies import (
 )
 from policies.admission import retry_after
 from policies.batching import STOPPED_AFTER_GAPS, preemptible_rows
+from policies.costs import UNTIMED_ROW_COST
 from policies.starvation import StarvationParams, promote
 from policies.views import ArrivalView
 
 if TYPE_CHECKING:
-    from edgefleet.config import ModelConfig
+    from edgefleet.config import ModelConfig, NodeSpec
 
 S = RequestState
-DEFAULT_ROW_COST_S = 0.01  # until the first call of a model has been timed
 DRAIN_RETRY_S = 1.0  # a draining node will not take work again soon: try elsewhere
 # Weight of each call in the running per-row cost: small, so one call slowed by a busy
 # machine does not make the node look slow to placement (noise steers placement badly).
@@ -231,6 +233,22 @@ class LocalScheduler:
         self._served: deque[tuple[float, int, float]] = deque()  # (end, priority, seconds)
         self._served_sum: dict[int, float] = {}  # the sums of ``_served`` by priority
         self.draining = False
+
+    @classmethod
+    def for_node(
+        cls, spec: NodeSpec, clock: Clock, rules: Mapping[str, ModelRules] | None = None
+    ) -> LocalScheduler:
+        """The scheduler of the node ``spec`` describes (its queue limits and order,
+        preemption and starvation bounds), on ``clock``: the node's and the simulated
+        node's alike."""
+        return cls(
+            clock=clock,
+            limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
+            order=QUEUE_ORDERS[spec.order](),
+            preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
+            rules=rules,
+            starvation=spec.starvation.params(spec.priorities),
+        )
 
     # ----------------------------------------------------------------- configuration
 
@@ -633,7 +651,7 @@ class LocalScheduler:
         """Seconds a call led by ``leader`` may take: its model's rows at most, at the
         observed cost per row."""
         rows = max(leader.rows, self.rules(leader.model).batching.max_rows)
-        return rows * self._row_cost.get(leader.model, DEFAULT_ROW_COST_S)
+        return rows * self._row_cost.get(leader.model, UNTIMED_ROW_COST.node_s)
 
     def _observe(self, model: str, row_cost: float) -> None:
         """Time one call into the model's running cost per row: the mean of the calls
@@ -646,7 +664,7 @@ class LocalScheduler:
         ahead = sum(
             r.rows for lane_rank in self._ranks if lane_rank >= rank for r in self._lanes[lane_rank]
         )
-        cost = max(self._row_cost.values(), default=DEFAULT_ROW_COST_S)
+        cost = max(self._row_cost.values(), default=UNTIMED_ROW_COST.node_s)
         left = 0.0
         if self._running is not None:
             expected = self._running.rows * self._row_cost.get(self._running.model, cost)

@@ -34,16 +34,10 @@ from cluster.dispatch import Dispatcher, FleetView, NodeGone, NodeReport
 from cluster.names import NAMESPACE, actor_name, node_actor_name
 from cluster.nodes import RayNode
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import InvalidInput, ModelNotFound, NodeLost, TimedOut
+from edgefleet.errors import InvalidInput, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
-from edgefleet.request import (
-    GenerateRequest,
-    InferRequest,
-    check_text,
-    new_request_id,
-    resolve_priority,
-    token_ids,
-)
+from edgefleet.priorities import resolve_priority
+from edgefleet.request import GenerateRequest, InferRequest, check_text, new_request_id, token_ids
 
 __all__ = ["FleetClient", "FleetStatus", "TokenStream"]
 
@@ -79,7 +73,6 @@ class FleetClient:
         self._nodes = dict(nodes)
         self._owns_fleet = owns_fleet
         self._owns_ray = owns_ray
-        self._served = config.served_models()
         fleet = config.fleet.name
         handles = {
             name: RayNode(actor_name(fleet, name), NAMESPACE, actor)
@@ -420,19 +413,12 @@ class FleetClient:
         """Fresh reports from every reachable node, with the fleet-wide counters (this
         client's included)."""
         counted = dict(self._dispatcher.counted())
-        rs = self._ask_router("status", timeout_s, self._caller, counted)
-        fresh = {n.name: NodeReport(n, rs.healthy.get(n.name, False), 0.0) for n in rs.nodes}
+        status: FleetStatus = self._ask_router("status", timeout_s, self._caller, counted)
+        fresh = {
+            n.name: NodeReport(n, status.healthy.get(n.name, False), 0.0) for n in status.nodes
+        }
         self._dispatcher.update(FleetView(fresh))  # place on these fresh reports too
-        return FleetStatus(
-            rs.fleet,
-            rs.nodes,
-            rs.healthy,
-            rs.counters,
-            rs.callers,
-            rs.placement,
-            rs.unresponsive,
-            rs.pools,
-        )
+        return status
 
     def cancel(self, request_id: str, timeout_s: float = CONTROL_TIMEOUT_S) -> bool:
         """Cancel a request wherever it is queued or running; True if a node had it."""
@@ -475,9 +461,9 @@ class FleetClient:
         raise AssertionError("unreachable")
 
     def _check_model(self, model: str) -> None:
-        if model not in self._served:
-            known = ", ".join(sorted(self._served)) or "none"
-            raise ModelNotFound(f"no node serves model {model!r}; the fleet serves: {known}")
+        error = self._dispatcher.unknown_model(model)
+        if error is not None:
+            raise error
 
     def _node(self, name: str) -> ActorHandle:
         """A node's actor: one of ``nodes:``, or a pool member in the fleet now."""

@@ -51,6 +51,7 @@ from edgefleet.errors import (
 )
 from edgefleet.messages import GenerationResult, NodeState, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest, input_rows
+from policies.costs import UNTIMED_ROW_COST
 from policies.placement import (
     NodeView,
     PlacementRequest,
@@ -1078,13 +1079,14 @@ class Dispatcher:
             if entry.healthy:
                 entry.lose(self._clock.now())
 
-    def unknown_model(self, request: Request) -> ModelNotFound | None:
-        if request.model in self._served:
+    def unknown_model(self, model: str, request_id: str | None = None) -> ModelNotFound | None:
+        """None when some node serves ``model`` (or a pool member will, once one joins),
+        else the error that says which models the fleet serves."""
+        if model in self._served:
             return None
+        known = ", ".join(sorted(self._served)) or "none"
         return ModelNotFound(
-            f"no node serves model {request.model!r}; the fleet serves: "
-            f"{', '.join(sorted(self._served))}",
-            request_id=request.id,
+            f"no node serves model {model!r}; the fleet serves: {known}", request_id=request_id
         )
 
     def refusal(
@@ -1138,7 +1140,7 @@ class Dispatcher:
             waits = []
             for e in entries:
                 view = e.view(now, self._unseen_per_s)
-                per_row = max(view.row_cost_s.values(), default=0.005)
+                per_row = max(view.row_cost_s.values(), default=UNTIMED_ROW_COST.caller_s)
                 excess = sum(view.work.values()) + view.unseen + 1 - int(limit * view.capacity)
                 waits.append((view.running_left_s + max(1, excess) * per_row, per_row))
             first, per_row = min(waits)
@@ -1195,7 +1197,7 @@ class _Attempt:
         self.tokens: list[int] = []  # streamed to the caller so far
         self.attempts = 0
         self.unreachable: tuple[str, float, int] | None = None  # node, since, retries
-        self.error: EdgeFleetError | None = dispatcher.unknown_model(request)
+        self.error: EdgeFleetError | None = dispatcher.unknown_model(request.model, request.id)
         dispatcher._count("received")
 
     def next_node(self) -> _Entry | None:

@@ -34,7 +34,8 @@ from actors.metrics import (
     bucket_quantile,
 )
 from edgefleet.clock import Clock
-from edgefleet.request import DEFAULT_PRIORITIES, GenerateRequest, InferRequest
+from edgefleet.priorities import DEFAULT_PRIORITIES
+from edgefleet.request import GenerateRequest, InferRequest
 
 if TYPE_CHECKING:
     from edgefleet.messages import FleetStatus

@@ -18,7 +18,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cluster.control import NodeControl
 from cluster.dispatch import FleetView, NodeGone, NodeReport
@@ -29,7 +29,7 @@ from cluster.nodes import RayMemberActors, RayNode, RayNodeTable
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import InvalidInput, NodeLost
-from edgefleet.messages import NodeState, NodeStatus, PoolStatus
+from edgefleet.messages import FleetStatus, NodeState, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +46,6 @@ class NodeEntry:
     report: NodeStatus | None = None
     reported_at: float = 0.0
     out_since: float | None = None  # unresponsive or stuck since (router's clock)
-
-
-@dataclass(frozen=True)
-class RouterStatus:
-    fleet: str
-    nodes: tuple[NodeStatus, ...]
-    healthy: dict[str, bool]
-    counters: dict[str, int]
-    callers: int = 0  # callers that fetched the fleet view lately (they place requests)
-    placement: str = ""  # the placement pipeline: scorers and picker
-    unresponsive: dict[str, float] = field(default_factory=dict)  # node -> seconds so
-    pools: tuple[PoolStatus, ...] = ()
 
 
 class Router:
@@ -108,7 +96,7 @@ class Router:
 
     # ------------------------------------------------------------------- membership
 
-    async def start(self) -> RouterStatus:
+    async def start(self) -> FleetStatus:
         """Poll every node once, then keep polling each in the background; reconcile the
         pools once (their members start in the background), then keep reconciling.
         Idempotent; a node that fails or hangs does not hold up the others or the start."""
@@ -423,13 +411,13 @@ class Router:
 
     # ----------------------------------------------------------------------- status
 
-    def status_now(self) -> RouterStatus:
+    def status_now(self) -> FleetStatus:
         now = self._clock.now()
-        return RouterStatus(
+        return FleetStatus(
             fleet=self.config.fleet.name,
             nodes=tuple(e.report for e in self._nodes.values() if e.report is not None),
             healthy={n: e.healthy for n, e in self._nodes.items()},
-            counters=dict(self._counters),
+            router=dict(self._counters),
             callers=sum(1 for t in self._callers.values() if now - t <= CALLER_SEEN_S),
             placement=self._placement,
             unresponsive={
@@ -440,7 +428,7 @@ class Router:
 
     async def status(
         self, caller: str = "", counted: Mapping[str, int] | None = None
-    ) -> RouterStatus:
+    ) -> FleetStatus:
         """Fresh reports from every reachable node, plus the fleet-wide counters, with
         ``caller``'s ``counted`` (as :meth:`fleet_view` takes them)."""
         self._merge(caller, counted, self._clock.now())
@@ -469,7 +457,7 @@ class RouterActor:
         it starts no member meanwhile)."""
         await self._router.stop()
 
-    async def start(self) -> RouterStatus:
+    async def start(self) -> FleetStatus:
         return await self._router.start()
 
     def config(self) -> FleetConfig:
@@ -492,7 +480,7 @@ class RouterActor:
 
     async def status(
         self, caller: str = "", counted: Mapping[str, int] | None = None
-    ) -> RouterStatus:
+    ) -> FleetStatus:
         return await self._router.status(caller, counted)
 
     async def cancel(self, request_id: str) -> bool:

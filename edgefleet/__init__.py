@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from edgefleet import errors
-from edgefleet.config import FleetConfig, load_config
-from edgefleet.request import DEFAULT_PRIORITIES, RequestState
+from edgefleet.messages import FleetStatus
+from edgefleet.priorities import DEFAULT_PRIORITIES
+from edgefleet.request import RequestState
 
 if TYPE_CHECKING:
-    from cluster.client import FleetClient, FleetStatus
+    from cluster.client import FleetClient
+    from edgefleet.config import FleetConfig, load_config
 
 __version__ = "0.1.0"
 __all__ = [
@@ -30,8 +32,14 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The client pulls in Ray; import it only when asked for, so that the
     # vocabulary stays cheap to import inside node processes and tools.
-    if name in ("FleetClient", "FleetStatus"):
-        from cluster import client
+    if name == "FleetClient":
+        from cluster.client import FleetClient
 
-        return getattr(client, name)
+        return FleetClient
+    # The configuration is built on the policies, which use the vocabulary: importing
+    # it here, first, would make importing a policy first a circular import.
+    if name in ("FleetConfig", "load_config"):
+        from edgefleet import config
+
+        return getattr(config, name)
     raise AttributeError(f"module 'edgefleet' has no attribute {name!r}")

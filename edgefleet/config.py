@@ -17,8 +17,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from edgefleet.errors import ConfigError, ModelNotFound
 from edgefleet.labels import Selector, parse_selector
-from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
-from policies.placement.registry import PipelineParams, PlacementParams
+from edgefleet.priorities import (
+    DEFAULT_PRIORITIES,
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    PRIORITY_RANGE,
+    is_priority,
+)
+from policies.budget import Lifecycle
+from policies.ordering import QueueOrderName
+from policies.placement.registry import DEFAULT_SHED, PipelineParams, PlacementParams
 from policies.starvation import ClassBound, StarvationParams
 
 MiB = 1024 * 1024
@@ -171,7 +179,7 @@ class PreemptionConfig(_Strict):
     min_priority_gap: int = Field(
         5,
         ge=1,
-        le=10,
+        le=MAX_PRIORITY - MIN_PRIORITY,
         description="an arrival preempts only a call whose priority is at least this much "
         "lower than its own",
     )
@@ -248,9 +256,6 @@ class StarvationConfig(_Strict):
         )
 
 
-Lifecycle = Literal["foreground", "background"]
-
-
 def _default_token_budget() -> dict[Lifecycle, dict[str, float]]:
     return {"background": {"background": 0.25, "offline": 0.25}}
 
@@ -278,7 +283,7 @@ class NodeDefaults(_Strict):
         "(0-1); unlisted classes get all of it",
     )
     lifecycle: Lifecycle = Field("foreground", description="the state a node starts in")
-    order: Literal["priority", "fifo"] = Field(
+    order: QueueOrderName = Field(
         "priority", description="queue discipline; 'fifo' ignores priorities (a baseline)"
     )
     starvation: StarvationConfig = StarvationConfig()
@@ -334,7 +339,7 @@ class _NodeSettings(_Strict):
     kv_budget_mb: float | None = Field(
         None, gt=0, description="default: node_defaults.kv_budget_mb"
     )
-    order: Literal["priority", "fifo"] | None = Field(
+    order: QueueOrderName | None = Field(
         None, description="default: node_defaults.order"
     )
     starvation: StarvationConfig | None = Field(
@@ -402,7 +407,7 @@ class PlacementConfig(PipelineParams):
     shedding limits by priority class, and the seed of each caller's random choices."""
 
     shed: dict[str, float] = Field(
-        default_factory=lambda: {"background": 0.75, "offline": 0.5},
+        default_factory=lambda: dict(DEFAULT_SHED),
         description="priority class -> largest queue occupancy (0-1] that work of that "
         "priority or lower may fill on a node; keeps headroom for urgent work",
     )
@@ -542,7 +547,7 @@ class NodeSpec(_Strict):
     kv_budget_mb: float = 256
     token_budget: dict[Lifecycle, dict[str, float]] = Field(default_factory=dict)
     lifecycle: Lifecycle = "foreground"
-    order: Literal["priority", "fifo"] = "priority"
+    order: QueueOrderName = "priority"
     starvation: StarvationConfig = StarvationConfig()
     num_cpus: float = 0
     resources: dict[str, float] = Field(default_factory=dict)
@@ -606,8 +611,8 @@ class FleetConfig(_Strict):
     @classmethod
     def _priority_range(cls, v: dict[str, int]) -> dict[str, int]:
         for name, value in v.items():
-            if not MIN_PRIORITY <= value <= MAX_PRIORITY:
-                raise ValueError(f"priority class {name!r} is {value}; allowed 0-10")
+            if not is_priority(value):
+                raise ValueError(f"priority class {name!r} is {value}; allowed {PRIORITY_RANGE}")
         return v
 
     @model_validator(mode="after")

@@ -242,7 +242,8 @@ class PoolStatus:
 class FleetStatus:
     """A snapshot of every node, which are healthy, and the fleet-wide counters of the
     callers that place requests (received, completed, spilled, replaced, shed, ...) and
-    of the router (nodes_lost, joined, rejoined)."""
+    of the router (nodes_lost, joined, rejoined): what the router answers a status call
+    with, and what ``FleetClient.status()`` returns."""
 
     fleet: str
     nodes: tuple[NodeStatus, ...]

@@ -1,4 +1,5 @@
-"""Requests, priorities and the request lifecycle, written down once."""
+"""Requests and the request lifecycle, written down once (priorities: see
+:mod:`edgefleet.priorities`)."""
 
 from __future__ import annotations
 
@@ -13,31 +14,10 @@ import numpy as np
 
 from edgefleet.errors import InvalidInput
 
-DEFAULT_PRIORITIES: Mapping[str, int] = {
-    "foreground": 10,
-    "inline": 7,
-    "background": 3,
-    "offline": 0,
-}
-MIN_PRIORITY = 0
-MAX_PRIORITY = 10
-
-
-def resolve_priority(priority: str | int, classes: Mapping[str, int] = DEFAULT_PRIORITIES) -> int:
-    """Map a class name or an int 0-10 onto the integer priority (higher runs first)."""
-    if isinstance(priority, bool):  # bool is an int subclass; True is not a priority
-        raise InvalidInput(f"priority must be a class name or an int 0-10, got {priority!r}")
-    if isinstance(priority, int | np.integer):
-        value = int(priority)
-        if MIN_PRIORITY <= value <= MAX_PRIORITY:
-            return value
-        raise InvalidInput(f"priority must be between 0 and 10, got {value}")
-    if isinstance(priority, str):
-        if priority in classes:
-            return classes[priority]
-        names = ", ".join(f"{k} ({v})" for k, v in classes.items())
-        raise InvalidInput(f"unknown priority class {priority!r}; use one of {names} or 0-10")
-    raise InvalidInput(f"priority must be a class name or an int 0-10, got {priority!r}")
+# Also importable from here, next to the requests that carry them.
+from edgefleet.priorities import DEFAULT_PRIORITIES as DEFAULT_PRIORITIES
+from edgefleet.priorities import priority_name as priority_name
+from edgefleet.priorities import resolve_priority as resolve_priority
 
 
 def check_text(value: object, what: str) -> str | None:
@@ -71,14 +51,6 @@ def input_rows(inputs: Mapping[str, object], batchable: bool) -> int:
             if shape:
                 return int(shape[0])
     return 1
-
-
-def priority_name(priority: int, classes: Mapping[str, int] = DEFAULT_PRIORITIES) -> str:
-    """The class name of an integer priority, or the number itself when no class has it."""
-    for name, value in classes.items():
-        if value == priority:
-            return name
-    return str(priority)
 
 
 class RequestState(enum.Enum):

@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-LIFECYCLE_STATES = ("foreground", "background")
+from edgefleet.priorities import DEFAULT_CLASSES, MIN_PRIORITY, class_of
+
+Lifecycle = Literal["foreground", "background"]
+LIFECYCLE_STATES: tuple[Lifecycle, ...] = get_args(Lifecycle)
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class TokenBudgets:
     listed get 1.0."""
 
     fractions: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
-    classes: tuple[int, ...] = (0, 3, 7, 10)
+    classes: tuple[int, ...] = DEFAULT_CLASSES
 
     @classmethod
     def of_classes(
@@ -40,9 +43,8 @@ class TokenBudgets:
         )
 
     def fraction(self, state: str, priority: int) -> float:
-        owners = [c for c in self.classes if c <= priority]
-        owner = max(owners) if owners else min(self.classes, default=0)
-        return self.fractions.get(state, {}).get(owner, 1.0)
+        owner = class_of(priority, self.classes)
+        return self.fractions.get(state, {}).get(MIN_PRIORITY if owner is None else owner, 1.0)
 
 
 def token_limit(max_new_tokens: int, priority: int, state: str, budgets: TokenBudgets) -> int:

@@ -9,7 +9,7 @@ discipline is measured against.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 class QueueOrder(Protocol):
@@ -38,6 +38,8 @@ class FifoOrder:
         return 0
 
 
+# The names a node's ``order:`` takes in YAML: those of QUEUE_ORDERS (a test checks).
+QueueOrderName = Literal["priority", "fifo"]
 QUEUE_ORDERS: dict[str, type[QueueOrder]] = {
     PriorityOrder.name: PriorityOrder,
     FifoOrder.name: FifoOrder,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from edgefleet.priorities import DEFAULT_CLASSES, PRIORITIES, class_of
 from policies.views import QueuedView
 
 
@@ -30,22 +31,22 @@ class StarvationParams:
 
     bounds: Mapping[int, ClassBound] = field(default_factory=dict)
     protected: frozenset[int] = frozenset()
-    classes: tuple[int, ...] = (0, 3, 7, 10)
+    classes: tuple[int, ...] = DEFAULT_CLASSES
 
     @property
     def enabled(self) -> bool:
         return bool(self.bounds)
 
     def class_of(self, priority: int) -> int:
-        owners = [c for c in self.classes if c <= priority]
-        return max(owners) if owners else min(self.classes, default=priority)
+        owner = class_of(priority, self.classes)
+        return priority if owner is None else owner
 
     def is_protected(self, priority: int) -> bool:
         return self.class_of(priority) in self.protected
 
     def guaranteed(self) -> dict[int, int]:
-        """Priority (0-10) -> its class, for the priorities whose class has a bound."""
-        return {p: c for p in range(11) if (c := self.class_of(p)) in self.bounds}
+        """Priority -> its class, for the priorities whose class has a bound."""
+        return {p: c for p in PRIORITIES if (c := self.class_of(p)) in self.bounds}
 
 
 # A request is promoted while its class's maximum wait is still this many engine calls

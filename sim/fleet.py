@@ -45,7 +45,7 @@ from edgefleet.messages import (
     Reply,
 )
 from edgefleet.request import GenerateRequest, InferRequest, Request, RequestState, input_rows
-from policies import QUEUE_ORDERS, PreemptionParams, QueueLimits, call_cost
+from policies import call_cost
 from policies.budget import TokenBudgets, token_limit
 
 S = RequestState
@@ -384,14 +384,7 @@ class SimNode:
 
     def _reset(self) -> None:
         spec = self.spec
-        self.sched = LocalScheduler(
-            clock=self.clock,
-            limits=QueueLimits(spec.queue.capacity, spec.queue.max_bytes),
-            order=QUEUE_ORDERS[spec.order](),
-            preemption=PreemptionParams(spec.preemption.enabled, spec.preemption.min_priority_gap),
-            rules=self._rules,
-            starvation=spec.starvation.params(spec.priorities),
-        )
+        self.sched = LocalScheduler.for_node(spec, self.clock, self._rules)
         self._call: _Call | None = None
         self._gens: dict[str, _Gen] = {}
         self._held: set[str] = set()  # requests here that have not been answered

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
-from edgefleet.request import priority_name
+from edgefleet.priorities import priority_name
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

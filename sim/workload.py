@@ -58,9 +58,10 @@ from pydantic import (
     model_validator,
 )
 
-from edgefleet.config import Lifecycle, _format_errors, _Strict, _where, read_yaml
+from edgefleet.config import _format_errors, _Strict, _where, read_yaml
 from edgefleet.errors import ConfigError
-from edgefleet.request import DEFAULT_PRIORITIES, MAX_PRIORITY, MIN_PRIORITY
+from edgefleet.priorities import DEFAULT_PRIORITIES, PRIORITY_RANGE, is_priority
+from policies.budget import Lifecycle
 
 _CHUNK = 16_384  # candidate arrivals drawn per NumPy call
 
@@ -181,7 +182,7 @@ class MixClass(_Strict):
 
     model: str = Field(min_length=1, description="a model the fleet serves")
     priority: str | int = Field(
-        description="a priority class of the fleet (e.g. foreground) or an int 0-10"
+        description=f"a priority class of the fleet (e.g. foreground) or an int {PRIORITY_RANGE}"
     )
     weight: float = Field(1.0, ge=0, description="share of arrivals; weights are normalised")
     rows: int = Field(1, ge=1, description="rows on the batch axis of each request")
@@ -207,11 +208,11 @@ class MixClass(_Strict):
     @classmethod
     def _class_or_int(cls, v: object) -> object:
         if isinstance(v, bool) or not isinstance(v, str | int):
-            raise ValueError(f"a priority class name or an int 0-10, got {v!r}")
-        if isinstance(v, int) and not MIN_PRIORITY <= v <= MAX_PRIORITY:
-            raise ValueError(f"priority {v} is out of range; allowed 0-10")
+            raise ValueError(f"a priority class name or an int {PRIORITY_RANGE}, got {v!r}")
+        if isinstance(v, int) and not is_priority(v):
+            raise ValueError(f"priority {v} is out of range; allowed {PRIORITY_RANGE}")
         if isinstance(v, str) and not v:
-            raise ValueError("a priority class name or an int 0-10, got ''")
+            raise ValueError(f"a priority class name or an int {PRIORITY_RANGE}, got ''")
         return v
 
 
@@ -425,7 +426,7 @@ class Workload(_Strict):
             if isinstance(c.priority, str) and c.priority not in priorities:
                 problems.append(
                     f"{self._at(f'mix.{i}.priority')}: unknown priority class "
-                    f"{c.priority!r}; known: {known}, or an int 0-10"
+                    f"{c.priority!r}; known: {known}, or an int {PRIORITY_RANGE}"
                 )
         used = {c.model for c in self.mix or []}
         if self.trace is not None:
@@ -469,7 +470,7 @@ class Workload(_Strict):
             else:
                 raise ConfigError(
                     f"workload {self._source}: {self._at(f'mix.{i}.priority')}: unknown "
-                    f"priority class {c.priority!r}; known: {known}, or an int 0-10"
+                    f"priority class {c.priority!r}; known: {known}, or an int {PRIORITY_RANGE}"
                 )
         return out
 
@@ -877,8 +878,8 @@ _TRACE_FIELDS: dict[str, tuple[bool, Callable[[Any], bool], str]] = {
     "model": (True, _text, "a non-empty string"),
     "priority": (
         True,
-        lambda v: _integer(v) and MIN_PRIORITY <= v <= MAX_PRIORITY,
-        "an int 0-10",
+        lambda v: _integer(v) and is_priority(v),
+        f"an int {PRIORITY_RANGE}",
     ),
     "rows": (False, lambda v: _integer(v) and v >= 1, "an int >= 1"),
     "deadline_s": (False, lambda v: v is None or (_number(v) and v > 0), "null or a number > 0"),
@@ -1076,7 +1077,7 @@ def _trace_row(obj: dict[str, Any]) -> _TraceRow | None:
         and type(model) is str
         and model
         and type(priority) is int
-        and MIN_PRIORITY <= priority <= MAX_PRIORITY
+        and is_priority(priority)
         and type(rows) is int
         and rows >= 1
         and (deadline is None or _TRACE_FIELDS["deadline_s"][1](deadline))

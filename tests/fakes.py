@@ -299,7 +299,7 @@ class LocalFleet:
 
     def counters(self) -> dict[str, int]:
         self.refresh()
-        return self.router.status_now().counters
+        return self.router.status_now().router
 
     def node(self, name: str) -> NodeRuntime:
         return self.handles[name].node

@@ -55,7 +55,7 @@ def add_fleet_options(parser: argparse.ArgumentParser) -> None:
 def priority(value: str | int) -> str | int:
     """``--priority``: a class name as given (the fleet knows its classes), or an integer
     priority, checked to be 0-10 as the arguments are read, before anything connects."""
-    from edgefleet.request import resolve_priority
+    from edgefleet.priorities import resolve_priority
 
     if isinstance(value, int):
         return value

@@ -51,7 +51,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from edgefleet.config import load_config
-    from policies.placement.registry import POLICIES
+    from policies.placement.registry import placement_policies
     from sim.report import write_report
     from sim.run import Progress, compare, simulate, workload_costs
     from sim.workload import load_workload
@@ -59,9 +59,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     workload = load_workload(args.workload)
     policies = [p for p in (args.compare or "").split(",") if p]
-    unknown = [p for p in policies if p not in POLICIES]
+    known = placement_policies()
+    unknown = [p for p in policies if p not in known]
     if unknown:
-        err(f"unknown placement policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+        err(f"unknown placement policy {', '.join(unknown)}; known: {', '.join(known)}")
         return 2
 
     def progress(total: int | None) -> Progress:

@@ -6,9 +6,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cluster.client import FleetStatus
     from cluster.metrics import Overview
-    from edgefleet.messages import PoolStatus
+    from edgefleet.messages import FleetStatus, PoolStatus
 
 POOL_STATES = ("serving", "starting", "failed", "left")  # cluster.membership.DeviceState
 

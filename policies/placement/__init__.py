@@ -4,16 +4,15 @@ from policies.placement.base import NodeView, Placement, PlacementRequest, drain
 from policies.placement.filters import ShedBelowPriority
 from policies.placement.registry import (
     PICKERS,
-    PLACEMENT_POLICIES,
     POLICIES,
     SCORERS,
     PlacementParams,
     make_placement,
+    placement_policies,
 )
 
 __all__ = [
     "PICKERS",
-    "PLACEMENT_POLICIES",
     "POLICIES",
     "SCORERS",
     "NodeView",
@@ -23,5 +22,6 @@ __all__ = [
     "ShedBelowPriority",
     "drain",
     "make_placement",
+    "placement_policies",
     "row_cost",
 ]

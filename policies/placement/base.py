@@ -9,6 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from policies.costs import UNTIMED_ROW_COST
+
 
 @dataclass(slots=True, eq=False)
 class NodeView:
@@ -70,9 +72,6 @@ class PlacementRequest:
     session: str | None = None
 
 
-DEFAULT_ROW_COST_S = 0.005  # a node that has not reported a cost for this model yet
-
-
 class Filter(Protocol):
     def keep(self, node: NodeView, request: PlacementRequest) -> bool:
         """True when ``node`` may take ``request``. MUST NOT depend on other nodes."""
@@ -131,12 +130,14 @@ class Placement:
 
 
 def row_cost(node: NodeView, model: str) -> float:
+    """Engine seconds per row of ``model`` on ``node``: as the node reported it, else
+    the mean of its other models', else the untimed default."""
     if model in node.row_cost_s:
         return node.row_cost_s[model]
     return (
         sum(node.row_cost_s.values()) / len(node.row_cost_s)
         if node.row_cost_s
-        else DEFAULT_ROW_COST_S
+        else UNTIMED_ROW_COST.caller_s
     )
 
 

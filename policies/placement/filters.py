@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from edgefleet.priorities import PRIORITIES
 from policies.placement.base import NodeView, PlacementRequest
 
 
@@ -43,7 +44,7 @@ class ShedBelowPriority:
     def __init__(self, limits: Mapping[int, float]) -> None:
         self.limits = dict(limits)
         self._by_priority = {
-            q: min((v for p, v in self.limits.items() if p >= q), default=1.0) for q in range(11)
+            q: min((v for p, v in self.limits.items() if p >= q), default=1.0) for q in PRIORITIES
         }
 
     def limit(self, priority: int) -> float:

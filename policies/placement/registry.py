@@ -7,14 +7,57 @@ configured shedding limits), then the weighted scorers, then one picker.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from edgefleet.priorities import DEFAULT_PRIORITIES
 from policies.placement.base import Filter, Picker, Placement, Scorer
 from policies.placement.filters import Healthy, ServesModel, ShedBelowPriority
 from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin, Uniform
 from policies.placement.scorers import ExpectedCompletion, ModelLoad, SessionAffinity
+
+SCORERS: Mapping[str, Callable[[PlacementParams], Scorer]] = {
+    "expected_completion": lambda p: ExpectedCompletion(p.lower_share),
+    "model_load": lambda p: ModelLoad(p.load_default_s),
+    "session_affinity": lambda p: SessionAffinity(p.affinity_penalty_s),
+}
+
+PICKERS: Mapping[str, Callable[[PlacementParams], Picker]] = {
+    "best": lambda p: Best(),
+    "near_best": lambda p: NearBest(p.tie_s, p.tie_ratio, p.crowd_ratio),
+    "power_of_two": lambda p: PowerOfTwo(),
+    "round_robin": lambda p: RoundRobin(),
+    "random": lambda p: Uniform(),
+}
+
+_LOAD_AWARE = {"expected_completion": 1.0, "model_load": 1.0, "session_affinity": 1.0}
+
+# policy name -> (scorer weights, picker), as ``router.placement.policy`` names them
+POLICIES: Mapping[str, tuple[Mapping[str, float], str]] = {
+    "expected_completion": (_LOAD_AWARE, "near_best"),
+    "power_of_two": (_LOAD_AWARE, "power_of_two"),
+    "round_robin": ({}, "round_robin"),
+    "random": ({}, "random"),
+}
+DEFAULT_POLICY = "expected_completion"
+
+
+def placement_policies() -> tuple[str, ...]:
+    """The names of the placement policies, as ``router.placement.policy`` (and
+    ``FleetClient.with_placement(policy=...)``) takes them; the default first."""
+    return tuple(POLICIES)
+
+
+def _one_of(names: Iterable[str]) -> str:
+    """``a, b or c``."""
+    *first, last = names
+    return f"{', '.join(first)} or {last}" if first else last
+
+
+# Priority class -> the largest queue occupancy that work of that class or lower may
+# fill on a node (``router.placement.shed``), unless the configuration says otherwise.
+DEFAULT_SHED: Mapping[str, float] = {"background": 0.75, "offline": 0.5}
 
 
 class PipelineParams(BaseModel):
@@ -28,19 +71,17 @@ class PipelineParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     policy: str = Field(
-        "expected_completion",
-        description="a preset of scorers and picker: expected_completion, power_of_two, "
-        "round_robin or random",
+        DEFAULT_POLICY,
+        description=f"a preset of scorers and picker: {_one_of(placement_policies())}",
     )
     scorers: dict[str, float] | None = Field(
         None,
-        description="scorer -> weight (expected_completion, model_load, session_affinity); "
-        "default: the policy's",
+        description=f"scorer -> weight ({', '.join(SCORERS)}); default: the policy's",
     )
     picker: str | None = Field(
         None,
-        description="best, near_best, power_of_two, round_robin or random; default: the "
-        "policy's (expected_completion: near_best)",
+        description=f"{_one_of(PICKERS)}; default: the policy's "
+        f"({DEFAULT_POLICY}: {POLICIES[DEFAULT_POLICY][1]})",
     )
     lower_share: float = Field(
         0.25,
@@ -88,35 +129,9 @@ class PlacementParams(PipelineParams):
     """The pipeline's parameters with shedding limits by integer priority."""
 
     shed: dict[int, float] = Field(
-        default_factory=lambda: {3: 0.75, 0: 0.5},
+        default_factory=lambda: {DEFAULT_PRIORITIES[c]: f for c, f in DEFAULT_SHED.items()},
         description="priority -> largest queue occupancy work at or below it may fill",
     )
-
-
-SCORERS: Mapping[str, Callable[[PlacementParams], Scorer]] = {
-    "expected_completion": lambda p: ExpectedCompletion(p.lower_share),
-    "model_load": lambda p: ModelLoad(p.load_default_s),
-    "session_affinity": lambda p: SessionAffinity(p.affinity_penalty_s),
-}
-
-PICKERS: Mapping[str, Callable[[PlacementParams], Picker]] = {
-    "best": lambda p: Best(),
-    "near_best": lambda p: NearBest(p.tie_s, p.tie_ratio, p.crowd_ratio),
-    "power_of_two": lambda p: PowerOfTwo(),
-    "round_robin": lambda p: RoundRobin(),
-    "random": lambda p: Uniform(),
-}
-
-_LOAD_AWARE = {"expected_completion": 1.0, "model_load": 1.0, "session_affinity": 1.0}
-
-# policy name -> (scorer weights, picker)
-POLICIES: Mapping[str, tuple[Mapping[str, float], str]] = {
-    "expected_completion": (_LOAD_AWARE, "near_best"),
-    "power_of_two": (_LOAD_AWARE, "power_of_two"),
-    "round_robin": ({}, "round_robin"),
-    "random": ({}, "random"),
-}
-PLACEMENT_POLICIES = tuple(POLICIES)
 
 
 def check_names(policy: str, scorers: Mapping[str, float] | None, picker: str | None) -> None:
@@ -135,7 +150,7 @@ def check_names(policy: str, scorers: Mapping[str, float] | None, picker: str | 
 def make_placement(params: PlacementParams | str | None = None) -> Placement:
     """The pipeline ``params`` describe (a policy name alone: that preset)."""
     if params is None or isinstance(params, str):
-        params = PlacementParams(policy=params or "expected_completion")
+        params = PlacementParams(policy=params or DEFAULT_POLICY)
     scorers, picker = params.resolved()
     filters: tuple[Filter, ...] = (ServesModel(), Healthy(), ShedBelowPriority(params.shed))
     return Placement(

@@ -275,7 +275,7 @@ def test_requests_on_a_dying_node_are_placed_again_and_answered_once(fleet):
     assert late.node == "b"
     f.handles["a"].dead = False  # the node comes back: the next poll lets it rejoin
     f.refresh()
-    assert f.router.status_now().healthy["a"] and f.router.status_now().counters["rejoined"] == 1
+    assert f.router.status_now().healthy["a"] and f.router.status_now().router["rejoined"] == 1
     assert f.dispatcher.healthy()["a"]
 
 
@@ -371,6 +371,10 @@ def test_every_node_lost_or_unknown_model(fleet):
     unknown = f.infer(InferRequest(model="zzz", inputs=x(1.0)))
     assert isinstance(unknown.error, ModelNotFound)
     assert "the fleet serves: m" in str(unknown.error)
+    # The client asks the same question before it builds a request.
+    assert f.dispatcher.unknown_model("m") is None
+    asked = f.dispatcher.unknown_model("zzz")
+    assert str(asked) == str(unknown.error) and asked.request_id is None
 
 
 def test_shed_clients_are_told_to_come_back_in_turn(fleet):
@@ -813,12 +817,12 @@ def test_counts_whose_delivery_reached_the_router_are_counted_once(fleet, monkey
             with pytest.raises(NodeLost):
                 feed._fetch()
         feed._fetch()
-        assert f.router.status_now().counters["completed"] == 3
+        assert f.router.status_now().router["completed"] == 3
         assert f.infer(req(10)).error is None
         feed._fetch()
         feed._fetch()
-        assert f.router.status_now().counters["completed"] == 4
+        assert f.router.status_now().router["completed"] == 4
     finally:
         feed.stop()
-    assert f.router.status_now().counters["completed"] == 4
+    assert f.router.status_now().router["completed"] == 4
     assert f.dispatcher.counted()["completed"] == 4  # the caller's own, as ever

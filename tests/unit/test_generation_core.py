@@ -378,8 +378,7 @@ def test_a_pause_aborts_a_prefill_in_progress_and_loses_nothing(tmp_path):
 
 def test_status_table_shows_lifecycle_paused_work_and_kv():
     from cluster.cli.tables import status_table
-    from cluster.client import FleetStatus
-    from edgefleet.messages import NodeStatus
+    from edgefleet.messages import FleetStatus, NodeStatus
 
     kv = {"paused": 3 << 20, "cached": 1 << 20}
     node = NodeStatus(

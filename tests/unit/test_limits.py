@@ -243,7 +243,7 @@ def test_the_router_marks_a_node_unresponsive_and_restarts_it_after_a_while(how)
         assert not status.healthy["a"] and status.healthy["b"]
         assert "a" in status.unresponsive and "b" not in status.unresponsive
         assert router.fleet_view().nodes["a"].healthy is False
-        assert status.counters["unresponsive"] == 1 and handles["a"].restarts == 0
+        assert status.router["unresponsive"] == 1 and handles["a"].restarts == 0
         clock.advance(10.0)  # restart_after_s later
         await router.status()
         for _ in range(100):  # the kill runs on its own task
@@ -251,7 +251,7 @@ def test_the_router_marks_a_node_unresponsive_and_restarts_it_after_a_while(how)
                 break
             await asyncio.sleep(0.01)
         assert handles["a"].restarts == 1
-        assert router.status_now().counters["restarted"] == 1
+        assert router.status_now().router["restarted"] == 1
         await router.status()  # it answers again: back in service
         status = router.status_now()
         assert status.healthy["a"] and not status.unresponsive
@@ -295,7 +295,7 @@ def test_the_router_keeps_a_node_too_busy_to_report_whose_process_answers():
         await router.status()
         status = router.status_now()
         assert status.healthy["a"] and not status.unresponsive, status
-        assert node.restarts == 0 and "unresponsive" not in status.counters
+        assert node.restarts == 0 and "unresponsive" not in status.router
         await router.stop()
 
     asyncio.run(asyncio.wait_for(main(), 30))

@@ -408,7 +408,7 @@ def test_a_caller_adds_members_that_join_and_places_again_what_one_that_left_hel
 
     d = Dispatcher(cfg, {}, clock=FakeClock(), member_handle=member_handle, watch=True)
     try:
-        assert d.healthy() == {} and d.unknown_model(InferRequest("m", x(1.0), 10)) is None
+        assert d.healthy() == {} and d.unknown_model("m") is None
         d.update(members_view(cfg, {"cam-0": "n0"}, 1))
         assert d.healthy() == {"cams/cam-0": True} and d.members_version() == 1
         reply = d.submit(InferRequest("m", x(1.0), 10, id="r1"))

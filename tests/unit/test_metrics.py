@@ -20,16 +20,15 @@ from actors.metrics import (
     RaySink,
     bucket_quantile,
     default_sink,
-    priority_label,
 )
 from actors.node import NodeRuntime
 from cluster import dashboard
-from cluster.client import FleetStatus
 from cluster.metrics import OverviewWindow, RouterMetrics
 from edgefleet.config import parse_config
 from edgefleet.errors import Rejected
-from edgefleet.messages import NodeStatus
-from edgefleet.request import DEFAULT_PRIORITIES, InferRequest
+from edgefleet.messages import FleetStatus, NodeStatus
+from edgefleet.priorities import DEFAULT_PRIORITIES
+from edgefleet.request import InferRequest
 from tests.fakes import FakeLoader, LocalFleet, fake_spec, x
 
 METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
@@ -49,19 +48,6 @@ async def recorded_node(spec=None, **engines):
     node = NodeRuntime(spec or fake_spec(), loader=FakeLoader(**engines), metrics=metrics)
     await node.start()
     return node, sink
-
-
-@pytest.mark.parametrize(
-    "priority, label",
-    [(10, "foreground"), (9, "inline"), (7, "inline"), (5, "background"), (3, "background")]
-    + [(2, "offline"), (0, "offline")],
-)
-def test_priorities_are_labelled_by_their_class(priority, label):
-    assert priority_label(priority, DEFAULT_PRIORITIES) == label
-
-
-def test_a_priority_below_every_class_takes_the_lowest():
-    assert priority_label(1, {"high": 8, "low": 4}) == "low"
 
 
 @pytest.mark.parametrize(

@@ -7,9 +7,10 @@ from collections import Counter
 
 import pytest
 
+from policies.costs import UNTIMED_ROW_COST
 from policies.placement import (
     PICKERS,
-    PLACEMENT_POLICIES,
+    POLICIES,
     SCORERS,
     NodeView,
     PlacementParams,
@@ -17,6 +18,7 @@ from policies.placement import (
     ShedBelowPriority,
     drain,
     make_placement,
+    placement_policies,
 )
 from policies.placement.filters import Healthy, ServesModel
 from policies.placement.pickers import Best, NearBest, PowerOfTwo, RoundRobin
@@ -32,7 +34,7 @@ def node(name, work=None, **kw):
     kw.setdefault("loaded", frozenset({"m"}))
     kw.setdefault("row_cost_s", {"m": 0.010})
     work = work or {}
-    per_row = kw["row_cost_s"].get("m", 0.005)
+    per_row = kw["row_cost_s"].get("m", UNTIMED_ROW_COST.caller_s)
     kw.setdefault("backlog_s", {p: n * per_row for p, n in work.items()})
     return NodeView(name=name, work=work, **kw)
 
@@ -252,8 +254,15 @@ def test_pipelines_are_built_from_named_plugins():
         PlacementParams(picker="first")
 
 
+def test_the_policy_names_come_from_the_registry():
+    assert placement_policies() == tuple(POLICIES)
+    assert placement_policies()[0] == PlacementParams().policy  # the default first
+    described = PlacementParams.model_fields["policy"].description or ""
+    assert all(name in described for name in placement_policies())
+
+
 CONFORMANCE = (
-    [PlacementParams(policy=name) for name in sorted(PLACEMENT_POLICIES)]
+    [PlacementParams(policy=name) for name in sorted(placement_policies())]
     + [PlacementParams(picker=picker) for picker in sorted(PICKERS)]
     + [PlacementParams(scorers={name: 1.0}) for name in sorted(SCORERS)]
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import get_args
 
 import pytest
 
@@ -28,6 +29,7 @@ from policies import (
 from policies.batching import preemptible_rows
 from policies.budget import TokenBudgets, token_limit
 from policies.kv import CacheView, KVAction, plan_kv_release
+from policies.ordering import QueueOrderName
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,9 @@ def test_preemption_gap(running, arrival, params, expected):
 def test_orders():
     assert QUEUE_ORDERS["priority"]().rank(7) == 7
     assert QUEUE_ORDERS["fifo"]().rank(7) == QUEUE_ORDERS["fifo"]().rank(0)
+    # The YAML takes exactly the registered names.
+    assert set(get_args(QueueOrderName)) == set(QUEUE_ORDERS)
+    assert all(order.name == name for name, order in QUEUE_ORDERS.items())
 
 
 W = BatchParams(window_s=0.010, max_rows=4)

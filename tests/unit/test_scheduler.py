@@ -22,6 +22,7 @@ from policies import (
     QueueLimits,
     StarvationParams,
 )
+from tests.fakes import fake_spec
 
 S = RequestState
 
@@ -108,6 +109,15 @@ def test_fifo_order_ignores_priority():
     for rid, p in [("bg", 3), ("fg", 10), ("off", 0)]:
         h.admit(rid, p)
     assert [h.run_next()[0] for _ in range(3)] == ["bg", "fg", "off"]
+
+
+@pytest.mark.parametrize(("order", "served"), [("priority", ["fg", "bg"]), ("fifo", ["bg", "fg"])])
+def test_the_scheduler_of_a_node_spec_has_its_capacity_and_order(order, served):
+    h = Harness()
+    h.sched = LocalScheduler.for_node(fake_spec(capacity=2, order=order), h.clock)
+    assert h.admit("bg", 3).accepted and h.admit("fg", 10).accepted
+    assert not h.admit("off", 0).accepted  # full, and the newest is the lowest
+    assert [h.run_next()[0] for _ in range(2)] == served
 
 
 def test_expired_requests_fail_without_engine():

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgefleet.request import DEFAULT_PRIORITIES
+from edgefleet.priorities import DEFAULT_PRIORITIES
 from sim.report import (
     LATENCY_PNG,
     OUTCOMES,
