@@ -339,9 +339,10 @@ def test_at_most_once_requests_on_a_dying_node_end_node_lost_and_run_nowhere_els
     on_a = [r for r in replies if r.error is not None]
     assert on_a and all(isinstance(r.error, NodeLost) for r in on_a)
     assert "may have run" in str(on_a[0].error)
-    # None of them went to b: b ran only those placed there in the first place.
-    ran_on_b = f.node("b").status().counters["completed"]
-    assert ran_on_b == sum(r.error is None for r in replies)
+    # None of them went to b: b ran only those placed there in the first place (a may
+    # have answered some before it died, when the machine is slow to notice its queue).
+    ran_on_b = f.node("b").status().counters.get("completed", 0)
+    assert ran_on_b == sum(r.error is None and r.node == "b" for r in replies)
 
 
 @pytest.mark.parametrize("path", ["submit", "call"])

@@ -22,12 +22,20 @@ def test_each_settled_request_writes_one_line_with_its_fields(tmp_path):
     spec = fake_spec(capacity=1).model_copy(update={"trace_dir": tmp_path / "trace"})
 
     async def main():
-        node = NodeRuntime(spec, loader=FakeLoader(m={"cost_s": 0.05}))
+        node = NodeRuntime(spec, loader=FakeLoader(m={"cost_s": 0.3}))
         await node.start()
+
+        async def until(check) -> None:  # polled: a busy machine may be slow to get there
+            for _ in range(2000):
+                if check(node.status()):
+                    return
+                await asyncio.sleep(0.005)
+            raise AssertionError("the node never got there")
+
         first = asyncio.ensure_future(node.infer(InferRequest("m", x(1.0), 3, id="ok")))
-        await asyncio.sleep(0.01)  # running: the queue (capacity 1) is free again
+        await until(lambda s: s.running is not None)  # the queue (capacity 1) is free again
         queued = asyncio.ensure_future(node.infer(InferRequest("m", x(2.0), 3, id="queued")))
-        await asyncio.sleep(0.01)
+        await until(lambda s: s.queue_length == 1)
         refused = await node.infer(InferRequest("m", x(3.0), 3, id="refused"))  # queue full
         await asyncio.gather(first, queued)
         failed = await node.infer(InferRequest("m", x(-1.0), 0, id="failed"))  # engine error
