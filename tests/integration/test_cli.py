@@ -50,6 +50,9 @@ def test_every_command_has_help_with_an_example(command, cli):
 
 
 START_S = 240.0  # starting Ray and a fleet on a busy machine
+ANSWER_S = 30.0  # a command for a fleet that is not there answers by then (Ray would retry
+# for a minute); starting Python and Ray alone takes 3-12 s on a busy 2-core machine
+STOP_S = 10.0  # Ctrl-C: about 2 s on an idle machine; slack for a busy one
 
 
 def _default_sigint() -> None:
@@ -207,7 +210,7 @@ def _fleet_processes(marker: str) -> list[int]:
 
 
 def test_up_detach_status_client_down(tmp_path):
-    from cluster.head import head_dir
+    from cluster.head import head_dir, head_processes
 
     fleet = f"clitest{os.getpid()}"
     config = tmp_path / "fleet.yaml"
@@ -222,6 +225,14 @@ def test_up_detach_status_client_down(tmp_path):
         up = edgefleet("up", str(config), "--detach")
         assert up.returncode == 0, up.stderr[-3000:]
         assert f"fleet '{fleet}' is up: 2 node(s)" in up.stdout
+        processes = sorted(p.pid for p in head_processes(fleet))
+
+        second = edgefleet("up", str(config), "--detach")
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"fleet {fleet!r} is already running" in second.stderr
+        assert f"`edgefleet down --fleet {fleet}`" in second.stderr
+        assert "started a Ray head" not in second.stdout
+        assert sorted(p.pid for p in head_processes(fleet)) == processes  # nothing new
         # Prometheus finds the head's metrics agent, on loopback, where Ray would say.
         sd_file = head_dir(fleet) / "prom_metrics_service_discovery.json"
         (entry,) = json.loads(sd_file.read_text())
@@ -258,11 +269,43 @@ def test_up_detach_status_client_down(tmp_path):
         assert infer.returncode == 0, infer.stderr[-3000:]
         assert "logits: float32 [1, 10]" in infer.stdout
         assert np.load(tmp_path / "out.npz")["logits"].shape == (1, 10)
+
+        # Ctrl-C in the middle of a stream cancels it: exit 130, no traceback.
+        stream = Running(
+            "generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", "1", "2", "3",
+            "--max-new-tokens", "400", "--priority", "background",
+        )  # fmt: skip
+        try:
+            stream.wait_for(" ")  # the first token
+            took = stream.interrupt()
+        finally:
+            stream.kill()
+        # It may have finished just before the signal came (exit 0).
+        assert stream.proc.returncode in (0, 130), stream.err[-3000:]
+        assert "Traceback" not in stream.err, stream.err[-3000:]
+        assert took < STOP_S, took
+
+        # Ctrl-C is how `status --watch` ends: exit 0.
+        watch = Running("status", "--fleet", fleet, "--watch", "--interval", "0.5")
+        try:
+            watch.wait_for("overview over the last")  # the second screen
+            took = watch.interrupt()
+        finally:
+            watch.kill()
+        assert "overview since the nodes started" in watch.out  # the first
+        assert "overview over the last" in watch.out and "throughput" in watch.out
+        assert watch.proc.returncode == 0, watch.err[-3000:]
+        assert "Traceback" not in watch.err, watch.err[-3000:]
+        assert took < STOP_S, took
     finally:
+        started = time.monotonic()
         down = edgefleet("down", "--fleet", fleet)
+        took = time.monotonic() - started
     assert down.returncode == 0, down.stderr[-3000:]
+    assert f"fleet {fleet!r} stopped (2 node(s) and its router)" in down.stdout
     assert "stopped the Ray head" in down.stdout
-    assert _fleet_processes(str(head_dir(fleet))) == []
+    assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
+    assert took < ANSWER_S, took  # it was 17 s when every process was stopped at once
 
 
 def test_status_table_too_long_prompt_and_npy_input(tmp_path, make_fleet, cli_on_ray):
