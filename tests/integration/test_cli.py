@@ -147,12 +147,12 @@ def test_models_make_writes_every_model(tmp_path, cli):
     assert bad.returncode == 2 and "unknown model" in bad.stderr
 
 
-def test_validate_good_and_bad(tmp_path):
+def test_validate_good_and_bad(tmp_path, cli):
     ok = edgefleet("validate", "configs/local.yaml")
     assert ok.returncode == 0 and "valid" in ok.stdout
     broken = tmp_path / "broken.yaml"
     broken.write_text("models:\n  a: {path: a.onnx, batching: {window_ms: fast}}\n")
-    bad = edgefleet("validate", str(broken))
+    bad = cli("validate", str(broken))
     assert bad.returncode == 2
     assert "models.a.batching.window_ms (line 2)" in bad.stderr
 
