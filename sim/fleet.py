@@ -876,9 +876,7 @@ class SimFleet:
         self._stranded: dict[int, list[str]] = {}  # requests a departed device holds
         self._starting: set[int] = set()  # came back, loading its models
         self._joined_at: dict[int, float] = {}  # came back, no completed answer yet
-        self._members: dict[str, NodeSpec] | None = (
-            {s.name: s for s in specs} if members else None
-        )
+        self._members: dict[str, NodeSpec] | None = {s.name: s for s in specs} if members else None
         self._members_version = 0
         self._members_told = 0
         self.churned: Counter[str] = Counter()  # what churn did: held_at_leave, declared_dead

@@ -337,9 +337,7 @@ class RunResult:
             mean = float((values * spans).sum() / (b - a)) if b > a else float(values[-1])
             at_end = int(serving[max(0, int(np.searchsorted(t, b, side="right")) - 1)])
             rows.append(
-                CapacityRow(
-                    start_s=a, end_s=b, fewest=int(values.min()), mean=mean, at_end=at_end
-                )
+                CapacityRow(start_s=a, end_s=b, fewest=int(values.min()), mean=mean, at_end=at_end)
             )
         return rows
 
@@ -601,7 +599,7 @@ def _churn_lines(result: RunResult) -> list[str]:
             f"p50 {fmt_ms(1000 * p50)} ms, p99 {fmt_ms(1000 * p99)} ms "
             f"({c['served_again']} devices)"
         )
-    rows = [
+    rows: list[list[object]] = [
         ["devices that left", c["leaves"]],
         ["devices that came back", c["rejoins"]],
         ["declared dead", c["declared_dead"]],
