@@ -879,7 +879,9 @@ class SimFleet:
         self._members: dict[str, NodeSpec] | None = {s.name: s for s in specs} if members else None
         self._members_version = 0
         self._members_told = 0
-        self.churned: Counter[str] = Counter()  # what churn did: held_at_leave, declared_dead
+        # what churn did: stranded (requests a departed device held, or was sent while
+        # gone) and declared_dead
+        self.churned: Counter[str] = Counter()
         self.serving = len(specs)
         self._on_capacity = on_capacity
         self._on_first_served = on_first_served
@@ -907,7 +909,7 @@ class SimFleet:
             self._waiting[request.id] = fut
             self._where[request.id] = index
             stranded.append(request.id)
-            self.churned["held_at_leave"] += 1
+            self.churned["stranded"] += 1
             return
         if not node.alive:
             self._back(fut, NodeGone(f"node {node.spec.name} is down"))
@@ -1042,7 +1044,7 @@ class SimFleet:
         held = node.fail()
         self._departed[index] = now
         self._stranded[index] = held
-        self.churned["held_at_leave"] += len(held)
+        self.churned["stranded"] += len(held)
         self._joined_at.pop(index, None)
         self._capacity(-1)
         self.loop.at(

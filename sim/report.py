@@ -249,7 +249,7 @@ class ChurnSummary(TypedDict):
     leaves: int
     rejoins: int
     declared_dead: int
-    held_at_leave: int
+    stranded: int
     replaced: int
     node_lost: int
     served_again: int
@@ -357,7 +357,7 @@ class RunResult:
             leaves=counters.get("leaves", 0),
             rejoins=counters.get("rejoins", 0),
             declared_dead=counters.get("declared_dead", 0),
-            held_at_leave=counters.get("held_at_leave", 0),
+            stranded=counters.get("stranded", 0),
             replaced=counters.get("replaced", 0),
             node_lost=self.counts()["lost"],
             served_again=int(firsts.size),
@@ -603,7 +603,7 @@ def _churn_lines(result: RunResult) -> list[str]:
         ["devices that left", c["leaves"]],
         ["devices that came back", c["rejoins"]],
         ["declared dead", c["declared_dead"]],
-        ["requests held by a device as it left (or sent to it while gone)", c["held_at_leave"]],
+        ["requests stranded on a departed device (held, or sent while gone)", c["stranded"]],
         ["requests placed again (replaced)", c["replaced"]],
         ["answered NodeLost (lost)", c["node_lost"]],
         ["fewest devices serving", c["fewest_serving"]],

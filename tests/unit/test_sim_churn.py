@@ -106,7 +106,7 @@ def test_what_a_departed_device_held_is_answered_once_only_after_it_is_declared_
     counted = fleet.dispatcher.counted()
     assert counted["nodelost"] == len(once)
     assert counted["replaced"] >= len(lost - once)
-    assert fleet.churned["held_at_leave"] >= len(lost)
+    assert fleet.churned["stranded"] >= len(lost)
     assert fleet.churned["declared_dead"] == 1
     assert capacity == [(0.0, 2), (0.010, 1)]
     fleet.loop.run(until=lambda: fleet.loop.t > 5.6)  # the next view: edge-0 is not in it
@@ -184,7 +184,7 @@ def test_under_churn_every_request_is_answered_once_and_requests_are_placed_agai
     assert "unanswered" not in counts
     assert counts["leaves"] >= 3 and counts["rejoins"] >= 2
     assert counts["replaced"] >= 1 and counts["lost"] >= 1  # at_least_once, at_most_once
-    assert counts["held_at_leave"] >= counts["lost"]
+    assert counts["stranded"] >= counts["lost"]
     assert counts["failed"] == counts["cancelled"] == 0
     summary = result.churn_summary()
     assert summary["served_again"] >= 1
