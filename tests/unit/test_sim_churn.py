@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
+from cluster.cli import main
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import NodeLost
 from edgefleet.request import InferRequest
@@ -230,3 +231,16 @@ def test_the_same_seed_gives_the_same_churn_and_the_same_report(churned):
 
     assert report(first) == report(again)
     assert "**Capacity over time** (devices serving):" in report(first)
+
+
+def test_the_simulate_command_reports_the_churn(tmp_path, capsys):
+    path = tmp_path / "churn.yaml"
+    path.write_text(yaml.safe_dump(churn_workload().model_dump(mode="json", by_alias=True)))
+    out = tmp_path / "report"
+    args = ["simulate", str(LOCAL), "--workload", str(path), "--nodes", "6", "--out", str(out)]
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    assert "churn: " in said and "devices left" in said and "NodeLost" in said
+    report = (out / "report.md").read_text()
+    assert "**Capacity over time** (devices serving):" in report
+    assert (out / CAPACITY_PNG).read_bytes()[:4] == b"\x89PNG"
