@@ -8,6 +8,9 @@ from a cost model instead of an engine. Above the nodes, one
 ageing, spill, shedding and re-placement a live caller runs, on node reports that
 arrive every ``router.report_interval_s`` and are as old as the simulated network makes
 them. Only the driving differs: events on a heap instead of Ray calls and threads.
+Nodes fail and rejoin (:meth:`SimFleet.fail`), or, as pool members, leave and come back
+as new members, what they held waiting until the head declares them dead
+(:meth:`SimFleet.leave`, :meth:`SimFleet.join`).
 """
 
 from __future__ import annotations
