@@ -250,8 +250,10 @@ class ChurnConfig(_Strict):
     )
     declared_dead_after_s: float = Field(
         gt=0,
+        le=300,
         description="seconds from a device leaving until the head declares it dead: only "
-        "then are the requests it held placed again (or answered NodeLost)",
+        "then are the requests it held placed again (or answered NodeLost); at most 300 "
+        "(Ray's defaults declare a device that is cut off dead in about 64 s)",
     )
     rejoin_after_s: float | None = Field(
         None,

@@ -144,6 +144,10 @@ BROKEN += [
         _ARRIVING + "churn:\n  leave_per_device_per_hour: 0\n  declared_dead_after_s: 15\n",
         r"churn\.leave_per_device_per_hour \(line 5\): Input should be greater than 0",
     ),
+    (  # a head that never declares a device dead
+        _ARRIVING + "churn:\n  leave_per_device_per_hour: 2\n  declared_dead_after_s: 3600\n",
+        r"churn\.declared_dead_after_s \(line 6\): Input should be less than or equal to 300",
+    ),
     (  # a negative time to come back
         _ARRIVING + "churn:\n  leave_per_device_per_hour: 2\n  declared_dead_after_s: 15\n"
         "  rejoin_after_s: -1\n",
