@@ -8,6 +8,9 @@ from a cost model instead of an engine. Above the nodes, one
 ageing, spill, shedding and re-placement a live caller runs, on node reports that
 arrive every ``router.report_interval_s`` and are as old as the simulated network makes
 them. Only the driving differs: events on a heap instead of Ray calls and threads.
+Nodes fail and rejoin (:meth:`SimFleet.fail`), or, as pool members, leave and come back
+as new members, what they held waiting until the head declares them dead
+(:meth:`SimFleet.leave`, :meth:`SimFleet.join`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from policies.budget import TokenBudgets, token_limit
 
 S = RequestState
 SAMPLE_EVERY_S = 0.05  # queue length over time: one sample per this much simulated time
+MEMBER_POOL = "devices"  # the pool of a churning fleet's simulated devices
 
 
 # ---------------------------------------------------------------------------- events
@@ -806,9 +810,17 @@ class SimFleet:
         callers: int = 1,
         shared_cores: float | None = None,
         on_busy: Callable[[int, float], None] | None = None,
+        members: bool = False,
+        on_capacity: Callable[[float, int], None] | None = None,
+        on_first_served: Callable[[float], None] | None = None,
     ) -> None:
         """``shared_cores``: every node runs on one machine with that many cores (see
-        :class:`Host`); default: each node is a device of its own."""
+        :class:`Host`); default: each node is a device of its own. ``members``: every
+        node is a pool member, which can leave and come back as a new member
+        (:meth:`leave`, :meth:`join`); the callers learn who is in the fleet from the
+        router's view, as live callers do. ``on_capacity(t, serving)`` is told the
+        number of serving devices whenever it changes (and at 0); ``on_first_served``
+        the seconds from a device coming back to its first completed answer."""
         self.loop = loop or EventLoop()
         host = None if shared_cores is None else Host(self.loop, shared_cores)
         if config.router.record_dir is not None:  # simulated callers record nothing
@@ -819,6 +831,11 @@ class SimFleet:
         self.network = network
         self._net_rng = random.Random(f"{seed}/network")
         specs = list(specs if specs is not None else config.node_specs())
+        if members:  # each on a Ray node of its own: NAME@incarnation
+            specs = [
+                s.model_copy(update={"pool": s.pool or MEMBER_POOL, "ray_node": f"{s.name}@0"})
+                for s in specs
+            ]
         speeds = list(speeds) if speeds is not None else [1.0] * len(specs)
         self.nodes = [
             SimNode(
@@ -845,6 +862,7 @@ class SimFleet:
                 metrics=metrics,
                 executor=LoopExecutor(self.loop),
                 specs=specs,
+                member_handle=(lambda spec: handles[spec.name]) if members else None,
             )
             for c in range(callers)
         ]
@@ -853,6 +871,25 @@ class SimFleet:
         self._where: dict[str, int] = {}  # request id -> node holding it
         self.interval = config.router.report_interval_s
         self.lost_after = config.router.lost_after_s
+        # churn: each device's incarnation and state, the members the callers are told of
+        self._incarnation = [0] * len(specs)
+        self._departed: dict[int, float] = {}  # left, not declared dead yet: when it left
+        self._silent: dict[int, NodeStatus] = {}  # a departed device's last report
+        self._unresponsive: set[int] = set()  # departed, and reported so to the callers
+        self._stranded: dict[int, list[str]] = {}  # requests a departed device holds
+        self._starting: set[int] = set()  # came back, loading its models
+        self._joined_at: dict[int, float] = {}  # came back, no completed answer yet
+        self._members: dict[str, NodeSpec] | None = {s.name: s for s in specs} if members else None
+        self._members_version = 0
+        self._members_told = 0
+        # what churn did: stranded (requests a departed device held, or was sent while
+        # gone) and declared_dead
+        self.churned: Counter[str] = Counter()
+        self.serving = len(specs)
+        self._on_capacity = on_capacity
+        self._on_first_served = on_first_served
+        if on_capacity is not None:
+            on_capacity(0.0, self.serving)
         first = [(node.spec.name, node.status(0.0), True) for node in self.nodes]
         self._deliver(first, 0.0, [])
         self._reported = [0.0] * len(specs)
@@ -870,6 +907,13 @@ class SimFleet:
 
     def _arrive(self, index: int, request: Any, fut: cf.Future[Any]) -> None:
         node = self.nodes[index]
+        stranded = self._stranded.get(index)
+        if stranded is not None:  # gone, not declared dead: the call waits for that
+            self._waiting[request.id] = fut
+            self._where[request.id] = index
+            stranded.append(request.id)
+            self.churned["stranded"] += 1
+            return
         if not node.alive:
             self._back(fut, NodeGone(f"node {node.spec.name} is down"))
             return
@@ -887,6 +931,10 @@ class SimFleet:
             self._where.pop(request_id, None)
             if fut is not None:
                 self._back(fut, answer, outside_s)
+            if self._joined_at and answer.error is None and index in self._joined_at:
+                back = self._joined_at.pop(index)
+                if self._on_first_served is not None:
+                    self._on_first_served(self.loop.t - back)
 
         return answered
 
@@ -911,15 +959,27 @@ class SimFleet:
         come back and the requests they placed, by priority."""
         now = self.loop.t
         reports = []
+        departed = self._departed
         for i, node in enumerate(self.nodes):
+            if departed and i in departed:  # silent; unresponsive after lost_after_s
+                if i not in self._unresponsive and now - departed[i] >= self.lost_after:
+                    self._unresponsive.add(i)
+                    reports.append((node.spec.name, self._silent[i], False))
+                continue
             if node.last_change >= self._reported[i] - BUSY_WINDOW_S:
                 reports.append((node.spec.name, node.status(now), node.alive))
                 self._reported[i] = now
         callers: list[tuple[int, dict[int, int]]] = []
         if len(self.dispatchers) > 1:
             callers = [(d.shed_waiting(), d.take_placed()) for d in self.dispatchers]
-        if reports or callers:
-            self.loop.at(now + self.network.report_delay_s, self._deliver, reports, now, callers)
+        members = None
+        if self._members is not None and self._members_told != self._members_version:
+            members = (tuple(self._members.values()), self._members_version)
+            self._members_told = self._members_version
+        if reports or callers or members:
+            self.loop.at(
+                now + self.network.report_delay_s, self._deliver, reports, now, callers, members
+            )
         self.loop.at(now + self.interval, self._poll)
 
     def _deliver(
@@ -927,7 +987,12 @@ class SimFleet:
         reports: list[tuple[str, NodeStatus, bool]],
         taken: float,
         callers: list[tuple[int, dict[int, int]]],
+        members: tuple[tuple[NodeSpec, ...], int] | None = None,
     ) -> None:
+        if members is not None:  # who is in the fleet first, then their reports
+            view = FleetView({}, members=members[0], members_version=members[1])
+            for d in self.dispatchers:
+                d.update(view)
         waiting = sum(w for w, _ in callers)
         placed: Counter[int] = Counter()
         for _, p in callers:
@@ -958,6 +1023,85 @@ class SimFleet:
         node = self.nodes[index]
         if not node.alive:
             node.rejoin()
+
+    def leave(self, index: int, declared_dead_after_s: float) -> None:
+        """Device ``index`` (a pool member, see ``members``) leaves the fleet: it stops
+        serving now, and what it held is lost to it. Nobody is told: it stops reporting
+        (after ``router.lost_after_s`` the callers are told it is unresponsive and send
+        it nothing new), and calls to it wait until the head declares it dead,
+        ``declared_dead_after_s`` from now; then they fail NodeGone, as a dead actor's
+        calls do (the callers place them again, or answer NodeLost), and the member
+        leaves the fleet the callers see. A device still loading its models when it
+        leaves never serves."""
+        if self._members is None:
+            raise ValueError("only a fleet of pool members (members=True) has devices leave")
+        node = self.nodes[index]
+        if index in self._starting:
+            self._starting.discard(index)
+            self._incarnation[index] += 1  # its start is called off
+            return
+        if not node.alive or index in self._departed:
+            return
+        now = self.loop.t
+        self._silent[index] = node.status(now)
+        held = node.fail()
+        self._departed[index] = now
+        self._stranded[index] = held
+        self.churned["stranded"] += len(held)
+        self._joined_at.pop(index, None)
+        self._capacity(-1)
+        self.loop.at(
+            now + declared_dead_after_s, self._declare_dead, index, self._incarnation[index]
+        )
+
+    def join(self, index: int, start_s: float = 0.0) -> None:
+        """Device ``index`` comes back as a new member (a new Ray node under its name),
+        serving ``start_s`` from now. A device back before its old self was declared
+        dead has that one declared dead now: the newest Ray node of a device counts."""
+        if self._members is None:
+            raise ValueError("only a fleet of pool members (members=True) has devices join")
+        if self.nodes[index].alive or index in self._starting:
+            return
+        if index in self._departed:
+            self._declare_dead(index, self._incarnation[index])
+        self._incarnation[index] += 1
+        self._starting.add(index)
+        self.loop.at(self.loop.t + start_s, self._serve, index, self._incarnation[index])
+
+    def _serve(self, index: int, incarnation: int) -> None:
+        if self._incarnation[index] != incarnation or index not in self._starting:
+            return
+        assert self._members is not None
+        self._starting.discard(index)
+        node = self.nodes[index]
+        node.spec = node.spec.model_copy(update={"ray_node": f"{node.spec.name}@{incarnation}"})
+        node.rejoin()
+        self._members[node.spec.name] = node.spec
+        self._members_version += 1
+        self._joined_at[index] = self.loop.t
+        self._capacity(+1)
+
+    def _declare_dead(self, index: int, incarnation: int) -> None:
+        if self._incarnation[index] != incarnation or index not in self._departed:
+            return
+        assert self._members is not None
+        node = self.nodes[index]
+        del self._departed[index]
+        self._silent.pop(index, None)
+        self._unresponsive.discard(index)
+        self._members.pop(node.spec.name, None)
+        self._members_version += 1
+        self.churned["declared_dead"] += 1
+        for rid in self._stranded.pop(index, ()):
+            fut = self._waiting.pop(rid, None)
+            self._where.pop(rid, None)
+            if fut is not None:
+                self._back(fut, NodeGone(f"node {node.spec.name} left the fleet"))
+
+    def _capacity(self, change: int) -> None:
+        self.serving += change
+        if self._on_capacity is not None:
+            self._on_capacity(self.loop.t, self.serving)
 
     def set_lifecycle(self, index: int, state: str) -> None:
         self.nodes[index].set_lifecycle(state)

@@ -44,6 +44,8 @@ MIN_PLOT_MS = 1e-3  # latencies are drawn no lower than this on the log axis
 
 LATENCY_PNG = "latency_cdf.png"
 QUEUE_PNG = "queue.png"
+CAPACITY_PNG = "capacity.png"
+CAPACITY_ROWS = 12  # the capacity table: the run in this many intervals
 
 
 # ------------------------------------------------------------------------ recording
@@ -90,6 +92,10 @@ class Recorder:
         self._in_flight = array.array("i")
         self._columns: Columns | None = None
         self._columns_at = (-1, -1)
+        # churn: serving devices at each change, time from coming back to serving again
+        self._capacity_t = array.array("d")
+        self._capacity = array.array("i")
+        self._first_served = array.array("d")
 
     def answer(self, priority: int, outcome: str, latency_s: float, node: int) -> None:
         """Record a request's one answer: its priority, outcome (one of :data:`OUTCOMES`),
@@ -120,6 +126,28 @@ class Recorder:
         self._t.append(t)
         self._queued.append(queued)
         self._in_flight.append(in_flight)
+
+    def capacity(self, t: float, serving: int) -> None:
+        """Record that ``serving`` devices serve from simulated time ``t`` on (the fleet
+        tells each change)."""
+        if self._capacity_t and t < self._capacity_t[-1]:
+            raise ValueError(f"capacity at {t} is earlier than the last at {self._capacity_t[-1]}")
+        self._capacity_t.append(t)
+        self._capacity.append(serving)
+
+    def first_served(self, seconds: float) -> None:
+        """Record a device's time from coming back to its first completed answer."""
+        self._first_served.append(seconds)
+
+    def capacity_series(self) -> tuple[np.ndarray, np.ndarray]:
+        """(times, serving devices from each time on): a step series, one point a change."""
+        return (
+            np.array(self._capacity_t, dtype=np.float64),
+            np.array(self._capacity, dtype=np.int32),
+        )
+
+    def first_served_s(self) -> np.ndarray:
+        return np.array(self._first_served, dtype=np.float64)
 
     def counter(self, name: str, n: int = 1) -> None:
         """Add ``n`` to the counter ``name`` (e.g. spilled, shed, replaced, node_failures)."""
@@ -205,6 +233,31 @@ def _latency_row(name: str, priority: int | None, answered: int, done_s: np.ndar
     )
 
 
+class CapacityRow(TypedDict):
+    """One stretch of :meth:`RunResult.capacity_table`: serving devices in it."""
+
+    start_s: float
+    end_s: float
+    fewest: int
+    mean: float  # time-weighted
+    at_end: int
+
+
+class ChurnSummary(TypedDict):
+    """See :meth:`RunResult.churn_summary`."""
+
+    leaves: int
+    rejoins: int
+    declared_dead: int
+    stranded: int
+    replaced: int
+    node_lost: int
+    served_again: int
+    first_served_p50_s: float | None
+    first_served_p99_s: float | None
+    fewest_serving: int | None
+
+
 @dataclass
 class RunResult:
     """One simulation run: its recorder and how long it took."""
@@ -260,6 +313,58 @@ class RunResult:
             "p99": float(p99),
             "max": float(fractions.max()),
         }
+
+    def churned(self) -> bool:
+        """Whether devices left during the run (the report then shows the churn)."""
+        return self.recorder.counters.get("leaves", 0) > 0
+
+    def capacity_table(self, intervals: int = CAPACITY_ROWS) -> list[CapacityRow]:
+        """Serving devices in each of ``intervals`` equal stretches of the simulated
+        span: the fewest, the time-weighted mean and the number at its end (none without
+        a capacity series or a span)."""
+        t, serving = self.recorder.capacity_series()
+        end = self.simulated_s
+        if t.size == 0 or end <= 0:
+            return []
+        edges = np.linspace(0.0, end, intervals + 1)
+        rows: list[CapacityRow] = []
+        for a, b in zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True):
+            first = max(0, int(np.searchsorted(t, a, side="right")) - 1)
+            last = int(np.searchsorted(t, b, side="left"))
+            times = np.clip(t[first:last], a, b)
+            values = serving[first:last]
+            spans = np.diff(np.append(times, b))
+            mean = float((values * spans).sum() / (b - a)) if b > a else float(values[-1])
+            at_end = int(serving[max(0, int(np.searchsorted(t, b, side="right")) - 1)])
+            rows.append(
+                CapacityRow(start_s=a, end_s=b, fewest=int(values.min()), mean=mean, at_end=at_end)
+            )
+        return rows
+
+    def churn_summary(self) -> ChurnSummary:
+        """What churn did: leaves and rejoins, the requests departed devices held (or were
+        sent while gone), the re-placements and NodeLost answers, and the time from a
+        device coming back to its first completed answer (p50 / p99, of those that
+        served again; None for none)."""
+        counters = self.recorder.counters
+        firsts = self.recorder.first_served_s()
+        p50 = p99 = None
+        if firsts.size:
+            a, b = np.percentile(firsts, [50, 99])
+            p50, p99 = float(a), float(b)
+        _, serving = self.recorder.capacity_series()
+        return ChurnSummary(
+            leaves=counters.get("leaves", 0),
+            rejoins=counters.get("rejoins", 0),
+            declared_dead=counters.get("declared_dead", 0),
+            stranded=counters.get("stranded", 0),
+            replaced=counters.get("replaced", 0),
+            node_lost=self.counts()["lost"],
+            served_again=int(firsts.size),
+            first_served_p50_s=p50,
+            first_served_p99_s=p99,
+            fewest_serving=int(serving.min()) if serving.size else None,
+        )
 
     @property
     def events_per_s(self) -> float:
@@ -449,6 +554,9 @@ def _run_section(result: RunResult) -> list[str]:
     else:
         lines += ["Counters: none recorded.", ""]
 
+    if result.churned():
+        lines += _churn_lines(result)
+
     util = result.utilisation()
     fractions = result.busy_fractions()
     lines += [
@@ -480,6 +588,42 @@ def _run_section(result: RunResult) -> list[str]:
     else:
         lines += ["Fleet-wide queue: no samples recorded.", ""]
     return lines
+
+
+def _churn_lines(result: RunResult) -> list[str]:
+    c = result.churn_summary()
+    p50, p99 = c["first_served_p50_s"], c["first_served_p99_s"]
+    first = "no device that came back served yet"
+    if p50 is not None and p99 is not None:
+        first = (
+            f"p50 {fmt_ms(1000 * p50)} ms, p99 {fmt_ms(1000 * p99)} ms "
+            f"({c['served_again']} devices)"
+        )
+    rows: list[list[object]] = [
+        ["devices that left", c["leaves"]],
+        ["devices that came back", c["rejoins"]],
+        ["declared dead", c["declared_dead"]],
+        ["requests stranded on a departed device (held, or sent while gone)", c["stranded"]],
+        ["requests placed again (replaced)", c["replaced"]],
+        ["answered NodeLost (lost)", c["node_lost"]],
+        ["fewest devices serving", c["fewest_serving"]],
+    ]
+    capacity = [
+        [f"{r['start_s']:.1f}-{r['end_s']:.1f}", r["fewest"], f"{r['mean']:.1f}", r["at_end"]]
+        for r in result.capacity_table()
+    ]
+    return [
+        "**Churn** (devices leaving and coming back):",
+        "",
+        md_table(["", "count"], rows),
+        "",
+        f"Time from a device coming back to its first completed answer: {first}.",
+        "",
+        "**Capacity over time** (devices serving):",
+        "",
+        md_table(["simulated s", "fewest", "mean", "at end"], capacity),
+        "",
+    ]
 
 
 def write_report(
@@ -524,6 +668,11 @@ def write_report(
             "",
             f"![Requests queued on nodes and in flight over simulated time]({QUEUE_PNG})",
             "",
+        ]
+        if any(r.churned() for r in results):
+            _plot_capacity(results, out / CAPACITY_PNG)
+            lines += [f"![Devices serving over simulated time]({CAPACITY_PNG})", ""]
+        lines += [
             f"Latency lines are drawn at about {CDF_POINTS} quantiles each. A run with "
             f"more than {SERIES_POINTS} queue samples is drawn with the largest value of "
             "each stretch of time.",
@@ -655,4 +804,23 @@ def _plot_queue(results: Sequence[RunResult], path: Path) -> None:
             ax.legend(fontsize="small")
         else:
             ax.text(0.5, 0.5, "no samples", ha="center", va="center", transform=ax.transAxes)
+    fig.savefig(path, dpi=100)
+
+
+def _plot_capacity(results: Sequence[RunResult], path: Path) -> None:
+    """Devices serving over simulated time, a line per run."""
+    fig = _new_figure(9, 3.5)
+    ax = fig.subplots()
+    for result in results:
+        t, serving = result.recorder.capacity_series()
+        if t.size:
+            t = np.append(t, max(result.simulated_s, float(t[-1])))
+            serving = np.append(serving, serving[-1])
+            ax.plot(t, serving, drawstyle="steps-post", label=result.label)
+    ax.set_ylabel("devices serving")
+    ax.set_xlabel("simulated time, s")
+    ax.set_title("Capacity: devices serving")
+    ax.grid(True, alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize="small")
     fig.savefig(path, dpi=100)

@@ -40,6 +40,7 @@ from sim.fleet import ModelCost, Network, SimFleet, grow
 from sim.report import Recorder, RunResult
 from sim.workload import (
     Arrival,
+    ChurnConfig,
     CostConfig,
     EngineTimes,
     RecordedCall,
@@ -293,8 +294,13 @@ def simulate(
         callers=workload.callers,
         shared_cores=workload.shared_cores,
         on_busy=recorder.busy,
+        members=workload.churn is not None,
+        on_capacity=recorder.capacity if workload.churn is not None else None,
+        on_first_served=recorder.first_served,
     )
-    driver = _Driver(fleet, recorder, arrivals, progress(total) if progress else None)
+    driver = _Driver(
+        fleet, recorder, arrivals, progress(total) if progress else None, workload.churn
+    )
     for e in events:
         fleet.loop.at(e.at, driver.fleet_event, e.kind, e.node, e.state)
     wall = time.perf_counter()
@@ -313,6 +319,8 @@ def simulate(
     for name in ("spilled", "shed", "replaced"):
         if counters[name]:
             recorder.counter(name, counters[name])
+    for name, n in sorted(fleet.churned.items()):
+        recorder.counter(name, n)
     return RunResult(
         label or config.router.placement.policy,
         recorder,
@@ -345,8 +353,10 @@ class _Driver:
         recorder: Recorder,
         arrivals: Iterator[Arrival],
         progress: Progress | None,
+        churn: ChurnConfig | None = None,
     ) -> None:
         self.fleet = fleet
+        self.churn = churn
         self.recorder = recorder
         self.arrivals = arrivals
         self.progress = progress
@@ -408,13 +418,16 @@ class _Driver:
                 rid,
                 session=a.session,
                 deadline_unix=deadline,
+                at_most_once=a.at_most_once,
             )
         else:
             inputs = self._inputs.get(a.rows)
             if inputs is None:
                 shape = (a.rows, 1)
                 inputs = self._inputs[a.rows] = {"x": np.zeros(shape, np.float32)}
-            request = InferRequest(a.model, inputs, a.priority, rid, deadline, a.key)
+            request = InferRequest(
+                a.model, inputs, a.priority, rid, deadline, a.key, a.at_most_once
+            )
         fut = self.fleet.submit(request, self.sent % self.callers)
         self.sent += 1
         self.pending[rid] = (loop.t, a.priority)
@@ -445,5 +458,13 @@ class _Driver:
             self.fleet.fail(node)
         elif kind == "rejoin":
             self.fleet.rejoin(node)
+        elif kind == "leave":
+            assert self.churn is not None
+            self.recorder.counter("leaves")
+            self.fleet.leave(node, self.churn.declared_dead_after_s)
+        elif kind == "join":
+            assert self.churn is not None
+            self.recorder.counter("rejoins")
+            self.fleet.join(node, self.churn.start_s)
         elif state is not None:
             self.fleet.set_lifecycle(node, state)

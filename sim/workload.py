@@ -16,6 +16,10 @@ A workload is a YAML file, validated like the fleet config (unknown keys are err
     events:
       node_failures: {per_minute: 0.01, down_s: 30}
       lifecycle: [{at_s: 10, state: background, share: 0.5}]
+    churn:                       # devices leaving and coming back (instead of node_failures)
+      leave_per_device_per_hour: 2
+      declared_dead_after_s: 15
+      rejoin_after_s: 120
 
 or, instead of ``arrivals`` and ``mix``, ``trace: recorded.jsonl``: a recorded trace to
 replay (see :func:`read_trace`). ``costs_from: calls/`` draws the engine time of each
@@ -33,7 +37,7 @@ cameras send frames: a class of the mix is one stream, or one per dedup key with
 stream starts at a random phase within its first interval (``periodic: {phase:
 aligned}``: all at 0), and ``periodic: {jitter: 0.1}`` delays each arrival by up to a
 tenth of the interval, drawn uniformly. :meth:`Workload.events` lists node failures,
-rejoins and lifecycle changes up to a horizon.
+rejoins, lifecycle changes and churn (devices leaving and coming back) up to a horizon.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class Arrival:
     prompt_tokens: int = 0  # > 0: a generation
     max_new_tokens: int = 0
     id: str | None = None  # from a recorded trace; None: the simulator names it
+    at_most_once: bool = False  # never run twice: NodeLost when its node is lost with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +108,7 @@ class FleetEvent:
     """Something that happens to one simulated node."""
 
     at: float
-    kind: Literal["fail", "rejoin", "lifecycle"]
+    kind: Literal["fail", "rejoin", "lifecycle", "leave", "join"]
     node: int  # index into the simulated fleet's node list (0..nodes-1)
     state: str | None = None  # lifecycle: "foreground" | "background"
 
@@ -203,6 +208,11 @@ class MixClass(_Strict):
     generate: GenerateConfig | None = Field(
         None, description="makes the class generations; default: inferences"
     )
+    at_most_once: bool = Field(
+        False,
+        description="never run twice: a request whose node is lost with it ends NodeLost "
+        "instead of being placed again",
+    )
 
     @field_validator("priority", mode="before")
     @classmethod
@@ -223,6 +233,46 @@ class NodeFailures(_Strict):
     per_minute: float = Field(ge=0, description="failures per node per minute (0.01: 1 %)")
     down_s: float | None = Field(
         None, gt=0, description="seconds until a failed node rejoins; default: never"
+    )
+
+
+class ChurnConfig(_Strict):
+    """Devices that leave the fleet and come back, as pool members do: each churning
+    device that is in the fleet leaves at ``leave_per_device_per_hour`` (a Poisson
+    process). It stops serving at once; what it held waits until the head declares it
+    dead, ``declared_dead_after_s`` later (Ray's health checks), and is then placed
+    again (``at_most_once`` requests end NodeLost). It comes back ``rejoin_after_s``
+    after it left (drawn as ``rejoin_distribution`` says) as a new member, serving
+    ``start_s`` after that."""
+
+    leave_per_device_per_hour: float = Field(
+        gt=0, description="leaves per churning device and hour in the fleet (2: one per 30 min)"
+    )
+    declared_dead_after_s: float = Field(
+        gt=0,
+        le=300,
+        description="seconds from a device leaving until the head declares it dead: only "
+        "then are the requests it held placed again (or answered NodeLost); at most 300 "
+        "(Ray's defaults declare a device that is cut off dead in about 64 s)",
+    )
+    rejoin_after_s: float | None = Field(
+        None,
+        gt=0,
+        description="mean seconds from leaving to coming back; default: a device that "
+        "leaves does not come back",
+    )
+    rejoin_distribution: Literal["exponential", "fixed"] = Field(
+        "exponential",
+        description="'exponential': each absence drawn with mean rejoin_after_s; "
+        "'fixed': every absence exactly rejoin_after_s",
+    )
+    start_s: float = Field(
+        0.0,
+        ge=0,
+        description="seconds from coming back to serving (models loaded and warmed up)",
+    )
+    share: float = Field(
+        1.0, gt=0, le=1, description="fraction of the devices that churn (drawn at random)"
     )
 
 
@@ -318,6 +368,9 @@ class Workload(_Strict):
         default_factory=list, description="speeds of shares of the nodes; default: all speed 1"
     )
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    churn: ChurnConfig | None = Field(
+        None, description="devices leaving and coming back (see ChurnConfig); default: none"
+    )
     shared_cores: float | None = Field(
         None,
         gt=0,
@@ -363,6 +416,20 @@ class Workload(_Strict):
     def _problems(self) -> list[tuple[str, str]]:
         """What the schema cannot say on its own, each as (dotted path, message)."""
         out: list[tuple[str, str]] = []
+        if self.churn is not None and self.fleet_events.node_failures is not None:
+            out.append(
+                (
+                    "churn",
+                    "churn and events.node_failures both take devices down and bring them "
+                    "back; use one of them",
+                )
+            )
+        if (
+            self.churn is not None
+            and self.churn.rejoin_after_s is None
+            and self.churn.rejoin_distribution != "exponential"
+        ):
+            out.append(("churn.rejoin_distribution", "needs rejoin_after_s"))
         if self.trace is not None:
             for name, value in (("arrivals", self.arrival_process), ("mix", self.mix)):
                 if value is not None:
@@ -552,6 +619,7 @@ class Workload(_Strict):
                 sessions=c.sessions or 0,
                 prompt_tokens=c.generate.prompt_tokens if c.generate else 0,
                 max_new_tokens=c.generate.max_new_tokens if c.generate else 0,
+                at_most_once=c.at_most_once,
             )
             for c, p in zip(self.mix, resolved, strict=True)
         ]
@@ -578,7 +646,10 @@ class Workload(_Strict):
 
         A failure picks a node that is up; a failed node rejoins ``down_s`` later (if that
         is within the horizon) and can fail again after. A lifecycle change picks its nodes
-        at random from the whole fleet, whether up or down.
+        at random from the whole fleet, whether up or down. With ``churn``, the churning
+        devices (``share`` of them, drawn at random) leave and come back (``leave`` and
+        ``join`` events; see :class:`ChurnConfig`), drawn after the rest so they do not
+        change them.
         """
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -592,6 +663,8 @@ class Workload(_Strict):
             count = min(nodes, max(1, round(change.share * nodes)))
             for node in sorted(rng.sample(range(nodes), count)):
                 out.append(FleetEvent(change.at_s, "lifecycle", node, change.state))
+        if self.churn is not None:
+            out += _churn(rng, nodes, horizon_s, self.churn)
         out.sort(key=lambda e: e.at)  # stable: failures before lifecycle changes at a tie
         return out
 
@@ -609,6 +682,7 @@ class _Class:
     sessions: int  # 0: no session
     prompt_tokens: int
     max_new_tokens: int
+    at_most_once: bool = False
 
     def arrival(self, at: float, key: str | None, session: str | None) -> Arrival:
         return Arrival(
@@ -621,6 +695,7 @@ class _Class:
             session,
             self.prompt_tokens,
             self.max_new_tokens,
+            at_most_once=self.at_most_once,
         )
 
 
@@ -816,6 +891,40 @@ def _failures(
         out.append(FleetEvent(t, "fail", node))
         if down_s is not None:
             heapq.heappush(rejoins, (t + down_s, node))
+
+
+def _churn(rng: random.Random, nodes: int, horizon_s: float, c: ChurnConfig) -> list[FleetEvent]:
+    """Leaves of the churning devices that are in the fleet, each at
+    ``leave_per_device_per_hour``, and the joins after each (an absence drawn as
+    ``rejoin_distribution`` says, with mean ``rejoin_after_s``)."""
+    count = min(nodes, max(1, round(c.share * nodes)))
+    churning = list(range(nodes)) if count == nodes else sorted(rng.sample(range(nodes), count))
+    per_s = c.leave_per_device_per_hour / 3600.0
+    out: list[FleetEvent] = []
+    present = list(churning)
+    joins: list[tuple[float, int]] = []
+    t = 0.0
+    while True:
+        leave_at = t + rng.expovariate(len(present) * per_s) if present else math.inf
+        join_at = joins[0][0] if joins else math.inf
+        if min(leave_at, join_at) > horizon_s:
+            return out
+        if join_at <= leave_at:  # a join first; the leave clock restarts (memoryless)
+            t, node = heapq.heappop(joins)
+            present.append(node)
+            out.append(FleetEvent(t, "join", node))
+            continue
+        t = leave_at
+        i = rng.randrange(len(present))
+        node = present[i]
+        present[i] = present[-1]
+        present.pop()
+        out.append(FleetEvent(t, "leave", node))
+        if c.rejoin_after_s is not None:
+            away = c.rejoin_after_s
+            if c.rejoin_distribution == "exponential":
+                away = rng.expovariate(1.0 / c.rejoin_after_s)
+            heapq.heappush(joins, (t + away, node))
 
 
 # -- reading files ---------------------------------------------------------------------
@@ -1107,6 +1216,7 @@ def _trace_problem(obj: dict[str, Any]) -> str:
 
 __all__ = [
     "Arrival",
+    "ChurnConfig",
     "EngineTimes",
     "RecordedCall",
     "FleetEvent",

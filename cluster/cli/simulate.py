@@ -98,6 +98,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{counts['evicted']:,}, expired {counts['expired']:,}"
             + (" (interrupted: results so far)" if r.interrupted else "")
         )
+        if r.churned():
+            c = r.churn_summary()
+            p50, p99 = c["first_served_p50_s"], c["first_served_p99_s"]
+            say(
+                f"  churn: {c['leaves']:,} devices left, {c['rejoins']:,} came back, "
+                f"fewest serving {c['fewest_serving']:,}; replaced {c['replaced']:,}, "
+                f"NodeLost {c['node_lost']:,}; first served after coming back p50 "
+                f"{_ms(None if p50 is None else p50 * 1000)}, p99 "
+                f"{_ms(None if p99 is None else p99 * 1000)}"
+            )
     say(f"report: {report}")
     return 130 if any(r.interrupted for r in results) else 0
 

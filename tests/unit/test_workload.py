@@ -130,6 +130,53 @@ BROKEN = [
         r"costs_from \(line 4\): no such file or folder: .*calls",
     ),
 ]
+_ARRIVING = "requests: 9\narrivals: {rate: 5}\nmix: [{model: m, priority: 1}]\n"
+BROKEN += [
+    (  # churn without a leave rate
+        _ARRIVING + "churn:\n  declared_dead_after_s: 15\n",
+        r"churn\.leave_per_device_per_hour \(line 4\): Field required",
+    ),
+    (  # churn without the head's limit
+        _ARRIVING + "churn: {leave_per_device_per_hour: 2}\n",
+        r"churn\.declared_dead_after_s \(line 4\): Field required",
+    ),
+    (  # a leave rate of 0
+        _ARRIVING + "churn:\n  leave_per_device_per_hour: 0\n  declared_dead_after_s: 15\n",
+        r"churn\.leave_per_device_per_hour \(line 5\): Input should be greater than 0",
+    ),
+    (  # a head that never declares a device dead
+        _ARRIVING + "churn:\n  leave_per_device_per_hour: 2\n  declared_dead_after_s: 3600\n",
+        r"churn\.declared_dead_after_s \(line 6\): Input should be less than or equal to 300",
+    ),
+    (  # a negative time to come back
+        _ARRIVING + "churn:\n  leave_per_device_per_hour: 2\n  declared_dead_after_s: 15\n"
+        "  rejoin_after_s: -1\n",
+        r"churn\.rejoin_after_s \(line 7\): Input should be greater than 0",
+    ),
+    (  # an unknown distribution
+        _ARRIVING + "churn:\n  leave_per_device_per_hour: 2\n  declared_dead_after_s: 15\n"
+        "  rejoin_after_s: 30\n  rejoin_distribution: normal\n",
+        r"churn\.rejoin_distribution \(line 8\): Input should be 'exponential' or 'fixed'",
+    ),
+    (  # a distribution of nothing
+        _ARRIVING + "churn:\n  leave_per_device_per_hour: 2\n  declared_dead_after_s: 15\n"
+        "  rejoin_distribution: fixed\n",
+        r"churn\.rejoin_distribution \(line 7\): needs rejoin_after_s",
+    ),
+    (  # a share of none
+        _ARRIVING + "churn: {leave_per_device_per_hour: 2, declared_dead_after_s: 15, share: 0}\n",
+        r"churn\.share \(line 4\): Input should be greater than 0",
+    ),
+    (  # an unknown key
+        _ARRIVING + "churn: {leave_per_hour: 2, declared_dead_after_s: 15}\n",
+        r"churn\.leave_per_hour \(line 4\): unknown key",
+    ),
+    (  # churn and node failures together
+        _ARRIVING + "events: {node_failures: {per_minute: 1}}\n"
+        "churn: {leave_per_device_per_hour: 2, declared_dead_after_s: 15}\n",
+        r"churn \(line 5\): churn and events\.node_failures both take devices down",
+    ),
+]
 
 
 @pytest.mark.parametrize(("text", "message"), BROKEN)
@@ -347,6 +394,51 @@ def test_failed_nodes_never_rejoin_without_down_s():
     events = w.events(random.Random(1), nodes=3, horizon_s=100)
     assert [e.kind for e in events] == ["fail"] * 3
     assert sorted(e.node for e in events) == [0, 1, 2]
+
+
+def churning(**churn: object) -> Workload:
+    return workload(churn={"leave_per_device_per_hour": 60, "declared_dead_after_s": 5, **churn})
+
+
+def test_churning_devices_leave_at_the_configured_rate_and_come_back():
+    w = churning(rejoin_after_s=30)  # once a minute per device, 30 s away on average
+    events = w.events(random.Random(5), nodes=200, horizon_s=600)
+    leaves = [e for e in events if e.kind == "leave"]
+    joins = [e for e in events if e.kind == "join"]
+    # 200 devices x 1 a minute x 10 minutes, each away a third of the time: about 1,330
+    assert 1150 <= len(leaves) <= 1500 and len(leaves) - 200 <= len(joins) <= len(leaves)
+    assert all(x.at <= y.at for x, y in zip(events, events[1:], strict=False))
+    away: dict[int, float] = {}
+    absences = []
+    for e in events:  # a device leaves only while in the fleet, joins only while away
+        if e.kind == "leave":
+            assert e.node not in away
+            away[e.node] = e.at
+        else:
+            absences.append(e.at - away.pop(e.node))
+    assert 25 <= sum(absences) / len(absences) <= 35  # exponential, mean 30 s
+    assert min(absences) < 5 < 60 < max(absences)
+    assert w.events(random.Random(5), nodes=200, horizon_s=600) == events
+
+
+def test_churn_draws_after_the_other_events_and_can_be_fixed_or_partial():
+    lifecycle = {"lifecycle": [{"at_s": 10, "state": "background", "share": 0.5}]}
+    plain = workload(events=lifecycle).events(random.Random(3), nodes=10, horizon_s=600)
+    churn = {"leave_per_device_per_hour": 60, "declared_dead_after_s": 5}
+    fixed = {"rejoin_after_s": 4, "rejoin_distribution": "fixed", "share": 0.3}
+    both = workload(events=lifecycle, churn=churn | fixed)
+    events = both.events(random.Random(3), nodes=10, horizon_s=600)
+    assert [e for e in events if e.kind == "lifecycle"] == plain  # unchanged by churn
+    churned = [e for e in events if e.kind in ("leave", "join")]
+    assert len({e.node for e in churned}) == 3  # 30 % of 10 devices
+    away: dict[int, float] = {}
+    for e in churned:
+        if e.kind == "leave":
+            away[e.node] = e.at
+        else:
+            assert e.at - away.pop(e.node) == pytest.approx(4.0)
+    never = churning().events(random.Random(3), nodes=4, horizon_s=600)
+    assert [e.kind for e in never] == ["leave"] * 4  # no rejoin_after_s: they stay away
 
 
 def test_lifecycle_changes_switch_a_share_of_the_nodes():
