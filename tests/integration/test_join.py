@@ -554,6 +554,12 @@ def test_a_frozen_device_serves_again_after_sigcont_with_no_operator_action(
         join.wait_for(f"attempt {attempt.number}: ray start exited with status 1", WAIT_S, err=True)
         exited_s = time.monotonic() - cont_mono
         assert "marked as dead by the GCS" in join.out, seen()
+        _wait(
+            "a new ALIVE node of the device",
+            lambda: [n for n in head.device_nodes(device) if n["id"] != first["id"]],
+            context=seen,
+        )
+        alive_s = time.monotonic() - cont_mono
         last, back = _wait(
             "the device serving again, on a new Ray node",
             lambda: serves(attempt.number),
@@ -580,9 +586,10 @@ def test_a_frozen_device_serves_again_after_sigcont_with_no_operator_action(
         with capsys.disabled():  # the figures, in the test output
             print(
                 f"\nfrozen {dead_s:.1f} s until the pool showed the device left; after SIGCONT: "
-                f"`ray start` exited {exited_s:.1f} s, the device serving again "
-                f"{serving_s:.1f} s ({attempts} attempt(s) to join), its first request served "
-                f"{served_s:.1f} s; SIGTERM to exit {stop_s:.1f} s ({processes} processes)"
+                f"`ray start` exited {exited_s:.1f} s, a new ALIVE node {alive_s:.1f} s, the "
+                f"device serving again {serving_s:.1f} s ({attempts} attempt(s) to join), its "
+                f"first request served {served_s:.1f} s; SIGTERM to exit {stop_s:.1f} s "
+                f"({processes} processes)"
             )
     finally:
         _signal_all(frozen, signal.SIGCONT)
