@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ import pytest
 
 from cluster.device import DEVICE_LABEL
 from cluster.head import _free_port, start_head, stop_head
-from tests.integration.test_cli import Running, edgefleet
+from tests.integration.test_cli import EDGEFLEET, Running, edgefleet
 
 pytestmark = pytest.mark.integration
 
@@ -178,130 +179,421 @@ def test_join_refuses_two_names_for_one_device(cli):
     assert "name the device differently" in result.stderr, result.stderr
 
 
-@pytest.mark.timeout(600)
-def test_join_brings_the_device_back_after_its_raylet_dies_and_sigterm_leaves_nothing(
-    monkeypatch, tmp_path, capsys
-):
+class Head:
+    """The module's Ray head (on loopback, fast failure detection, token authentication),
+    reached by a host name of 127.0.0.1, and a driver on it that watches Ray's nodes."""
+
+    def __init__(self, fleet: str, address: str, host: str, log: Path) -> None:
+        self.fleet = fleet
+        self.address = address
+        self.join_address = f"{host}:{address.rpartition(':')[2]}"
+        self.latest: list[dict[str, Any]] = []
+        self._log = log
+        self.watcher = subprocess.Popen(
+            [sys.executable, "-c", NODES, address],
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+        )
+        threading.Thread(target=self._read, args=(self.watcher.stdout,), daemon=True).start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            with contextlib.suppress(ValueError):
+                self.latest = json.loads(line)
+
+    def device_nodes(self, device: str, alive: bool = True) -> list[dict[str, Any]]:
+        return [
+            n
+            for n in self.latest
+            if n["alive"] is alive and n["labels"].get(DEVICE_LABEL) == device
+        ]
+
+    def seen(self, join: Running | None, *more: str) -> str:
+        """What a failed wait shows: join's own lines, its last words, the nodes."""
+        said = [line for line in join.out.splitlines() if " attempt " in line] if join else []
+        return "\n".join(
+            [
+                *said,
+                join.err[-2000:] if join else "",
+                *more,
+                f"nodes: {self.latest}",
+                f"node watcher: {self.watcher.poll()} " + self._log.read_text()[-2000:],
+            ]
+        )
+
+    def close(self) -> None:
+        self.watcher.kill()
+        self.watcher.wait(30)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One head for the module's tests that join a device to it (each its own device)."""
     host = _loopback_name()
     if host is None:
         pytest.skip(
             "needs a host name for 127.0.0.1 other than localhost (this machine's name in "
             "/etc/hosts): `ray start --address` swaps 127.0.0.1 for the machine's address"
         )
-    for key, value in HEAD_ENV.items():
-        monkeypatch.setenv(key, value)
     fleet = f"jn{os.getpid()}"
+    watching: Head | None = None
+    try:
+        address = start_head(fleet, 1, env=HEAD_ENV)  # loopback, token authentication
+        watching = Head(fleet, address, host, tmp_path_factory.mktemp("head") / "nodes.err")
+        yield watching
+    finally:
+        if watching is not None:
+            watching.close()
+        stop_head(fleet)
+
+
+def _join(head: Head, device: str, folder: Path, *args: str) -> Running:
+    return Running(
+        "join",
+        head.join_address,
+        "--device",
+        device,
+        *args,
+        "--num-cpus",
+        "1",
+        "--temp-dir",
+        str(folder),
+    )
+
+
+def _end_join(join: Running | None, folder: Path) -> None:
+    """Whatever a test left of a device: its `join`, what that started (stopped ones
+    too), and anything else naming its Ray folder."""
+    if join is not None:
+        for p in _tree(join.proc.pid):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        join.kill()
+    for p in _naming(str(folder)):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """The attempt a `join` runs: its number, its raylet, the Ray node that raylet is."""
+
+    number: int
+    raylet: psutil.Process
+    node: str
+
+
+def _running(join: Running) -> Attempt | None:
+    """The attempt `join` runs now, once its raylet runs (on a busy machine an attempt
+    may fail as Ray starts, and `join` start another: a test follows the one running)."""
+    for p in _tree(join.proc.pid):
+        with contextlib.suppress(psutil.Error, StopIteration):
+            if p.name() == "raylet":
+                node = next(a for a in p.cmdline() if a.startswith("--node_id="))
+                said = rf"attempt (\d+): joining .* \(ray start pid {p.ppid()}\)"
+                if found := re.search(said, join.out):
+                    return Attempt(int(found.group(1)), p, node.partition("=")[2])
+    return None
+
+
+def _sigterm_leaves_nothing(join: Running, folder: Path) -> tuple[float, int]:
+    """SIGTERM to `join`: it exits 0 and none of the processes it started is left; how
+    long it took and how many processes there were."""
+    started = _tree(join.proc.pid)
+    assert any(p.name() == "raylet" for p in started), started
+    join.proc.send_signal(signal.SIGTERM)
+    stopping = time.monotonic()
+    join.proc.wait(WAIT_S)
+    stop_s = time.monotonic() - stopping
+    assert join.proc.returncode == 0, join.err[-3000:]
+    left = [p for p in started if _alive(p)] + [p for p in _naming(str(folder)) if _alive(p)]
+    assert not left, [(p.pid, p.name()) for p in left]
+    return stop_s, len(started)
+
+
+@pytest.mark.timeout(600)
+def test_join_brings_the_device_back_after_its_raylet_dies_and_sigterm_leaves_nothing(head, capsys):
     device = f"cam-{os.getpid()}"
     folder = Path(tempfile.mkdtemp(prefix="ej-", dir="/tmp"))  # short: Ray's socket paths
     join: Running | None = None
-    watcher: subprocess.Popen[str] | None = None
+
+    def seen() -> str:
+        return head.seen(join)
+
     try:
-        address = start_head(fleet, 1)  # loopback, token authentication
-        port = address.rpartition(":")[2]
-        watcher = subprocess.Popen(
-            [sys.executable, "-c", NODES, address],
-            stdout=subprocess.PIPE,
-            stderr=(tmp_path / "nodes.err").open("w"),
-            text=True,
-        )
-        latest: list[list[dict[str, Any]]] = [[]]
-
-        def read(stream: Any) -> None:
-            for line in stream:
-                with contextlib.suppress(ValueError):
-                    latest[0] = json.loads(line)
-
-        threading.Thread(target=read, args=(watcher.stdout,), daemon=True).start()
-
-        def device_nodes(alive: bool = True) -> list[dict[str, Any]]:
-            return [
-                n
-                for n in latest[0]
-                if n["alive"] is alive and n["labels"].get(DEVICE_LABEL) == device
-            ]
-
-        def seen() -> str:
-            """What a failed wait shows: join's own lines, its last words, the nodes."""
-            said = [line for line in join.out.splitlines() if " attempt " in line] if join else []
-            return "\n".join(
-                [
-                    *said,
-                    join.err[-2000:] if join else "",
-                    f"nodes: {latest[0]}",
-                    f"node watcher: {watcher.poll() if watcher else None} "
-                    + (tmp_path / "nodes.err").read_text()[-2000:],
-                ]
-            )
-
         began = time.monotonic()
-        join = Running(
-            "join",
-            f"{host}:{port}",
-            "--device",
-            device,
-            "--labels",
-            "zone=lab",
-            "--resources",
-            '{"cam": 1}',
-            "--num-cpus",
-            "1",
-            "--temp-dir",
-            str(folder),
-        )
-        (first,) = _wait("the device's node ALIVE", device_nodes, context=seen)
+        join = _join(head, device, folder, "--labels", "zone=lab", "--resources", '{"cam": 1}')
+
+        def up(after: int = 0) -> tuple[Attempt, dict[str, Any]] | None:
+            """The running attempt (one after attempt ``after``) and its ALIVE node."""
+            now = _running(join) if join else None
+            if now is None or now.number <= after:
+                return None
+            node = [n for n in head.device_nodes(device) if n["id"] == now.node]
+            return (now, node[0]) if node else None
+
+        attempt, first = _wait("the device's node ALIVE", up, context=seen)
         joined_s = time.monotonic() - began
         assert first["labels"]["zone"] == "lab" and first["resources"]["cam"] == 1, first
-        assert "attempt 1: joining" in join.out
 
-        raylet = _wait(
-            "its raylet",
-            lambda: [p for p in _tree(join.proc.pid) if p.name() == "raylet"],
-            context=seen,
-        )[0]
-        raylet.send_signal(signal.SIGKILL)
+        attempt.raylet.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        join.wait_for("attempt 1: ray start exited with status 1: raylet [exit code=-9]", err=True)
-        join.wait_for("attempt 2: joining")
-        (again,) = _wait(
-            "a new ALIVE node of the device",
-            lambda: [n for n in device_nodes() if n["id"] != first["id"]],
-            context=seen,
+        join.wait_for(
+            f"attempt {attempt.number}: ray start exited with status 1: raylet [exit code=-9]",
+            err=True,
+        )
+        join.wait_for(f"attempt {attempt.number + 1}: joining")
+        last, again = _wait(
+            "a new ALIVE node of the device", lambda: up(attempt.number), context=seen
         )
         back_s = time.monotonic() - killed
         assert again["labels"]["zone"] == "lab"
         _wait(
             "the old node dead",
-            lambda: first["id"] in {n["id"] for n in device_nodes(False)},
+            lambda: first["id"] in {n["id"] for n in head.device_nodes(device, False)},
             context=seen,
         )
 
-        started = _tree(join.proc.pid)
-        assert any(p.name() == "raylet" for p in started), started
-        join.proc.send_signal(signal.SIGTERM)
-        stopping = time.monotonic()
-        join.proc.wait(WAIT_S)
-        stop_s = time.monotonic() - stopping
-        assert join.proc.returncode == 0, join.err[-3000:]
-        assert "attempt 2: stopped the" in join.out
-        left = [p for p in started if _alive(p)] + [p for p in _naming(str(folder)) if _alive(p)]
-        assert not left, [(p.pid, p.name()) for p in left]
+        stop_s, processes = _sigterm_leaves_nothing(join, folder)
+        assert f"attempt {last.number}: stopped the" in join.out
         with capsys.disabled():  # the figures, in the test output
             print(
                 f"\njoined (ALIVE) {joined_s:.1f} s after `join` started; a new ALIVE node "
                 f"{back_s:.1f} s after its raylet was killed; SIGTERM to exit {stop_s:.1f} s "
-                f"({len(started)} processes)"
+                f"({processes} processes)"
             )
     finally:
-        if join is not None:
-            for p in _tree(join.proc.pid):
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-            join.kill()
-        if watcher is not None:
-            watcher.kill()
-            watcher.wait(30)
-        for p in _naming(str(folder)):
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        stop_head(fleet)
-        shutil.rmtree(folder, ignore_errors=True)
+        _end_join(join, folder)
+
+
+# A caller on the head: a request every 0.1 s (at most 4 in flight), a JSON line per
+# answer (when it was sent and answered, the node that served it), and a line with the
+# pool's devices as the router has them every half second, until it is killed.
+CALLER = """
+import json, sys, threading, time
+import ray
+from cluster.client import FleetClient
+from cluster.deploy import pin_loopback, use_auth_mode
+from cluster.names import NAMESPACE
+from edgefleet.modelgen import random_inputs
+
+address, fleet, pool, out = sys.argv[1:]
+pin_loopback()
+use_auth_mode(token=True)
+ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+client = FleetClient.connect(address, fleet)
+inputs = random_inputs("classifier")
+lines = open(out, "a", buffering=1)
+lock = threading.Lock()
+slots = threading.Semaphore(4)
+
+def write(item):
+    with lock:
+        lines.write(json.dumps(item) + "\\n")
+
+def watch():
+    while True:
+        try:
+            devices = client.status(timeout_s=10).pool(pool).devices
+            write({"t": time.time(), "devices": [
+                {"device": d.device, "state": d.state, "joins": d.joins, "ray_node": d.ray_node}
+                for d in devices
+            ]})
+        except Exception as exc:
+            write({"t": time.time(), "status_error": repr(exc)[:300]})
+        time.sleep(0.5)
+
+def answered(future, sent):
+    reply = future.result()
+    error = None if reply.error is None else type(reply.error).__name__
+    write({"t": time.time(), "sent": sent, "node": reply.node, "error": error})
+    slots.release()
+
+threading.Thread(target=watch, daemon=True).start()
+while True:
+    slots.acquire()
+    sent = time.time()
+    future = client.submit("classifier", inputs, timeout_s=30)
+    future.add_done_callback(lambda f, sent=sent: answered(f, sent))
+    time.sleep(0.1)
+"""
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    items = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text().splitlines():
+            if line.endswith("}"):  # a line being written is left for the next read
+                items.append(json.loads(line))
+    return items
+
+
+def _signal_all(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+@pytest.mark.timeout(600)
+def test_a_frozen_device_serves_again_after_sigcont_with_no_operator_action(
+    head, models_dir, tmp_path, capsys, record_property
+):
+    """The device's Ray (raylet, workers, the pool member's node actor, `ray start`)
+    SIGSTOPped until the head declares its node dead, then SIGCONT: its raylet exits,
+    `join` starts Ray again, and the pool's router starts a member on the new Ray node."""
+    device = f"frozen-{os.getpid()}"
+    fleet = f"jf{os.getpid()}"
+    member = f"cams/{device}"
+    folder = Path(tempfile.mkdtemp(prefix="ej-", dir="/tmp"))
+    config = tmp_path / "fleet.json"  # JSON is YAML
+    config.write_text(
+        json.dumps(
+            {
+                "fleet": {"name": fleet},
+                "model_dir": str(models_dir),
+                "models": {"classifier": {"path": "classifier.onnx"}},
+                "pools": [
+                    {"name": "cams", "selector": {"device": "camera"}, "models": ["classifier"]}
+                ],
+                "router": {  # on the head, never on the device
+                    "resources": {"node:__internal_head__": 0.001},
+                    "report_interval_s": 0.2,
+                    "lost_after_s": 2.0,
+                    "membership": {"interval_s": 0.5},
+                },
+            }
+        )
+    )
+    answers = tmp_path / "answers.jsonl"
+    join: Running | None = None
+    caller: subprocess.Popen[bytes] | None = None
+    caller_log = tmp_path / "caller.log"
+    frozen: list[psutil.Process] = []
+    env = dict(os.environ, RAY_AUTH_MODE="token")
+
+    def statuses() -> list[dict[str, Any]]:
+        return [item for item in _lines(answers) if "devices" in item]
+
+    def state() -> dict[str, Any] | None:
+        """The device as the router last said."""
+        latest = statuses()
+        if not latest:
+            return None
+        return next((d for d in latest[-1]["devices"] if d["device"] == device), None)
+
+    def seen() -> str:
+        items = _lines(answers)
+        return head.seen(
+            join,
+            f"caller: {caller.poll() if caller else None} " + caller_log.read_text()[-2000:]
+            if caller_log.exists()
+            else "",
+            f"router says: {[i for i in items if 'devices' in i or 'status_error' in i][-3:]}",
+            f"answers: {[i for i in items if 'node' in i][-5:]}",
+        )
+
+    try:
+        up = subprocess.run(
+            [str(EDGEFLEET), "up", str(config), "--address", head.address, "--detach"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        caller = subprocess.Popen(
+            [sys.executable, "-c", CALLER, head.address, fleet, "cams", str(answers)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=caller_log.open("w"),
+        )
+        join = _join(head, device, folder, "--labels", f"device=camera,{DEVICE_LABEL}={device}")
+
+        def serves(after: int = 0) -> tuple[Attempt, dict[str, Any]] | None:
+            """The running attempt (one after attempt ``after``) once the router has the
+            device serving from its Ray node."""
+            now = _running(join) if join else None
+            s = state()
+            if now is None or now.number <= after or s is None or s["ray_node"] != now.node:
+                return None
+            return (now, s) if s["state"] == "serving" else None
+
+        attempt, serving = _wait("the device serving", serves, context=seen)
+        assert serving["joins"] == 1, serving
+        _wait(
+            "a request served there",
+            lambda: any(a.get("node") == member and not a["error"] for a in _lines(answers)),
+            context=seen,
+        )
+        (first,) = [n for n in head.device_nodes(device) if n["id"] == attempt.node]
+
+        # The device freezes: every process of its Ray (what `join` started), not `join`.
+        while fresh := [p for p in _tree(join.proc.pid) if p.pid not in {q.pid for q in frozen}]:
+            _signal_all(fresh, signal.SIGSTOP)  # a worker started meanwhile: it too
+            frozen += fresh
+        assert any(p.name() == "raylet" for p in frozen), frozen
+        stopped_at = time.monotonic()
+        _wait(
+            "the head declares the device's node dead",
+            lambda: first["id"] in {n["id"] for n in head.device_nodes(device, False)},
+            context=seen,
+        )
+        _wait(
+            "the device left the pool", lambda: (state() or {}).get("state") == "left", context=seen
+        )
+        dead_s = time.monotonic() - stopped_at
+        assert all(p.status() == psutil.STATUS_STOPPED for p in frozen), frozen
+        assert f"attempt {attempt.number}: ray start exited" not in join.err, seen()
+
+        _signal_all(frozen, signal.SIGCONT)
+        cont_at, cont_mono = time.time(), time.monotonic()
+        frozen = []
+        # Its raylet learns it was declared dead and exits; `ray start` with it.
+        join.wait_for(f"attempt {attempt.number}: ray start exited with status 1", WAIT_S, err=True)
+        exited_s = time.monotonic() - cont_mono
+        assert "marked as dead by the GCS" in join.out, seen()
+        _wait(
+            "a new ALIVE node of the device",
+            lambda: [n for n in head.device_nodes(device) if n["id"] != first["id"]],
+            context=seen,
+        )
+        alive_s = time.monotonic() - cont_mono
+        last, back = _wait(
+            "the device serving again, on a new Ray node",
+            lambda: serves(attempt.number),
+            context=seen,
+        )
+        alive = [n["id"] for n in head.device_nodes(device)]
+        assert back["joins"] == 2 and first["id"] not in alive, (back, alive)
+        serving_s = time.monotonic() - cont_mono
+        served = _wait(
+            "a request sent after SIGCONT served by the device",
+            lambda: [
+                a
+                for a in _lines(answers)
+                if a.get("node") == member and not a["error"] and a["sent"] >= cont_at
+            ],
+            context=seen,
+        )[0]
+        served_s = served["t"] - cont_at
+        record_property("sigcont_to_first_served_s", round(served_s, 2))
+        assert caller.poll() is None, seen()
+        attempts = last.number - attempt.number
+
+        stop_s, processes = _sigterm_leaves_nothing(join, folder)
+        with capsys.disabled():  # the figures, in the test output
+            print(
+                f"\nfrozen {dead_s:.1f} s until the pool showed the device left; after SIGCONT: "
+                f"`ray start` exited {exited_s:.1f} s, a new ALIVE node {alive_s:.1f} s, the "
+                f"device serving again {serving_s:.1f} s ({attempts} attempt(s) to join), its "
+                f"first request served {served_s:.1f} s; SIGTERM to exit {stop_s:.1f} s "
+                f"({processes} processes)"
+            )
+    finally:
+        _signal_all(frozen, signal.SIGCONT)
+        if caller is not None:
+            caller.kill()
+            caller.wait(30)
+        _end_join(join, folder)
