@@ -279,6 +279,26 @@ def _cost_table(costs: Mapping[int, float], hot: Mapping[int, float]) -> str:
     return md_table([*headers, "in-process ms / row", "per-row vs batch 1"], rows)
 
 
+def _tables(
+    tables: dict[float, list[WindowResult]], costs: Mapping[int, float], hot: Mapping[int, float]
+) -> str:
+    blocks = [
+        "What a call costs by batch size: the node's own warm-up measurement "
+        "(`NodeStatus.models[].cost_ms`, powers of two) and back-to-back calls on an "
+        "in-process session in this run (every size):\n\n" + _cost_table(costs, hot)
+    ]
+    blocks += [
+        f"**{rate:g} requests/s** (one every {1000 / rate:.0f} ms):\n\n" + _table(results, hot)
+        for rate, results in tables.items()
+    ]
+    ref_rows = [[fmt(w, 0), fmt(b), fmt(a), f"+{g:.0f}%"] for w, (b, a, g) in REFERENCE.items()]
+    blocks.append(
+        "Reference — the original table (25 fps), which these figures are compared with:\n\n"
+        + md_table(["window ms", "mean batch", "added latency ms", "throughput"], ref_rows)
+    )
+    return "\n\n".join(blocks)
+
+
 def _section(
     tables: dict[float, list[WindowResult]],
     costs: Mapping[int, float],
@@ -297,20 +317,6 @@ def _section(
         ),
         *_lone_targets(tables[REFERENCE_RATE]),
     ]
-    blocks = [
-        "What a call costs by batch size: the node's own warm-up measurement "
-        "(`NodeStatus.models[].cost_ms`, powers of two) and back-to-back calls on an "
-        "in-process session in this run (every size):\n\n" + _cost_table(costs, hot)
-    ]
-    blocks += [
-        f"**{rate:g} requests/s** (one every {1000 / rate:.0f} ms):\n\n" + _table(results, hot)
-        for rate, results in tables.items()
-    ]
-    ref_rows = [[fmt(w, 0), fmt(b), fmt(a), f"+{g:.0f}%"] for w, (b, a, g) in REFERENCE.items()]
-    blocks.append(
-        "Reference — the original table (25 fps), which these figures are compared with:\n\n"
-        + md_table(["window ms", "mean batch", "added latency ms", "throughput"], ref_rows)
-    )
     every = [r for results in tables.values() for r in results]
     errors = Counter(error_name(a.reply) for r in every for a in r.run.answers)
     errors.pop(None, None)
@@ -358,4 +364,4 @@ def _section(
         "over requests. Capacity vs window 0 = engine ms per request at window 0 / at window "
         "w, minus 1. Added queue p50 = median `Reply.queue_s` beyond window 0's."
     )
-    return Section(TITLE, measured, ["\n\n".join(blocks)], targets, notes)
+    return Section(TITLE, measured, [_tables(tables, costs, hot)], targets, notes)

@@ -84,6 +84,11 @@ def fmt(value: float, digits: int = 1, *, signed: bool = False) -> str:
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
+def columns(header: str) -> list[str]:
+    """A table's column names from its Markdown header: ``"a | b"`` -> ``["a", "b"]``."""
+    return header.split(" | ")
+
+
 def pairs_text(counts: Mapping[str, int]) -> str:
     """``a 1, b 2`` for the non-zero counts, sorted by name."""
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v)
@@ -621,6 +626,56 @@ class _Tally:
             used.busy_s * window,
             used.own_s * window,
         )
+
+
+@dataclass(frozen=True)
+class Round:
+    """Loops measured side by side in one round, and how disturbed the round was."""
+
+    loops: dict[str, Loop]
+    foreign_cores: float = 0.0
+    attempts: int = 1
+
+    def __getitem__(self, name: str) -> Loop:
+        return self.loops[name]
+
+
+def rounds(
+    label: str,
+    loops: Mapping[str, Callable[[float], Loop]],
+    seconds: float,
+    count: int,
+    *,
+    warm_s: float,
+    attempts: int = 3,
+) -> list[Round]:
+    """Every loop once for ``warm_s`` (warm-up), then ``count`` rounds of each loop for
+    ``seconds``, the order rotating every round; a disturbed round is taken again."""
+    names = list(loops)
+    for loop in loops.values():
+        loop(warm_s)
+    out = []
+    for i in range(count):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        c = calm(
+            lambda o=order: {k: loops[k](seconds) for k in o},
+            f"{label} round {i + 1}",
+            attempts=attempts,
+        )
+        out.append(Round(c.value, c.foreign_cores, c.attempts))
+        rates = ", ".join(f"{k} {x.rate:.0f}/s {x.cpu_ms:.2f} ms CPU" for k, x in c.value.items())
+        log(f"  {label} round {i + 1}/{count}: {rates}")
+    return out
+
+
+def med(items: Sequence[T], pick: Callable[[T], float]) -> float:
+    """The median of ``pick`` over ``items``."""
+    return median([pick(x) for x in items])
+
+
+def each(items: Sequence[T], pick: Callable[[T], float], digits: int = 0) -> str:
+    """``pick`` of every item, ``a / b / c``."""
+    return " / ".join(fmt(pick(x), digits) for x in items)
 
 
 def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:

@@ -26,21 +26,24 @@ from bench.common import (
     ModelEntry,
     OpenRun,
     Part,
+    Round,
     RunContext,
     Section,
-    Submit,
     Summary,
     Target,
     calm,
     closed_loop,
+    columns,
     cpu_count,
     deployed,
     disturbance,
+    each,
     fleet_config,
     fmt,
     kept,
     log,
     md_table,
+    med,
     median,
     node_names,
     node_submit,
@@ -48,6 +51,7 @@ from bench.common import (
     pairs_text,
     pipelined_loop,
     reply_of,
+    rounds,
     slow_feed,
     timed,
     warm,
@@ -109,138 +113,79 @@ COST_MODEL = "classifier"
 COST_IN_FLIGHT_PER_NODE = 32
 
 
-def rounds_of(pick: Callable[[Any], float], rounds: Sequence[Any], digits: int = 0) -> str:
-    return " / ".join(fmt(pick(r), digits) for r in rounds)
-
-
 # ============================================================ (a) scaling at saturation
 
 
-@dataclass(frozen=True)
-class ScalingRound:
-    singles: Mapping[str, Loop]  # node -> driven alone, straight to its actor
-    direct_all: Loop  # every node at once, straight to the actors (no placement)
-    fleet: Loop  # placed by the client
-    foreign_cores: float
-    attempts: int
-
-    @property
-    def single_sum(self) -> float:
-        return sum(loop.rate for loop in self.singles.values())
-
-    @property
-    def scaling(self) -> float:
-        return self.fleet.rate / self.single_sum
-
-    @property
-    def router_ratio(self) -> float:
-        return self.fleet.rate / self.direct_all.rate
-
-    @property
-    def machine_ratio(self) -> float:
-        return self.direct_all.rate / self.single_sum
+def _single_sum(r: Round) -> float:
+    return sum(x.rate for k, x in r.loops.items() if k not in ("direct", "fleet"))
 
 
-def _scaling_round(client: FleetClient, feed: Feed, seconds: float, reverse: bool) -> dict:
+RATIOS = {  # label -> a round's ratio
+    "**scaling** = fleet placed by the client / sum of single-node throughputs": lambda r: (
+        r["fleet"].rate / _single_sum(r)
+    ),
+    f"**placement efficiency** = fleet placed by the client / all {FLEET_NODES} nodes "
+    "straight": lambda r: r["fleet"].rate / r["direct"].rate,
+    f"machine limit = all {FLEET_NODES} nodes straight at once / sum of single-node": lambda r: (
+        r["direct"].rate / _single_sum(r)
+    ),
+}
+
+
+def measure_scaling(ctx: RunContext, client: FleetClient, feed: Feed) -> list[Round]:
+    """Every node alone, straight to its actor; all at once, straight; the fleet placed
+    by the client; in rounds."""
     nodes = node_names(client)
-
-    def to_node(node: str) -> Submit:
-        return lambda: node_submit(client, node, SAT_MODEL, feed)
-
-    steps: list[tuple[str, Callable[[], Loop]]] = [
-        *((n, partial(closed_loop, [to_node(n)], IN_FLIGHT_PER_NODE, seconds)) for n in nodes),
-        ("direct", partial(closed_loop, [to_node(n) for n in nodes], IN_FLIGHT_PER_NODE, seconds)),
-        (
-            "router",
-            partial(
-                closed_loop,
-                [lambda: client.submit(SAT_MODEL, feed)],
-                IN_FLIGHT_PER_NODE * len(nodes),
-                seconds,
-            ),
-        ),
-    ]
-    return {name: step() for name, step in (reversed(steps) if reverse else steps)}
+    to = {n: partial(node_submit, client, n, SAT_MODEL, feed) for n in nodes}
+    loops: dict[str, Callable[[float], Loop]] = {
+        n: partial(closed_loop, [to[n]], IN_FLIGHT_PER_NODE) for n in nodes
+    }
+    loops["direct"] = partial(closed_loop, list(to.values()), IN_FLIGHT_PER_NODE)
+    placed = [lambda: client.submit(SAT_MODEL, feed)]
+    loops["fleet"] = partial(closed_loop, placed, IN_FLIGHT_PER_NODE * len(nodes))
+    seconds, count, warm_s = ctx.pick(1.5, 0.6), ctx.count(3, 1), ctx.pick(0.5, 0.2)
+    return rounds("(a)", loops, seconds, count, warm_s=warm_s, attempts=2)
 
 
-def measure_scaling(ctx: RunContext, client: FleetClient, feed: Feed) -> list[ScalingRound]:
-    seconds, rounds = ctx.pick(1.5, 0.6), ctx.count(3, 1)
-    _scaling_round(client, feed, ctx.pick(0.5, 0.2), reverse=False)  # warm every path once
-    nodes = node_names(client)
-    results: list[ScalingRound] = []
-    for i in range(rounds):
-        measure = partial(_scaling_round, client, feed, seconds, reverse=i % 2 == 1)
-        c = calm(measure, f"(a) round {i + 1}", attempts=2)
-        singles = {n: c.value[n] for n in nodes}
-        r = ScalingRound(singles, c.value["direct"], c.value["router"], c.foreign_cores, c.attempts)
-        results.append(r)
-        log(
-            f"  (a) round {i + 1}/{rounds}: singles sum {r.single_sum:.0f}/s; all direct "
-            f"{r.direct_all.rate:.0f}/s; placed {r.fleet.rate:.0f}/s (fleet / sum "
-            f"{r.scaling:.2f}, fleet / all direct {r.router_ratio:.2f})"
-        )
-    return results
-
-
-def _scaling_tables(rounds: list[ScalingRound], nodes: list[str]) -> list[str]:
-    def med(pick: Callable[[ScalingRound], float]) -> float:
-        return median([pick(r) for r in rounds])
-
-    def row(label: str, pick: Callable[[ScalingRound], Loop], shares: bool) -> list[object]:
+def _scaling_tables(runs: list[Round], nodes: list[str]) -> list[str]:
+    def row(label: str, key: str) -> list[object]:
         total: Counter[str] = Counter()
-        for r in rounds:
-            total.update(pick(r).by_node)
+        for r in runs:
+            total.update(r[key].by_node)
         n = sum(total.values())
-        share = " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes) if n and shares else "-"
-        return [
-            label,
-            fmt(med(lambda r: pick(r).rate), 0),
-            rounds_of(lambda r: pick(r).rate, rounds),
-            fmt(med(lambda r: pick(r).engine_ms), 2),
-            fmt(med(lambda r: pick(r).cores), 2),
-            fmt(med(lambda r: pick(r).cpu_ms), 2),
-            share,
-        ]
+        share = (
+            " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes)
+            if n and key not in nodes
+            else "-"
+        )
+        return (
+            [label, fmt(med(runs, lambda r: r[key].rate), 0), each(runs, lambda r: r[key].rate)]
+            + [
+                fmt(med(runs, lambda r, k=k: getattr(r[key], k)), 2)
+                for k in ("engine_ms", "cores", "cpu_ms")
+            ]
+            + [share]
+        )
 
-    rows = [
-        row(f"{n} alone, straight to its actor", lambda r, n=n: r.singles[n], False) for n in nodes
-    ]
-    total = med(lambda r: r.single_sum)
+    rows = [row(f"{n} alone, straight to its actor", n) for n in nodes]
     label = "**sum of single-node throughputs** (one at a time)"
-    rows.append([label, fmt(total, 0), rounds_of(lambda r: r.single_sum, rounds), *"----"])
-    label = f"all {FLEET_NODES} nodes at once, straight to the actors (no router)"
-    rows.append(row(label, lambda r: r.direct_all, True))
-    rows.append(row("**fleet, placed by the client**", lambda r: r.fleet, True))
-    headers = ["measurement", "requests/s (median)", "per round", "engine ms / call"]
-    headers += ["cores used", "CPU ms / request", "share per node (" + " · ".join(nodes) + ")"]
-    ratios = [
-        ("**scaling** = fleet placed by the client / sum of single-node throughputs", "scaling"),
-        (
-            f"**placement efficiency** = fleet placed by the client / all {FLEET_NODES} nodes "
-            "straight",
-            "router_ratio",
-        ),
-        (
-            f"machine limit = all {FLEET_NODES} nodes straight at once / sum of single-node",
-            "machine_ratio",
-        ),
+    rows.append([label, fmt(med(runs, _single_sum), 0), each(runs, _single_sum), *"----"])
+    rows.append(
+        row(f"all {FLEET_NODES} nodes at once, straight to the actors (no router)", "direct")
+    )
+    rows.append(row("**fleet, placed by the client**", "fleet"))
+    header = "measurement | requests/s (median) | per round | engine ms / call | cores used | "
+    header += "CPU ms / request | share per node (" + " · ".join(nodes) + ")"
+    ratios = [[k, fmt(med(runs, f), 2), each(runs, f, 2)] for k, f in RATIOS.items()]
+    return [
+        md_table(columns(header), rows),
+        md_table(columns("ratio | median | per round"), ratios),
     ]
-    ratio_rows = [
-        [
-            label,
-            fmt(med(lambda r, a=attr: getattr(r, a)), 2),
-            rounds_of(lambda r, a=attr: getattr(r, a), rounds, 2),
-        ]
-        for label, attr in ratios
-    ]
-    return [md_table(headers, rows), md_table(["ratio", "median", "per round"], ratio_rows)]
 
 
-def _scaling_part(rounds: list[ScalingRound], nodes: list[str], model: BenchModel) -> Part:
-    scaling = median([r.scaling for r in rounds])
-    every = [x for r in rounds for x in (*r.singles.values(), r.direct_all, r.fleet)]
-    alone_cpu_ms = median([x.cpu_ms for r in rounds for x in r.singles.values()])
-    alone_cores = median([x.cores for r in rounds for x in r.singles.values()])
+def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Part:
+    singles = [r[n] for r in runs for n in nodes]
+    alone_cpu_ms, alone_cores = med(singles, lambda x: x.cpu_ms), med(singles, lambda x: x.cores)
     cpus = cpu_count()
     most = cpus * 1000 / alone_cpu_ms
     measured = (
@@ -248,9 +193,9 @@ def _scaling_part(rounds: list[ScalingRound], nodes: list[str], model: BenchMode
         f"batching off. Closed loops: every node alone, straight to its actor with "
         f"{IN_FLIGHT_PER_NODE} requests in flight; all {FLEET_NODES} straight at once (no "
         "placement); and the fleet placed by the client (`FleetClient.submit`, "
-        f"{IN_FLIGHT_PER_NODE * FLEET_NODES} in flight, default placement). {len(rounds)} "
-        "round(s), the order reversed every other round; ratios are medians of per-round "
-        "ratios. Cores used and CPU ms / request count every process of this benchmark."
+        f"{IN_FLIGHT_PER_NODE * FLEET_NODES} in flight, default placement). {len(runs)} "
+        "round(s), the order rotating; ratios are medians of per-round ratios. Cores used "
+        "and CPU ms / request count every process of this benchmark."
     )
     notes = [
         "The sum of single-node throughputs is measured one node at a time, each with the "
@@ -259,16 +204,17 @@ def _scaling_part(rounds: list[ScalingRound], nodes: list[str], model: BenchMode
         f"What the machine allows: one node alone already uses {alone_cores:.2f} of the "
         f"{cpus} cores ({alone_cpu_ms:.1f} ms of CPU per request), so the machine cannot "
         f"serve more than about {most:.0f} requests/s: a scaling ratio of at most about "
-        f"{most / median([r.single_sum for r in rounds]):.2f} here, whatever placement does.",
-        f"Failed replies: {sum(x.errors for x in every)}. Rounds measured again: "
-        f"{sum(r.attempts - 1 for r in rounds)}; most CPU other processes used during a "
-        f"kept round: {max(r.foreign_cores for r in rounds):.2f} cores.",
+        f"{most / med(runs, _single_sum):.2f} here, whatever placement does.",
+        f"Failed replies: {sum(x.errors for r in runs for x in r.loops.values())}. Rounds "
+        f"measured again: {sum(r.attempts - 1 for r in runs)}; most CPU other processes used "
+        f"during a kept round: {max(r.foreign_cores for r in runs):.2f} cores.",
     ]
+    scaling = med(runs, next(iter(RATIOS.values())))
     target = Target(
         "(a) fleet throughput / sum of single-node throughputs", scaling, ">=", TARGET_SCALING
     )
     title = "(a) Fleet throughput at saturation vs the sum of its nodes"
-    return Part(title, measured, _scaling_tables(rounds, nodes), [target], notes)
+    return Part(title, measured, _scaling_tables(runs, nodes), [target], notes)
 
 
 # ============================================================ (b) added latency
@@ -896,15 +842,13 @@ def _placement_part(
 
 # ================================================= (e) what placement costs per request
 
-COST_PATHS = ("direct", "pipelined", "futures")
-
 
 def measure_routing_cost(
-    client: FleetClient, feed: Feed, seconds: float, rounds: int
-) -> list[dict[str, Loop]]:
-    """Closed loops at saturation, the order rotating every round: all nodes straight
-    to their actors, and as many in flight placed by the client, read on the loop's
-    thread (``map_unordered``) and as futures (``submit``)."""
+    client: FleetClient, feed: Feed, seconds: float, count: int
+) -> list[Round]:
+    """Closed loops at saturation, in rounds: all nodes straight to their actors, and as
+    many in flight placed by the client, read on the loop's thread (``map_unordered``)
+    and as futures (``submit``)."""
     nodes = node_names(client)
     in_flight = COST_IN_FLIGHT_PER_NODE * len(nodes)
     direct = [partial(node_submit, client, n, COST_MODEL, feed) for n in nodes]
@@ -913,25 +857,18 @@ def measure_routing_cost(
         "pipelined": partial(pipelined_loop, client, COST_MODEL, feed, in_flight),
         "futures": partial(closed_loop, [lambda: client.submit(COST_MODEL, feed)], in_flight),
     }
-    for loop in loops.values():  # warm every path
-        loop(seconds / 2)
-    out = []
-    for i in range(rounds):
-        order = COST_PATHS[i % 3 :] + COST_PATHS[: i % 3]
-        r = calm(lambda o=order: {p: loops[p](seconds) for p in o}, f"(e) round {i + 1}").value
-        log(f"  (e) round {i + 1}/{rounds}: " + "; ".join(f"{p} {r[p].rate:.0f}/s" for p in r))
-        out.append(r)
-    return out
+    return rounds("(e)", loops, seconds, count, warm_s=seconds / 2, attempts=2)
 
 
-def _cost_part(rounds: list[dict[str, Loop]], seconds: float) -> Part:
-    def med(pick: Callable[[dict[str, Loop]], float]) -> float:
-        return median([pick(r) for r in rounds])
-
+def _cost_part(runs: list[Round], seconds: float) -> Part:
     def loop_row(label: str, path: str) -> list[object]:
         rate, cpu = (lambda r: r[path].rate), (lambda r: r[path].cpu_ms)
-        return [label, fmt(med(rate), 0), rounds_of(rate, rounds), fmt(med(cpu), 3)] + [
-            rounds_of(cpu, rounds, 3)
+        return [
+            label,
+            fmt(med(runs, rate), 0),
+            each(runs, rate),
+            fmt(med(runs, cpu), 3),
+            each(runs, cpu, 3),
         ]
 
     rows = [loop_row("all nodes straight to their actors", "direct")]
@@ -940,41 +877,34 @@ def _cost_part(rounds: list[dict[str, Loop]], seconds: float) -> Part:
         q = lambda r, p=path: r[p].rate / r["direct"].rate  # noqa: E731
         rows += [
             loop_row(f"placed by the client ({label})", path),
-            ["**placed - direct**", "-", "-", fmt(med(x), 3, signed=True), rounds_of(x, rounds, 3)],
-            ["**placed / direct** (throughput)", fmt(med(q), 2), rounds_of(q, rounds, 2), "-", "-"],
+            ["**placed - direct**", "-", "-", fmt(med(runs, x), 3, signed=True), each(runs, x, 3)],
+            ["**placed / direct** (throughput)", fmt(med(runs, q), 2), each(runs, q, 2), "-", "-"],
         ]
-    headers = ["path", "requests/s (median)", "per round", "CPU ms / request", "per round"]
+    header = "path | requests/s (median) | per round | CPU ms / request | per round"
     measured = (
         f"{COST_NODES} nodes serving the generated `classifier` (a tiny CNN, batching off), "
         f"closed loops of {seconds:g} s at saturation: {COST_IN_FLIGHT_PER_NODE} requests in "
         "flight per node straight to each node actor (`ray.wait` on the loop's thread), and "
         "as many placed by the client, two ways: `FleetClient.map_unordered` (answers read "
         "on the caller's thread, as the direct loop does) and `FleetClient.submit` (futures "
-        f"Ray's thread completes). {len(rounds)} round(s), the order rotating. CPU: every "
+        f"Ray's thread completes). {len(runs)} round(s), the order rotating. CPU: every "
         "process of this benchmark, per completed request. The targets are on "
         "`map_unordered`."
     )
-    notes = [
-        "What `submit`'s futures cost beyond `map_unordered` per request: "
-        f"{med(lambda r: r['futures'].cpu_ms - r['pipelined'].cpu_ms):+.3f} ms of CPU, "
-        f"throughput {med(lambda r: r['futures'].rate / r['pipelined'].rate):.2f}x.",
-    ]
+    futures_cpu = med(runs, lambda r: r["futures"].cpu_ms - r["pipelined"].cpu_ms)
+    futures_rate = med(runs, lambda r: r["futures"].rate / r["pipelined"].rate)
+    note = (
+        f"What `submit`'s futures cost beyond `map_unordered` per request: {futures_cpu:+.3f} "
+        f"ms of CPU, throughput {futures_rate:.2f}x."
+    )
+    extra = med(runs, lambda r: r["pipelined"].cpu_ms - r["direct"].cpu_ms)
+    ratio = med(runs, lambda r: r["pipelined"].rate / r["direct"].rate)
     targets = [
-        Target(
-            "(e) placed - direct CPU per request, ms",
-            med(lambda r: r["pipelined"].cpu_ms - r["direct"].cpu_ms),
-            "<=",
-            0.25,
-        ),
-        Target(
-            "(e) placed / direct throughput",
-            med(lambda r: r["pipelined"].rate / r["direct"].rate),
-            ">=",
-            0.9,
-        ),
+        Target("(e) placed - direct CPU per request, ms", extra, "<=", 0.25),
+        Target("(e) placed / direct throughput", ratio, ">=", 0.9),
     ]
-    table = md_table(headers, rows)
-    return Part("(e) What placement costs per request", measured, [table], targets, notes)
+    table = md_table(columns(header), rows)
+    return Part("(e) What placement costs per request", measured, [table], targets, [note])
 
 
 # ======================================================================== the scenario

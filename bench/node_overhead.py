@@ -1,15 +1,13 @@
 """(b) Node overhead: a saturated node's throughput over raw ONNX Runtime's, same model,
-in alternating rounds; in the unbatched rows a *Ray floor* (the smallest async Ray
-actor doing the same job) in between, and the machine CPU per request of node and Ray
-floor on the tiny classifier."""
+in rounds; in the unbatched rows a *Ray floor* (the smallest async Ray actor doing the
+same job) beside them, and the machine CPU per request of node and Ray floor on the
+tiny classifier."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,78 +19,39 @@ from bench.common import (
     Feed,
     Loop,
     ModelEntry,
+    Round,
     RunContext,
     Section,
-    Submit,
     Target,
-    calm,
     closed_loop,
+    columns,
     deployed,
+    each,
     fleet_config,
     fmt,
     log,
     md_table,
-    median,
+    med,
     node_costs_ms,
     node_submit,
     only_node,
     raw_session,
+    rounds,
     slow_feed,
 )
-from cluster.client import FleetClient
 from edgefleet.messages import Reply
 from edgefleet.modelgen import make_classifier, random_inputs
 from edgefleet.request import InferRequest
 
 TITLE = "Node overhead at saturation (b)"
 IN_FLIGHT = 32
-TARGET_RATIO_5MS = 0.85
-TARGET_FLOOR_RATIO_1MS = 0.9  # node / Ray floor throughput, 1 ms model, batching off
-TARGET_EXTRA_CPU_MS = 0.3  # node - Ray floor machine CPU per request on the classifier
 CPU_MODEL = "classifier"
-
-
-@dataclass(frozen=True)
-class Round:
-    """Loops measured side by side (raw / floor / node), and how disturbed they were."""
-
-    loops: dict[str, Loop]
-    foreign_cores: float
-    attempts: int
-
-    @property
-    def raw(self) -> Loop:
-        return self.loops["raw"]
-
-    @property
-    def floor(self) -> Loop:
-        return self.loops["floor"]
-
-    @property
-    def node(self) -> Loop:
-        return self.loops["node"]
-
-    @property
-    def ratio(self) -> float:
-        return self.node.rate / self.raw.rate
-
-    @property
-    def floor_ratio(self) -> float:
-        return self.floor.rate / self.raw.rate if "floor" in self.loops else float("nan")
-
-    @property
-    def extra_ms(self) -> float:
-        """Machine CPU per request the node takes over the Ray floor, in ms."""
-        return self.node.machine_cpu_ms - self.floor.machine_cpu_ms
-
-    @property
-    def own_extra_ms(self) -> float:
-        """The same counting only this benchmark's processes."""
-        return self.node.cpu_ms - self.floor.cpu_ms
-
-
-def med(rounds: list[Round], pick: Callable[[Round], float]) -> float:
-    return median([pick(r) for r in rounds])
+ROWS = (  # label, model entry, with a Ray floor, node / raw target, node / floor target
+    ("5 ms, batching off", "slow5", True, 0.85, None),
+    ("1 ms, batching off", "slow1", True, None, 0.9),
+    ("1 ms, batching on", "slow1_batched", False, None, None),
+)
+TARGET_EXTRA_CPU_MS = 0.3  # node - Ray floor machine CPU per request on the classifier
 
 
 class RayFloor:
@@ -127,64 +86,15 @@ def raw_loop(session: Any, feed: Feed, seconds: float) -> Loop:
     return Loop(calls, now - start)
 
 
-def _rounds(
-    label: str, loops: dict[str, Callable[[float], Loop]], seconds: float, rounds: int, warm: float
-) -> list[Round]:
-    """Every loop once to warm up, then ``rounds`` rounds of all of them in order."""
-    for loop in loops.values():
-        loop(warm)
-    out = []
-    for i in range(rounds):
-        c = calm(lambda: {k: loop(seconds) for k, loop in loops.items()}, f"{label} round {i + 1}")
-        out.append(Round(c.value, c.foreign_cores, c.attempts))
-        log(
-            f"  {label} round {i + 1}/{rounds}: "
-            + ", ".join(f"{k} {x.rate:.0f}/s {x.machine_cpu_ms:.3f} ms" for k, x in c.value.items())
-            + f" (other processes {c.foreign_cores:.2f} cores)"
-        )
-    return out
-
-
-def _actor(submit: Submit) -> Callable[[float], Loop]:
-    return lambda seconds: closed_loop([submit], IN_FLIGHT, seconds)
-
-
-def _measure(
-    ctx: RunContext, client: FleetClient, floors: dict[Path, Any], models: dict[str, Any]
-) -> tuple[dict[str, list[Round]], list[Round]]:
-    seconds, rounds, warm = ctx.pick(2.0, 0.5), ctx.count(5, 2), ctx.pick(0.5, 0.2)
-    node = only_node(client).node
-    out: dict[str, list[Round]] = {}
-    for label, model, with_floor in ROWS:
-        log(f"node overhead: {label}")
-        bench_model = models[model]
-        feed = slow_feed(bench_model.width)
-        session = raw_session(bench_model.path)
-        floor = floors[bench_model.path]
-        loops = {"raw": lambda s, session=session, feed=feed: raw_loop(session, feed, s)}
-        if with_floor:
-            request = InferRequest(model=model, inputs=feed)
-            loops["floor"] = _actor(lambda f=floor, r=request: f.infer.remote(r))
-        loops["node"] = _actor(lambda m=model, feed=feed: node_submit(client, node, m, feed))
-        out[label] = _rounds(label, loops, seconds, rounds, warm)
-    log("node overhead: machine CPU per request, classifier")
-    feed = random_inputs(CPU_MODEL)
-    request = InferRequest(model=CPU_MODEL, inputs=feed)
-    floor = floors[models[CPU_MODEL]]
-    cpu_loops = {
-        "floor": _actor(lambda: floor.infer.remote(request)),
-        "node": _actor(lambda: node_submit(client, node, CPU_MODEL, feed)),
+def _loops(client: Any, floor: Any, model: str, feed: Feed) -> dict[str, Any]:
+    """Closed loops straight to the Ray floor and to the node (``IN_FLIGHT`` each)."""
+    node, request = only_node(client).node, InferRequest(model=model, inputs=feed)
+    return {
+        "floor": lambda s: closed_loop([lambda: floor.infer.remote(request)], IN_FLIGHT, s),
+        "node": lambda s: closed_loop(
+            [lambda: node_submit(client, node, model, feed)], IN_FLIGHT, s
+        ),
     }
-    return out, _rounds("CPU per request", cpu_loops, seconds, rounds, warm)
-
-
-ROWS = (  # label, model entry, with a Ray floor
-    ("5 ms, batching off", "slow5", True),
-    ("1 ms, batching off", "slow1", True),
-    ("1 ms, batching on", "slow1_batched", False),
-)
-TARGETS = {"5 ms, batching off": TARGET_RATIO_5MS}
-FLOOR_TARGETS = {"1 ms, batching off": TARGET_FLOOR_RATIO_1MS}
 
 
 def run(ctx: RunContext) -> Section:
@@ -196,16 +106,27 @@ def run(ctx: RunContext) -> Section:
         ModelEntry("slow1_batched", m1.path, window_ms=2.0, max_batch_size=8),
         ModelEntry(CPU_MODEL, classifier),
     ]
-    models = {"slow5": m5, "slow1": m1, "slow1_batched": m1, CPU_MODEL: classifier}
+    models = {"slow5": m5, "slow1": m1, "slow1_batched": m1}
     floor_cls = ray.remote(RayFloor).options(max_concurrency=1024, num_cpus=0)
     floors = {p: floor_cls.remote(str(p)) for p in (m5.path, m1.path, classifier)}
+    timing = {"seconds": ctx.pick(2.0, 0.5), "count": ctx.count(5, 2), "warm_s": ctx.pick(0.5, 0.2)}
+    results: dict[str, list[Round]] = {}
     try:
         ray.get([f.ready.remote() for f in floors.values()], timeout=GET_TIMEOUT_S)
         with deployed(fleet_config("bench-overhead", entries)) as client:
+            for label, model, with_floor, *_ in ROWS:
+                log(f"node overhead: {label}")
+                feed, path = slow_feed(models[model].width), models[model].path
+                session = raw_session(path)
+                loops = {"raw": lambda s, x=session, f=feed: raw_loop(x, f, s)}
+                loops |= _loops(client, floors[path], model, feed)
+                if not with_floor:
+                    del loops["floor"]
+                results[label] = rounds(label, loops, **timing)
+            log("node overhead: machine CPU per request, classifier")
+            cpu_loops = _loops(client, floors[classifier], CPU_MODEL, random_inputs(CPU_MODEL))
+            cpu = rounds("CPU per request", cpu_loops, **timing)
             status = client.status(GET_TIMEOUT_S)
-            limits = {m.name: m.batch_limit for n in status.nodes for m in n.models}
-            rows, cpu = _measure(ctx, client, floors, models)
-            costs = {e.name: node_costs_ms(client.status(GET_TIMEOUT_S), e.name) for e in entries}
     finally:
         for handle in floors.values():
             ray.kill(handle)
@@ -216,105 +137,95 @@ def run(ctx: RunContext) -> Section:
         f"actor (threads 1), {IN_FLIGHT} requests in flight straight to it (`infer.remote`, "
         "bypassing placement; `ray.wait`), completed replies counted. Raw, Ray floor (the "
         "smallest async Ray actor doing the same job: one session on one engine thread, no "
-        f"scheduler) and node alternate, {ctx.count(5, 2)} rounds of {ctx.pick(2.0, 0.5):g} s; "
-        f"ratios are medians of per-round ratios. Models: 5 ms = {m5.describe()}; 1 ms = "
-        f"{m1.describe()}. The second table prices the node per request on the tiny "
-        "classifier (`modelgen.make_classifier`): machine CPU (busy jiffies of /proc/stat) "
-        "per completed reply, Ray floor and node alternating."
+        f"scheduler) and node side by side, {timing['count']} rounds of {timing['seconds']:g} "
+        "s, the order rotating; ratios are medians of per-round ratios. Models: 5 ms = "
+        f"{m5.describe()}; 1 ms = {m1.describe()}. The second table prices the node per "
+        "request on the tiny classifier (`modelgen.make_classifier`): machine CPU (busy "
+        "jiffies of /proc/stat) per completed reply, Ray floor and node side by side."
     )
-    return _section(rows, cpu, limits, costs, measured)
+    return _section(results, cpu, status, measured)
 
 
-def _overhead_table(rows: dict[str, list[Round]]) -> str:
-    def floor(r: list[Round], pick: Callable[[Round], float]) -> str:
-        return fmt(med(r, pick), 2) if "floor" in r[0].loops else "-"
+def _ratio(r: Round) -> float:
+    return r["node"].rate / r["raw"].rate
 
-    return md_table(
-        [
-            "model / node config",
-            "raw calls/s",
-            "node calls/s",
-            "node / raw (median)",
-            "per-round ratios",
-            "Ray floor / raw",
-            "node / Ray floor",
-            "mean batch",
-            "raw ms / call",
-            "node engine ms / call",
-            "node engine busy",
-        ],
-        [
+
+def _floor_ratio(r: Round) -> float:
+    return r["node"].rate / r["floor"].rate
+
+
+def _extra(r: Round, own: bool = False) -> float:
+    """CPU per request the node takes over the Ray floor, in ms: every process on the
+    machine, or (``own``) this benchmark's only."""
+    if own:
+        return r["node"].cpu_ms - r["floor"].cpu_ms
+    return r["node"].machine_cpu_ms - r["floor"].machine_cpu_ms
+
+
+def _overhead_table(results: dict[str, list[Round]]) -> str:
+    rows = []
+    for label, r in results.items():
+        floor = "floor" in r[0].loops
+        rows.append(
             [
                 label,
-                fmt(med(r, lambda x: x.raw.rate), 0),
-                fmt(med(r, lambda x: x.node.rate), 0),
-                fmt(med(r, lambda x: x.ratio), 2),
-                " / ".join(fmt(x.ratio, 2) for x in r),
-                floor(r, lambda x: x.floor_ratio),
-                floor(r, lambda x: x.ratio / x.floor_ratio),
-                fmt(med(r, lambda x: x.node.mean_batch), 2),
-                fmt(med(r, lambda x: x.raw.engine_ms), 2),
-                fmt(med(r, lambda x: x.node.engine_ms), 2),
-                f"{med(r, lambda x: x.node.engine_busy) * 100:.0f}%",
+                fmt(med(r, lambda x: x["raw"].rate), 0),
+                fmt(med(r, lambda x: x["node"].rate), 0),
             ]
-            for label, r in rows.items()
-        ],
+            + [fmt(med(r, _ratio), 2), each(r, _ratio, 2)]
+            + [fmt(med(r, lambda x: x["floor"].rate / x["raw"].rate), 2) if floor else "-"]
+            + [fmt(med(r, _floor_ratio), 2) if floor else "-"]
+            + [fmt(med(r, lambda x: x["node"].mean_batch), 2)]
+            + [fmt(med(r, lambda x, k=k: x[k].engine_ms), 2) for k in ("raw", "node")]
+            + [f"{med(r, lambda x: x['node'].engine_busy) * 100:.0f}%"]
+        )
+    header = "model / node config | raw calls/s | node calls/s | node / raw (median) | "
+    header += "per-round ratios | Ray floor / raw | node / Ray floor | mean batch | "
+    return md_table(
+        columns(header + "raw ms / call | node engine ms / call | node engine busy"), rows
     )
 
 
 def _cpu_table(cpu: list[Round]) -> str:
-    def line(name: str, pick: Callable[[Callable[[Round], float]], float]) -> list[object]:
-        return [
-            name,
-            fmt(pick(lambda x: x.floor.rate), 0),
-            fmt(pick(lambda x: x.node.rate), 0),
-            fmt(pick(lambda x: x.floor.machine_cpu_ms), 3),
-            fmt(pick(lambda x: x.node.machine_cpu_ms), 3),
-            fmt(pick(lambda x: x.extra_ms), 3, signed=True),
-            fmt(pick(lambda x: x.own_extra_ms), 3, signed=True),
+    def line(name: str, get: Any) -> list[object]:
+        cells = [fmt(get(lambda x, k=k: x[k].rate), 0) for k in ("floor", "node")]
+        cells += [fmt(get(lambda x, k=k: x[k].machine_cpu_ms), 3) for k in ("floor", "node")]
+        return [name, *cells, fmt(get(_extra), 3, signed=True)] + [
+            fmt(get(lambda x: _extra(x, own=True)), 3, signed=True)
         ]
 
     rows = [
         [*line(str(i + 1), lambda f, r=r: f(r)), fmt(r.foreign_cores, 2)] for i, r in enumerate(cpu)
     ]
     rows.append([*line("median", lambda f: med(cpu, f)), ""])
-    headers = ["round", "Ray floor calls/s", "node calls/s", "Ray floor CPU ms / request"]
-    headers += ["node CPU ms / request", "node - Ray floor ms", "same, own processes only"]
-    return md_table([*headers, "other processes, cores"], rows)
+    header = "round | Ray floor calls/s | node calls/s | Ray floor CPU ms / request | node CPU ms "
+    header += "/ request | node - Ray floor ms | same, own processes only | other processes, cores"
+    return md_table(columns(header), rows)
 
 
 def _section(
-    rows: dict[str, list[Round]],
-    cpu: list[Round],
-    limits: dict[str, int],
-    costs: dict[str, Any],
-    measured: str,
+    results: dict[str, list[Round]], cpu: list[Round], status: Any, measured: str
 ) -> Section:
-    targets = [
-        Target(f"node / raw throughput, {label}", med(rows[label], lambda x: x.ratio), ">=", t)
-        for label, t in TARGETS.items()
-    ]
-    targets += [
-        Target(
-            f"node / Ray floor throughput, {label}",
-            med(rows[label], lambda x: x.ratio / x.floor_ratio),
-            ">=",
-            t,
-        )
-        for label, t in FLOOR_TARGETS.items()
-    ]
-    targets.append(
-        Target(
-            "node - Ray floor machine CPU per request, classifier, ms",
-            med(cpu, lambda x: x.extra_ms),
-            "<=",
-            TARGET_EXTRA_CPU_MS,
-            digits=3,
-        )
-    )
-    every = [x for r in rows.values() for x in r]
+    targets = []
+    for label, _, _, raw_target, floor_target in ROWS:
+        if raw_target is not None:
+            targets.append(
+                Target(
+                    f"node / raw throughput, {label}", med(results[label], _ratio), ">=", raw_target
+                )
+            )
+        if floor_target is not None:
+            value = med(results[label], _floor_ratio)
+            targets.append(
+                Target(f"node / Ray floor throughput, {label}", value, ">=", floor_target)
+            )
+    label = "node - Ray floor machine CPU per request, classifier, ms"
+    targets.append(Target(label, med(cpu, _extra), "<=", TARGET_EXTRA_CPU_MS, digits=3))
+    every = [x for r in results.values() for x in r]
+    limit = {m.name: m.batch_limit for n in status.nodes for m in n.models}.get("slow1_batched")
     cost = ", ".join(
-        f"{label}: {fmt(costs[model].get(1, float('nan')), 2)} ms" for label, model, _ in ROWS
+        f"{label}: {fmt(node_costs_ms(status, model).get(1, float('nan')), 2)} ms"
+        for label, model, *_ in ROWS
     )
     notes = [
         "Node / Ray floor is what edgefleet's node (admission, queue, scheduler, settle) "
@@ -322,16 +233,16 @@ def _section(
         "Node engine ms / call is the mean `Reply.service_s`; engine busy their sum over "
         "the window. The batched row divides the node's request rate by the raw batch-1 "
         "call rate: above 1 is what batching recovers. Batch limit the node chose for it: "
-        f"{limits.get('slow1_batched', 'n/a')}.",
+        f"{limit}.",
         f"The node's own warm-up cost of a batch-1 call: {cost}.",
-        f"Failed replies during measurement: {sum(x.node.errors for x in every)}. Rounds "
+        f"Failed replies during measurement: {sum(x['node'].errors for x in every)}. Rounds "
         f"measured again because other processes used more than 0.2 cores meanwhile: "
         f"{sum(x.attempts - 1 for x in every)}; most CPU other processes used during a kept "
         f"round: {max(x.foreign_cores for x in every):.2f} cores.",
         "Machine CPU per request counts every process on the machine ('own processes only': "
         "this benchmark's process tree). Failed replies in that row: "
-        f"{sum(x.node.errors + x.floor.errors for x in cpu)}; rounds measured again: "
+        f"{sum(x['node'].errors + x['floor'].errors for x in cpu)}; rounds measured again: "
         f"{sum(x.attempts - 1 for x in cpu)}.",
     ]
     cpu_part = "**Machine CPU per request, classifier: Ray floor vs node**\n\n" + _cpu_table(cpu)
-    return Section(TITLE, measured, [_overhead_table(rows), cpu_part], targets, notes)
+    return Section(TITLE, measured, [_overhead_table(results), cpu_part], targets, notes)
