@@ -364,16 +364,14 @@ def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float 
     return least
 
 
-def _start_floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[Any]:
+def _floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[Any]:
     lanes = len(node_names(client)) * FLOOD_CAPACITY
     # Its blocking calls run on executor threads; Ray warns of any blocking get in an
     # async actor's process, whatever thread.
     quiet = {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}
     actor = ray.remote(FloodActor).options(num_cpus=0, runtime_env=quiet)
     shares = [lanes // callers + (i < lanes % callers) for i in range(callers)] + [0] * idle
-    floods = [actor.remote(client.config.fleet.name, feed, n) for n in shares]
-    ray.get([f.start.remote() for f in floods], timeout=GET_TIMEOUT_S)
-    return floods
+    return [actor.remote(client.config.fleet.name, feed, n) for n in shares]
 
 
 def _fleet_flooded(
@@ -383,14 +381,14 @@ def _fleet_flooded(
     lanes; ``idle`` more connect and send nothing."""
     before = client.status(GET_TIMEOUT_S)
     started = time.perf_counter()
-    floods: list[Any] = []
+    floods = _floods(client, feed, kw.get("callers", 1), kw.get("idle", 0))
 
     def counts_now() -> Counts:
         got = ray.get([f.counts.remote() for f in floods], timeout=GET_TIMEOUT_S)
         return Counts.total(c for c, _ in got)
 
     try:
-        floods = _start_floods(client, feed, kw.get("callers", 1), kw.get("idle", 0))
+        ray.get([f.start.remote() for f in floods], timeout=GET_TIMEOUT_S)
         least = _wait_fleet_saturated(client, max(1, int(bg_limit * FLOOD_CAPACITY) - 5))
         log(f"  {label}: flood running, at least {least} queued on every node")
         counts0, t0 = counts_now(), time.perf_counter()
