@@ -3,40 +3,18 @@ restarts, every request ends with exactly one answer, in time.
 
     python -m bench.chaos --minutes N [--seed S] [--out FILE.md] [--kinds KIND ...]
 
-A multi-raylet Ray cluster on loopback (a head, one raylet per edge node, one for the
-client; see bench/chaos_cluster.py) serves a fleet of three nodes with node traces on
-(``node_defaults.trace_dir``, see ``actors/trace.py``) and three models:
-``classifier``, ``slow`` (calibrated to a few milliseconds) and the ``tiny_lm``
-decoder. Mixed load goes through the public :class:`FleetClient`: inference at every
-priority class (``submit`` and ``infer``, some with deadlines, some with dedup keys,
-bursts of background work), chats with sessions (several threads, turn after turn),
-background generations, and lifecycle events. Meanwhile a seeded controller, at
-random intervals, kills a node actor's process, the router or a whole raylet; freezes
-(SIGSTOP, later SIGCONT) a node actor's process or a whole raylet; or kills the head
-and starts it again (Ray's GCS fault tolerance on Redis; without redis-server that
-kind is left out).
-
-Every request has its own id and its own ``timeout_s`` (drawn from TIMEOUT_S), and
-the harness records every answer the public API delivered for it: a future's Reply,
-an ``infer`` result or exception, a stream's tokens and its end. The report counts
-answers per request (exactly one each: a result or a typed EdgeFleetError), executions
-per id from the node traces (re-runs after a node died, or froze, before answering
-are at-least-once by nature and counted apart; any other re-run is a bug), the tokens
-of every greedy generation against a reference run of the same prompt, inference
-outputs against references, memory of the long-lived processes over time, and actors
-left alive after the client closed.
-
-Answer time. A request's *limit* is what its caller was promised: ``timeout_s``, the
-longest the whole request may take (past it the fleet ends it ``TimedOut``; this is
-what bounds a request whose node froze, whatever the call-limit probes found), or its
-deadline (``deadline_s``) when that is later. Every request must be answered within
-max(deadline_s, timeout_s) + ANSWER_SLACK_S, measured by the harness from just before
-the API call to the answer's delivery (a generation: its stream's end).
-
-Progress goes to stderr, the Markdown report to stdout (and ``--out``). The run ends
-by itself after N minutes (the answers still out get a bounded wait); Ctrl-C ends the
-load early and still reports. Everything started is torn down. Exit status: 0 when
-every invariant holds, 1 otherwise.
+A multi-raylet Ray cluster on loopback (bench/chaos_cluster.py) serves three nodes
+with node traces on (``node_defaults.trace_dir``) and three models (``classifier``,
+``slow``, the ``tiny_lm`` decoder). Mixed load goes through :class:`FleetClient`:
+inference at every priority (``submit`` and ``infer``, some with deadlines or dedup
+keys, bursts of background work), chats with sessions, background generations and
+lifecycle events, while a seeded controller kills, freezes and restarts parts of the
+cluster. Every request has its own id and ``timeout_s``; the report counts the
+answers each got (exactly one: a result or a typed EdgeFleetError), its answer time
+against max(deadline_s, timeout_s) + ANSWER_SLACK_S, executions per id from the node
+traces (re-runs explained by a kill, a freeze or a loss are at-least-once by nature),
+generations and outputs against references, memory, and actors left after the close.
+Exit status: 0 when every invariant holds, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -62,23 +40,28 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 import psutil
 
 from actors.decoder import DecoderEngine, Generation
+from actors.engine import open_session
 from actors.trace import read_traces
 from bench.chaos_cluster import (
     CONTROL_TIMEOUT_S,
+    HEALTH_CHECKS,
     KINDS,
     LM,
+    LOST_AFTER_S,
     NODES,
+    QUIET_END_S,
+    REPORT_INTERVAL_S,
+    RESTART_AFTER_S,
     Controller,
     Event,
     Fleet,
 )
-from bench.chaos_report import render
-from bench.common import EnvFacts, log, percentile, utc_now
+from bench.common import EnvFacts, fmt, log, md_table, percentile, utc_now
 from cluster.client import FleetClient
+from cluster.head import LOOPBACK
 from edgefleet.errors import EdgeFleetError
 from edgefleet.messages import Reply
 from edgefleet.modelgen import calibrate_slow, make_classifier, make_tiny_lm, random_inputs
@@ -87,11 +70,8 @@ from edgefleet.request import GenerateRequest
 SLOW_MS = 4.0  # batch-1 cost the slow model is calibrated to
 FEEDS = 8  # distinct inputs per tensor model, each with a reference output
 SYSTEM = tuple(range(1, 17))  # the system prompt every generation starts with
-CHAT_THREADS = 3
-CHAT_TURNS = 3
-CHAT_TOKENS = 16
-SUMMARIES = 4
-SUMMARY_TOKENS = 40
+CHAT_THREADS, CHAT_TURNS, CHAT_TOKENS = 3, 3, 16
+SUMMARIES, SUMMARY_TOKENS = 4, 40
 PRIORITIES = ("foreground", "inline", "background", "offline", 5, 1)
 SUBMIT_RATE = 25.0  # submitted requests per second (plus bursts)
 BURST = 24  # background requests submitted at once, now and then
@@ -105,11 +85,8 @@ LOSS_POLL_S = 0.05  # how often the caller's view of its nodes is looked at
 GC_FREEZE_EVERY_S = 5.0
 DRAIN_S = 45.0  # after the load: the longest wait for answers still out
 RECOVER_S = 30.0  # then the longest wait for every node to serve again
-
 PROMPT_RANGE = (20, 500)  # token ids of user turns (the tiny LM's vocabulary is 512)
-
-
-# --------------------------------------------------------------------------- options
+FINISHED = ("stop", "length", "budget")  # a generation's successful ends
 
 
 @dataclass(frozen=True)
@@ -120,77 +97,34 @@ class Options:
     answers: Path | None = None  # every request and its answers, a JSON line each
     kill_every_s: float = 12.0  # mean interval between chaos events
     spare: tuple[str, ...] = ("edge-0",)  # nodes never hit: they live the whole run
-    kinds: tuple[str, ...] = KINDS  # the kinds of chaos events
-
-    @property
-    def seconds(self) -> float:
-        return self.minutes * 60.0
-
-
-def build_parser(prog: str = "python -m bench.chaos") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Chaos soak: mixed load through FleetClient on a multi-raylet Ray "
-        "cluster on loopback while node processes, the router and whole raylets are "
-        "killed, node processes and raylets frozen and the head restarted at seeded "
-        "random intervals; reports whether every request got exactly one answer, in "
-        "time (progress on stderr, the Markdown report on stdout).",
-        epilog=f"example: {prog} --minutes 10 --seed 1 --out /tmp/chaos.md",
-    )
-    parser.add_argument("--minutes", type=float, default=1.0, help="load duration (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the load and the chaos")
-    parser.add_argument("--out", type=Path, metavar="FILE", help="also write the report here")
-    parser.add_argument(
-        "--answers",
-        type=Path,
-        metavar="FILE",
-        help="write every request and its answers here, a JSON line each (to look into a failure)",
-    )
-    parser.add_argument(
-        "--kill-every",
-        type=float,
-        default=12.0,
-        metavar="S",
-        help="mean seconds between chaos events (each interval is 0.6-1.4 times this; default 12)",
-    )
-    parser.add_argument(
-        "--kinds",
-        nargs="+",
-        default=list(KINDS),
-        choices=KINDS,
-        metavar="KIND",
-        help=f"the kinds of chaos events (default: all of {', '.join(KINDS)}; head restarts "
-        "need redis-server)",
-    )
-    parser.add_argument(
-        "--spare",
-        nargs="*",
-        default=["edge-0"],
-        choices=NODES,
-        metavar="NODE",
-        help="nodes never hit, so their memory is followed over the whole run "
-        "(default: edge-0; none: --spare with no name)",
-    )
-    return parser
+    kinds: tuple[str, ...] = KINDS
 
 
 def parse_options(argv: Sequence[str] | None = None) -> Options:
-    args = build_parser().parse_args(argv)
-    if args.minutes <= 0:
-        raise SystemExit("--minutes must be > 0")
-    if args.kill_every <= 0:
-        raise SystemExit("--kill-every must be > 0")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.chaos",
+        description="Chaos soak: mixed load through FleetClient on a multi-raylet Ray cluster "
+        "on loopback while nodes, the router and raylets are killed or frozen and the head "
+        "restarted; reports whether every request got exactly one answer, in time.",
+        epilog="example: python -m bench.chaos --minutes 10 --seed 1 --out /tmp/chaos.md",
+    )
+    p.add_argument("--minutes", type=float, default=1.0, help="load duration (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the load and the chaos")
+    p.add_argument("--out", type=Path, metavar="FILE", help="also write the report here")
+    p.add_argument("--answers", type=Path, metavar="FILE", help="every request, a JSON line each")
+    p.add_argument(
+        "--kill-every", type=float, default=12.0, metavar="S", help="mean s between events"
+    )
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, metavar="KIND")
+    p.add_argument("--spare", nargs="*", default=["edge-0"], choices=NODES, metavar="NODE")
+    args = p.parse_args(argv)
+    if args.minutes <= 0 or args.kill_every <= 0:
+        raise SystemExit("--minutes and --kill-every must be > 0")
     if set(args.spare) >= set(NODES):
         raise SystemExit("--spare: at least one node must be left to hit")
-    return Options(
-        minutes=args.minutes,
-        seed=args.seed,
-        out=args.out,
-        answers=args.answers,
-        kill_every_s=args.kill_every,
-        spare=tuple(args.spare),
-        kinds=tuple(k for k in KINDS if k in args.kinds),
-    )
+    kinds = tuple(k for k in KINDS if k in args.kinds)
+    spare = tuple(args.spare)
+    return Options(args.minutes, args.seed, args.out, args.answers, args.kill_every, spare, kinds)
 
 
 # ------------------------------------------------------------------ the records
@@ -218,17 +152,17 @@ class Sent:
     at: float
     ref: tuple[Any, ...]  # what its answer is compared with
     max_new_tokens: int = 0
+    at_most_once: bool = False  # never placed again once sent: NodeLost instead
+    timeout_s: float = math.inf
+    deadline_s: float | None = None
     answers: list[Answer] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # delivered, in order (generation)
     after_end: int = 0  # tokens or errors delivered after the answer (must stay 0)
     wrong: str = ""  # why the answer's content is wrong ('' when it is right)
-    at_most_once: bool = False  # never placed again once sent: NodeLost instead
-    timeout_s: float = math.inf  # the request's timeout_s
-    deadline_s: float | None = None  # the request's deadline_s, if it has one
 
-    @property
-    def answered_at(self) -> float | None:
-        return self.answers[0].at if self.answers else None
+    def kw(self) -> dict[str, Any]:
+        """What every call of the request passes to the client."""
+        return {"priority": self.priority, "request_id": self.id, "timeout_s": self.timeout_s}
 
     @property
     def limit_s(self) -> float:
@@ -243,60 +177,36 @@ class Ledger:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.sent: dict[str, Sent] = {}
-        self._answered = 0
+        self.answered = 0
 
     def new(
-        self,
-        api: str,
-        model: str,
-        priority: int | str,
-        ref: tuple[Any, ...],
-        max_new_tokens: int = 0,
-        at_most_once: bool = False,
-        timeout_s: float = math.inf,
-        deadline_s: float | None = None,
+        self, api: str, model: str, priority: int | str, ref: tuple[Any, ...], **kw: Any
     ) -> Sent:
         with self._lock:
             rid = f"{api[0]}{next(self._ids):07d}"
-            sent = self.sent[rid] = Sent(
-                rid, api, model, priority, time.time(), ref, max_new_tokens
-            )
-            sent.at_most_once = at_most_once
-            sent.timeout_s, sent.deadline_s = timeout_s, deadline_s
+            sent = self.sent[rid] = Sent(rid, api, model, priority, time.time(), ref, **kw)
         return sent
 
     def answer(self, sent: Sent, answer: Answer) -> None:
         with self._lock:
-            if not sent.answers:
-                self._answered += 1
+            self.answered += not sent.answers
             sent.answers.append(answer)
 
-    def counts(self) -> tuple[int, int]:
-        """Requests sent, and those answered."""
-        with self._lock:
-            return len(self.sent), self._answered
-
     def outstanding(self) -> int:
-        sent, answered = self.counts()
-        return sent - answered
+        return len(self.sent) - self.answered
 
     def write(self, path: Path, t0: float) -> None:
         """Every request and its answers, a JSON line each (times in s from ``t0``)."""
         with self._lock, path.open("w") as out:
             for s in self.sent.values():
-                line = {
-                    "id": s.id,
-                    "api": s.api,
-                    "at": round(s.at - t0, 3),
-                    "timeout_s": round(s.timeout_s, 3),
-                    "deadline_s": s.deadline_s,
-                    "at_most_once": s.at_most_once,
-                    "answers": [
-                        [round(a.at - t0, 3), a.outcome, a.what, a.node, a.detail]
-                        for a in s.answers
-                    ],
-                }
-                out.write(json.dumps(line) + "\n")
+                answers = [
+                    [round(a.at - t0, 3), a.outcome, a.what, a.node, a.detail] for a in s.answers
+                ]
+                line = {"id": s.id, "api": s.api, "at": round(s.at - t0, 3)}
+                line |= {"timeout_s": round(s.timeout_s, 3), "deadline_s": s.deadline_s}
+                out.write(
+                    json.dumps(line | {"at_most_once": s.at_most_once, "answers": answers}) + "\n"
+                )
 
 
 @dataclass(frozen=True)
@@ -307,13 +217,10 @@ class Sample:
     rss_mb: float
 
 
-# ------------------------------------------------------------------- references
-
-
 @dataclass
 class References:
-    """Inputs and the answers they must get: inference outputs computed in this
-    process with ONNX Runtime, greedy generations on the decoder engine uninterrupted."""
+    """Inputs and the answers they must get: inference outputs computed in-process,
+    greedy generations on the decoder engine uninterrupted."""
 
     feeds: dict[str, list[dict[str, np.ndarray]]]
     outputs: dict[str, list[dict[str, np.ndarray]]]
@@ -327,27 +234,22 @@ class References:
 
 
 def make_models(directory: Path) -> dict[str, Path]:
-    paths = {
+    return {
         "classifier": make_classifier(directory / "classifier.onnx"),
         "slow": calibrate_slow(directory / "slow.onnx", SLOW_MS)[0],
         LM: make_tiny_lm(directory / "tiny_lm.onnx"),
     }
-    return paths
 
 
 def make_references(paths: Mapping[str, Path], seed: int) -> References:
     feeds: dict[str, list[dict[str, np.ndarray]]] = {}
     outputs: dict[str, list[dict[str, np.ndarray]]] = {}
     for model in ("classifier", "slow"):
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        session = ort.InferenceSession(
-            str(paths[model]), sess_options=opts, providers=["CPUExecutionProvider"]
-        )
+        session = open_session(model, paths[model], threads=1)
         names = [o.name for o in session.get_outputs()]
         feeds[model] = [random_inputs(model, seed=seed * 100 + i) for i in range(FEEDS)]
         outputs[model] = [
-            dict(zip(names, session.run(names, feed), strict=True)) for feed in feeds[model]
+            dict(zip(names, session.run(names, f), strict=True)) for f in feeds[model]
         ]
     engine = DecoderEngine("reference", paths[LM])
 
@@ -362,11 +264,9 @@ def make_references(paths: Mapping[str, Path], seed: int) -> References:
     for t in range(CHAT_THREADS):
         history = SYSTEM
         for k in range(CHAT_TURNS):
-            user = tuple(rng.randrange(*PROMPT_RANGE) for _ in range(6 + 2 * k))
-            prompt = history + user
-            out = greedy(prompt, CHAT_TOKENS)
-            chats[(t, k)] = (prompt, out)
-            history = prompt + tuple(out)
+            prompt = history + tuple(rng.randrange(*PROMPT_RANGE) for _ in range(6 + 2 * k))
+            chats[(t, k)] = (prompt, greedy(prompt, CHAT_TOKENS))
+            history = prompt + tuple(chats[(t, k)][1])
     summaries = []
     for _ in range(SUMMARIES):
         prompt = SYSTEM + tuple(rng.randrange(*PROMPT_RANGE) for _ in range(24))
@@ -390,15 +290,12 @@ def same_outputs(got: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarra
 
 def token_problem(delivered: Sequence[int], expected: Sequence[int], full: bool) -> str:
     """'' when ``delivered`` is ``expected`` (``full``) or a prefix of it."""
-    if list(delivered) == list(expected[: len(delivered)]) and (
-        not full or len(delivered) == len(expected)
-    ):
+    n = len(delivered)
+    if list(delivered) == list(expected[:n]) and (not full or n == len(expected)):
         return ""
-    first = next(
-        (i for i, (a, b) in enumerate(zip(delivered, expected, strict=False)) if a != b),
-        min(len(delivered), len(expected)),
-    )
-    return f"{len(delivered)} tokens, expected {len(expected)}; first difference at {first}"
+    pairs = enumerate(zip(delivered, expected, strict=False))
+    first = next((i for i, (a, b) in pairs if a != b), min(n, len(expected)))
+    return f"{n} tokens, expected {len(expected)}; first difference at {first}"
 
 
 # ------------------------------------------------------------------------ the load
@@ -406,6 +303,11 @@ def token_problem(delivered: Sequence[int], expected: Sequence[int], full: bool)
 
 def _typed(exc: BaseException) -> tuple[str, str]:
     return ("typed" if isinstance(exc, EdgeFleetError) else "untyped"), type(exc).__name__
+
+
+def _failed(exc: BaseException) -> Answer:
+    outcome, what = _typed(exc)
+    return Answer(time.time(), outcome, what, detail=str(exc)[:200])
 
 
 def _timeout(rng: random.Random) -> float:
@@ -425,11 +327,7 @@ class Load:
         stop: threading.Event,
         seed: int,
     ) -> None:
-        self.client = client
-        self.refs = refs
-        self.ledger = ledger
-        self.stop = stop
-        self.seed = seed
+        self.client, self.refs, self.ledger, self.stop, self.seed = client, refs, ledger, stop, seed
         self.control: Counter[str] = Counter()  # lifecycle events: ok / typed / untyped
         self.control_errors: list[str] = []
         self.failures: list[str] = []  # load threads that raised (a harness bug)
@@ -464,17 +362,11 @@ class Load:
             self.failures.append(f"load thread {name}: {traceback.format_exc()}")
             log(self.failures[-1])
 
-    # inference -----------------------------------------------------------------
-
-    def _feed(self, rng: random.Random) -> tuple[str, int]:
-        model = "classifier" if rng.random() < 0.7 else "slow"
-        return model, rng.randrange(FEEDS)
-
     def _submit_one(
         self, rng: random.Random, priority: int | str, deadline_s: float | None = None
     ) -> None:
-        model, i = self._feed(rng)
-        once = rng.random() < AT_MOST_ONCE_SHARE
+        model = "classifier" if rng.random() < 0.7 else "slow"
+        i, once = rng.randrange(FEEDS), rng.random() < AT_MOST_ONCE_SHARE
         sent = self.ledger.new(
             "submit",
             model,
@@ -486,19 +378,11 @@ class Load:
         )
         key = f"camera-{rng.randrange(2)}" if priority == "inline" and rng.random() < 0.3 else None
         try:
-            future = self.client.submit(
-                model,
-                self.refs.feeds[model][i],
-                priority=priority,
-                deadline_s=deadline_s,
-                key=key,
-                request_id=sent.id,
-                at_most_once=once,
-                timeout_s=sent.timeout_s,
-            )
+            feed = self.refs.feeds[model][i]
+            kw = sent.kw() | {"deadline_s": deadline_s, "key": key, "at_most_once": once}
+            future = self.client.submit(model, feed, **kw)
         except Exception as exc:
-            outcome, what = _typed(exc)
-            self.ledger.answer(sent, Answer(time.time(), outcome, what, detail=str(exc)[:200]))
+            self.ledger.answer(sent, _failed(exc))
             return
         future.add_done_callback(partial(self._replied, sent))
 
@@ -515,23 +399,22 @@ class Load:
             self.ledger.answer(sent, Answer(time.time(), "ok", "completed", reply.node))
         else:
             outcome, what = _typed(reply.error)
-            self.ledger.answer(
-                sent, Answer(time.time(), outcome, what, reply.node, str(reply.error)[:200])
-            )
+            answer = Answer(time.time(), outcome, what, reply.node, str(reply.error)[:200])
+            self.ledger.answer(sent, answer)
 
     def _check(self, sent: Sent, outputs: Mapping[str, np.ndarray], request_id: str) -> None:
         model, i = sent.ref
-        problem = same_outputs(outputs, self.refs.outputs[model][i])
+        sent.wrong = same_outputs(outputs, self.refs.outputs[model][i])
         if request_id != sent.id:
-            problem = f"answer for request {request_id}"
-        sent.wrong = problem
+            sent.wrong = f"answer for request {request_id}"
 
     def _submitter(self, rng: random.Random) -> None:
         next_burst = time.monotonic() + rng.uniform(3, 6)
         while not self.stop.wait(rng.expovariate(SUBMIT_RATE)):
             priority = rng.choice(PRIORITIES)
-            deadline = rng.uniform(0.05, 1.0) if priority in ("background", 1) else None
-            self._submit_one(rng, priority, deadline)
+            self._submit_one(
+                rng, priority, rng.uniform(0.05, 1.0) if priority in ("background", 1) else None
+            )
             if time.monotonic() >= next_burst:
                 next_burst = time.monotonic() + rng.uniform(3, 6)
                 for _ in range(BURST):
@@ -539,58 +422,38 @@ class Load:
 
     def _caller(self, rng: random.Random) -> None:
         while not self.stop.wait(rng.uniform(0.005, 0.03)):
-            model, i = self._feed(rng)
-            priority = rng.choice(PRIORITIES)
-            once = rng.random() < AT_MOST_ONCE_SHARE
-            timeout_s = _timeout(rng)
+            model = "classifier" if rng.random() < 0.7 else "slow"
+            i, priority = rng.randrange(FEEDS), rng.choice(PRIORITIES)
+            once, timeout_s = rng.random() < AT_MOST_ONCE_SHARE, _timeout(rng)
             sent = self.ledger.new(
                 "infer", model, priority, (model, i), at_most_once=once, timeout_s=timeout_s
             )
             try:
-                outputs = self.client.infer(
-                    model,
-                    self.refs.feeds[model][i],
-                    priority=priority,
-                    request_id=sent.id,
-                    at_most_once=once,
-                    timeout_s=timeout_s,
-                )
+                feed = self.refs.feeds[model][i]
+                outputs = self.client.infer(model, feed, at_most_once=once, **sent.kw())
             except Exception as exc:
-                outcome, what = _typed(exc)
-                self.ledger.answer(sent, Answer(time.time(), outcome, what, detail=str(exc)[:200]))
+                self.ledger.answer(sent, _failed(exc))
             else:
                 self._check(sent, outputs, sent.id)
                 self.ledger.answer(sent, Answer(time.time(), "ok", "completed"))
 
-    # generation ----------------------------------------------------------------
-
     def _generate(self, sent: Sent, prompt: tuple[int, ...], **kw: Any) -> str | None:
         """Stream one generation; its finish reason, or None when it ended in an error."""
         try:
+            kw |= {"at_most_once": sent.at_most_once, "deadline_s": sent.deadline_s}
+            n = sent.max_new_tokens
             stream = self.client.generate(
-                LM,
-                prompt,
-                max_new_tokens=sent.max_new_tokens,
-                priority=sent.priority,
-                prefix_len=len(SYSTEM),
-                request_id=sent.id,
-                at_most_once=sent.at_most_once,
-                deadline_s=sent.deadline_s,
-                timeout_s=sent.timeout_s,
-                **kw,
+                LM, prompt, max_new_tokens=n, prefix_len=len(SYSTEM), **kw | sent.kw()
             )
-            for token in stream:
-                sent.tokens.append(token)
+            sent.tokens.extend(stream)
             result = stream.result
         except Exception as exc:
-            outcome, what = _typed(exc)
-            self.ledger.answer(sent, Answer(time.time(), outcome, what, detail=str(exc)[:200]))
+            self.ledger.answer(sent, _failed(exc))
             return None
         assert result is not None  # the stream raises rather than end without one
         self.ledger.answer(sent, Answer(time.time(), "ok", result.finish_reason or "", result.node))
         try:  # nothing may come after the end
-            for _ in stream:
-                sent.after_end += 1
+            sent.after_end += sum(1 for _ in stream)
         except Exception:
             sent.after_end += 1
         if list(result.tokens) != sent.tokens:
@@ -620,11 +483,10 @@ class Load:
     def _summaries(self, rng: random.Random) -> None:
         while not self.stop.is_set():
             j = rng.randrange(SUMMARIES)
-            priority = rng.choice(("background", "offline", 2))
             sent = self.ledger.new(
                 "generate",
                 LM,
-                priority,
+                rng.choice(("background", "offline", 2)),
                 ("summary", j),
                 max_new_tokens=SUMMARY_TOKENS,
                 at_most_once=rng.random() < AT_MOST_ONCE_SHARE,
@@ -633,8 +495,6 @@ class Load:
             )
             self._generate(sent, self.refs.summaries[j][0])
             self.stop.wait(rng.uniform(0.05, 0.3))
-
-    # control -------------------------------------------------------------------
 
     def _lifecycle(self, rng: random.Random) -> None:
         while not self.stop.wait(rng.uniform(2.0, 5.0)):
@@ -650,23 +510,17 @@ class Load:
                 self.control["ok"] += 1
 
 
-# --------------------------------------------------------------- the sampler
+# --------------------------------------------------------------- the watchers
 
 
 class Losses:
-    """When the caller (the harness's FleetClient) held each node out of service: it
-    did not answer a probe in time, died, or the router reported it so. Polled every
-    LOSS_POLL_S on a thread of its own: the windows explain re-runs (see
-    :func:`_rerun_cause`)."""
+    """When the caller held each node out of service, polled every LOSS_POLL_S: the
+    windows explain re-runs (see :func:`_rerun_cause`)."""
 
     def __init__(self, client: FleetClient, stop: threading.Event) -> None:
-        self.client = client
-        self.stop = stop
+        self.client, self.stop = client, stop
         self.windows: dict[str, list[list[float]]] = defaultdict(list)  # [from, to]
         self.thread = threading.Thread(target=self._run, name="losses", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
 
     def _run(self) -> None:
         while not self.stop.wait(LOSS_POLL_S):
@@ -688,16 +542,9 @@ class Sampler:
     (psutil), which nodes are healthy; a progress line every PROGRESS_EVERY_S."""
 
     def __init__(
-        self,
-        fleet: Fleet,
-        ledger: Ledger,
-        controller: Controller,
-        stop: threading.Event,
+        self, fleet: Fleet, ledger: Ledger, controller: Controller, stop: threading.Event
     ) -> None:
-        self.fleet = fleet
-        self.ledger = ledger
-        self.controller = controller
-        self.stop = stop
+        self.fleet, self.ledger, self.controller, self.stop = fleet, ledger, controller, stop
         self.samples: list[Sample] = []
         self.healthy: dict[str, bool] = {}
         self.status_calls: Counter[str] = Counter()  # ok / typed / untyped
@@ -705,10 +552,7 @@ class Sampler:
         self.errors: list[str] = []  # the sampler's own failures
         self.routers: dict[int, dict[str, int]] = {}  # by router process: its last counters
         self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
-
-    def start(self, t0: float) -> None:
-        self.t0 = t0
-        self.thread.start()
+        self.t0 = time.monotonic()
 
     def _run(self) -> None:
         next_progress = time.monotonic() + PROGRESS_EVERY_S
@@ -736,7 +580,9 @@ class Sampler:
         else:
             now = time.time()
             self.status_calls["ok"] += 1
-            self._router_counters(dict(status.router))
+            pid = self.fleet.router_pid()
+            if pid is not None:  # counters per incarnation: a restarted router counts from 0
+                self.routers[pid] = dict(status.router)
             self.healthy = dict(status.healthy)
             for node in status.nodes:
                 if status.healthy.get(node.name) and node.pid:
@@ -754,48 +600,38 @@ class Sampler:
 
     def _serving_again(self, status: Any, now: float) -> None:
         """Date the events whose target serves again: a node healthy in a new process,
-        or (a freeze) healthy after its SIGCONT; the head once the router answers."""
+        or (a freeze) after its SIGCONT; the head once the router answers."""
+        pids = {node.name: int(node.pid) for node in status.nodes}
         for event in self.controller.snapshot():
             if event.healthy_at is not None or event.kind == "router":
                 continue
             if event.kind == "head":
-                if event.back_at is not None:
-                    event.healthy_at = now
+                event.healthy_at = now if event.back_at is not None else None
                 continue
-            pid = _pid_of(status, event.target)
+            pid = pids.get(event.target, 0)
             thawed = event.freeze and event.back_at is not None
             if self.healthy.get(event.target) and (pid not in (0, *event.pids) or thawed):
                 event.healthy_at = now
 
-    def _router_counters(self, counters: dict[str, int]) -> None:
-        """Keep the router's counters per incarnation (a restarted router counts from 0)."""
-        pid = self.fleet.router_pid()
-        if pid is not None:  # else between two incarnations: the next sample has it
-            self.routers[pid] = counters  # counts only grow within one
-
     def router_totals(self) -> Counter[str]:
         """The fleet-wide counters over the router's incarnations: the router's own
-        (ROUTER_OWN) added up, each counting from 0; the caller's the largest any
-        incarnation held (a restarted router takes a running caller's totals whole)."""
+        (ROUTER_OWN) added up; the caller's the largest any incarnation held."""
         totals: Counter[str] = Counter()
         for counters in self.routers.values():
             for key, value in counters.items():
-                if key in ROUTER_OWN:
-                    totals[key] += value
-                else:
-                    totals[key] = max(totals[key], value)
+                totals[key] = totals[key] + value if key in ROUTER_OWN else max(totals[key], value)
         return totals
 
     def wait_healthy(self, deadline: float) -> list[str]:
         """Wait until every node serves again (bounded); the nodes that do not."""
-        while True:
-            down = [n for n in NODES if not self.healthy.get(n)]
-            if not down or time.monotonic() >= deadline:
-                return down
+        while (
+            down := [n for n in NODES if not self.healthy.get(n)]
+        ) and time.monotonic() < deadline:
             time.sleep(0.5)
+        return down
 
     def progress(self) -> str:
-        sent, answered = self.ledger.counts()
+        sent, answered = len(self.ledger.sent), self.ledger.answered
         kinds = Counter(e.kind for e in self.controller.snapshot())
         healthy = ",".join(n for n in NODES if self.healthy.get(n)) or "-"
         events = ", ".join(f"{k} {kinds[k]}" for k in self.controller.kinds)
@@ -803,13 +639,6 @@ class Sampler:
             f"{time.monotonic() - self.t0:5.0f} s: {sent} sent, {answered} answered, "
             f"{sent - answered} out | {events} | healthy {healthy}"
         )
-
-
-def _pid_of(status: Any, name: str) -> int:
-    for node in status.nodes:
-        if node.name == name:
-            return int(node.pid)
-    return 0
 
 
 # ------------------------------------------------------------------ the figures
@@ -832,11 +661,9 @@ class Figures:
     untyped: Counter[str] = field(default_factory=Counter)
     wrong_outputs: int = 0
     examples: list[str] = field(default_factory=list)
-    # answer time against max(deadline_s, timeout_s) (see the module's text)
-    late: int = 0  # answered more than ANSWER_SLACK_S after it
-    worst_late_s: float = -math.inf  # the largest answer time minus it
+    late: int = 0  # answered more than ANSWER_SLACK_S after max(deadline_s, timeout_s)
+    worst_late_s: float = -math.inf  # the largest answer time minus that
     timed_out_late: int = 0  # of the late ones, answered TimedOut
-    # executions (node traces)
     trace_lines: int = 0
     trace_files: int = 0
     truncated_lines: int = 0
@@ -854,7 +681,6 @@ class Figures:
     wrong_node: int = 0  # successes naming a node that has no execution of them
     success_by_caller: int = 0  # generations the caller ended after their node died
     ran_but_error: int = 0
-    # generations
     generations: int = 0
     gen_completed: Counter[str] = field(default_factory=Counter)  # finish reason
     gen_exact: int = 0
@@ -862,21 +688,19 @@ class Figures:
     gen_partial_errors: int = 0  # ended otherwise, tokens not a prefix of the reference
     gen_typed: int = 0
     after_end: int = 0
-    # control
     control: Counter[str] = field(default_factory=Counter)
-    # chaos
     events: list[Event] = field(default_factory=list)
-    losses: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # Losses
+    losses: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     controller_errors: list[str] = field(default_factory=list)
     fleet_counters: Counter[str] = field(default_factory=Counter)  # over router restarts
     routers: int = 0  # router incarnations seen
     status_calls: Counter[str] = field(default_factory=Counter)
     control_errors: list[str] = field(default_factory=list)
     latency: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # p50 p99 max
-    # memory
+    # role, pid, lived s, first MB, warm MB, last MB, growth % after warm-up
     memory: list[tuple[str, int, float, float, float, float, float | None]] = field(
         default_factory=list
-    )  # role, pid, lived s, first MB, warm MB, last MB, growth % after warm-up
+    )
     warmup_s: float = 0.0
     memory_over_time: list[tuple[str, float, list[float]]] = field(default_factory=list)
     leaked: list[str] = field(default_factory=list)
@@ -888,90 +712,59 @@ class Figures:
     def event_kinds(self) -> Counter[str]:
         return Counter(e.kind for e in self.events)
 
-    @property
-    def growth_pct(self) -> float:
-        values = [m[6] for m in self.memory if m[6] is not None]
-        return max(values) if values else math.nan
-
     def invariants(self) -> list[tuple[str, int, bool]]:
-        """(what, value, holds) for every check the soak makes."""
-        return [
-            ("requests without an answer", self.no_answer, self.no_answer == 0),
-            ("requests with two or more answers", self.two_answers, self.two_answers == 0),
-            ("untyped errors (requests)", sum(self.untyped.values()), not self.untyped),
+        """(what, value, holds) for every check the soak makes: each holds at 0."""
+        checks = [
+            ("requests without an answer", self.no_answer),
+            ("requests with two or more answers", self.two_answers),
+            ("untyped errors (requests)", sum(self.untyped.values())),
             (
                 f"requests answered later than max(deadline_s, timeout_s) + {ANSWER_SLACK_S:g} s",
                 self.late,
-                self.late == 0,
             ),
             (
                 "untyped errors (lifecycle events and status calls)",
                 self.control["untyped"] + self.status_calls["untyped"],
-                not self.control["untyped"] and not self.status_calls["untyped"],
             ),
-            ("inference answers with wrong outputs", self.wrong_outputs, self.wrong_outputs == 0),
+            ("inference answers with wrong outputs", self.wrong_outputs),
             (
                 "completed generations with duplicated, missing or wrong tokens",
                 self.gen_token_errors,
-                self.gen_token_errors == 0,
             ),
             (
                 "other generations whose tokens are not a prefix of the reference",
                 self.gen_partial_errors,
-                self.gen_partial_errors == 0,
             ),
-            (
-                "tokens or errors delivered after a stream's end",
-                self.after_end,
-                self.after_end == 0,
-            ),
-            (
-                "successes without an execution in the traces",
-                self.success_without_run,
-                self.success_without_run == 0,
-            ),
-            (
-                "successes naming a node that has no execution of them",
-                self.wrong_node,
-                self.wrong_node == 0,
-            ),
+            ("tokens or errors delivered after a stream's end", self.after_end),
+            ("successes without an execution in the traces", self.success_without_run),
+            ("successes naming a node that has no execution of them", self.wrong_node),
             (
                 "ids run more than once with no kill, freeze or loss to explain it",
                 self.reran_unexplained,
-                self.reran_unexplained == 0,
             ),
-            (
-                "at_most_once ids run more than once",
-                self.reran_at_most_once,
-                self.reran_at_most_once == 0,
-            ),
-            (
-                "actors (or their processes) alive after the client closed",
-                len(self.leaked),
-                not self.leaked,
-            ),
-            ("load threads that never ended", len(self.still_running), not self.still_running),
-            (
-                f"nodes not serving again {RECOVER_S:g} s after the load",
-                len(self.not_serving),
-                not self.not_serving,
-            ),
+            ("at_most_once ids run more than once", self.reran_at_most_once),
+            ("actors (or their processes) alive after the client closed", len(self.leaked)),
+            ("load threads that never ended", len(self.still_running)),
+            (f"nodes not serving again {RECOVER_S:g} s after the load", len(self.not_serving)),
         ]
+        return [(what, value, value == 0) for what, value in checks]
 
     @property
     def covered(self) -> bool:
-        """Every kind of chaos event asked for happened at least once (a run too short
-        or interrupted may miss one: then it proves less, but nothing it checked is
-        wrong)."""
+        """Every kind of chaos event asked for happened at least once."""
         return all(self.event_kinds[kind] > 0 for kind in self.options.kinds)
 
     @property
     def passed(self) -> bool:
         return self.error is None and all(ok for _, _, ok in self.invariants())
 
+    def example(self, text: str) -> None:
+        if len(self.examples) < 12:
+            self.examples.append(text)
+
 
 def analyse(
-    figures: Figures,
+    f: Figures,
     ledger: Ledger,
     refs: References,
     traces: Path,
@@ -979,34 +772,28 @@ def analyse(
     t_start: float,
     t_end: float,
 ) -> None:
-    """Fill ``figures`` from the ledger, the references, the node traces and the
-    memory samples."""
+    """Fill ``f`` from the ledger, the references, the node traces and the samples."""
     sent = list(ledger.sent.values())
-    figures.sent = len(sent)
-    figures.by_api = Counter(s.api for s in sent)
-    _answers(figures, sent)
-    _answer_times(figures, sent)
-    _generations(figures, sent, refs)
-    _executions(figures, ledger, traces, t_start)
-    _memory(figures, samples, t_start, t_end)
-
-
-def _example(f: Figures, text: str) -> None:
-    if len(f.examples) < 12:
-        f.examples.append(text)
+    f.sent, f.by_api = len(sent), Counter(s.api for s in sent)
+    _answers(f, sent)
+    _generations(f, sent, refs)
+    _executions(f, ledger, traces, t_start)
+    _memory(f, samples, t_start, t_end)
 
 
 def _answers(f: Figures, sent: Sequence[Sent]) -> None:
-    """Exactly one answer each, typed when an error, with the right outputs."""
+    """Exactly one answer each, typed when an error, with the right outputs, in time."""
+    waits: dict[str, list[float]] = defaultdict(list)
     for s in sent:
         f.at_most_once_sent += s.at_most_once
+        f.after_end += s.after_end
         if not s.answers:
             f.no_answer += 1
-            _example(f, f"{s.id} ({s.api} {s.model} p={s.priority}): no answer")
+            f.example(f"{s.id} ({s.api} {s.model} p={s.priority}): no answer")
             continue
         if len(s.answers) > 1:
             f.two_answers += 1
-            _example(f, f"{s.id}: {len(s.answers)} answers: {[a.what for a in s.answers]}")
+            f.example(f"{s.id}: {len(s.answers)} answers: {[a.what for a in s.answers]}")
         a = s.answers[0]
         f.at_most_once_lost += s.at_most_once and a.what == "NodeLost"
         if a.outcome == "ok":
@@ -1015,35 +802,22 @@ def _answers(f: Figures, sent: Sequence[Sent]) -> None:
             f.typed[a.what] += 1
         else:
             f.untyped[a.what] += 1
-            _example(f, f"{s.id}: untyped {a.what}: {a.detail[:160]}")
+            f.example(f"{s.id}: untyped {a.what}: {a.detail[:160]}")
         if s.api != "generate" and s.wrong:
             f.wrong_outputs += 1
-            _example(f, f"{s.id}: wrong outputs: {s.wrong}")
-        f.after_end += s.after_end
-
-
-def _answer_times(f: Figures, sent: Sequence[Sent]) -> None:
-    """Answer times by API, and each answer against its request's limit."""
-    waits: dict[str, list[float]] = defaultdict(list)
-    for s in sent:
-        if not s.answers:
-            continue
-        took = s.answers[0].at - s.at
+            f.example(f"{s.id}: wrong outputs: {s.wrong}")
+        took = a.at - s.at
         waits[s.api].append(took)
-        over = took - s.limit_s
-        f.worst_late_s = max(f.worst_late_s, over)
-        if over > ANSWER_SLACK_S:
+        f.worst_late_s = max(f.worst_late_s, took - s.limit_s)
+        if took - s.limit_s > ANSWER_SLACK_S:
             f.late += 1
-            f.timed_out_late += s.answers[0].what == "TimedOut"
-            _example(
-                f,
-                f"{s.id} ({s.api}, sent at {s.at - f.t_start:.1f} s): answered "
-                f"{s.answers[0].what} after {took:.2f} s, "
-                f"{over:.2f} s past max(deadline_s, timeout_s) = {s.limit_s:.2f} s",
+            f.timed_out_late += a.what == "TimedOut"
+            f.example(
+                f"{s.id} ({s.api}, sent at {s.at - f.t_start:.1f} s): answered {a.what} after "
+                f"{took:.2f} s, {took - s.limit_s:.2f} s past max(deadline_s, timeout_s) = "
+                f"{s.limit_s:.2f} s"
             )
-    f.latency = {
-        api: (percentile(w, 50), percentile(w, 99), max(w)) for api, w in waits.items() if w
-    }
+    f.latency = {api: (percentile(w, 50), percentile(w, 99), max(w)) for api, w in waits.items()}
 
 
 def _generations(f: Figures, sent: Sequence[Sent], refs: References) -> None:
@@ -1054,23 +828,19 @@ def _generations(f: Figures, sent: Sequence[Sent], refs: References) -> None:
         f.generations += 1
         a = s.answers[0]
         expected = refs.expected(s)[: s.max_new_tokens]
-        if a.outcome == "ok" and a.what in ("stop", "length", "budget"):
-            f.gen_completed[a.what] += 1
+        if a.outcome == "ok":
+            f.gen_completed[a.what] += 1  # a finish reason, or cancelled
+        if a.outcome == "ok" and a.what in FINISHED:
             problem = token_problem(s.tokens, expected, full=a.what == "length") or s.wrong
+            f.gen_exact += not problem
             if problem:
                 f.gen_token_errors += 1
-                _example(f, f"{s.id} (generate, {a.what}): {problem}")
-            else:
-                f.gen_exact += 1
-        else:
-            if a.outcome == "ok":
-                f.gen_completed[a.what] += 1  # cancelled
-            else:
-                f.gen_typed += 1
-            problem = token_problem(s.tokens, expected, full=False)
-            if problem:
-                f.gen_partial_errors += 1
-                _example(f, f"{s.id} (generate, ended {a.what}): {problem}")
+                f.example(f"{s.id} (generate, {a.what}): {problem}")
+            continue
+        f.gen_typed += a.outcome != "ok"
+        if problem := token_problem(s.tokens, expected, full=False):
+            f.gen_partial_errors += 1
+            f.example(f"{s.id} (generate, ended {a.what}): {problem}")
 
 
 def _rerun_cause(
@@ -1079,13 +849,11 @@ def _rerun_cause(
     events: Sequence[Event],
     losses: Mapping[str, Sequence[tuple[float, float]]],
 ) -> str:
-    """Why request ``s`` ran more than once (its runs ``ran``, in time order): "kill"
-    when each run but the last was on a process killed after it ran there, before the
-    next run and before the answer (the node that knew the answer was gone); "freeze"
-    when one of its runs was on a process frozen while the request was out (its caller
-    placed it again; the frozen node ran it on SIGCONT); "loss" when the caller held
-    the node of a run but the last out of service (it did not answer a probe in time)
-    after the request was sent and before the next run; "" when nothing explains it."""
+    """Why ``s`` ran more than once (its runs ``ran``, in time order): "kill" when each
+    run but the last was on a process killed after it ran there, before the next run
+    and before the answer; "freeze" when a run was on a process frozen while the
+    request was out; "loss" when the caller held the node of a run but the last out of
+    service after the request was sent and before the next run; "" otherwise."""
     killed: dict[int, float] = {}
     frozen: dict[int, list[Event]] = defaultdict(list)
     for e in events:
@@ -1094,18 +862,18 @@ def _rerun_cause(
                 frozen[pid].append(e)
             else:
                 killed.setdefault(pid, e.at)
-    answered = s.answered_at
-    by_kill = True
-    for first, then in itertools.pairwise(ran):
+    answered = s.answers[0].at if s.answers else None
+
+    def by_kill(first: dict[str, Any], then: dict[str, Any]) -> bool:
         died = killed.get(int(first["pid"]))
-        if (
+        return not (
             died is None
             or died < float(first["t"]) - 0.5  # killed before it ran there: not this
             or float(then["t"]) < died  # ran again before the first node died
             or (answered is not None and answered < died)  # answered before the kill
-        ):
-            by_kill = False
-    if by_kill:
+        )
+
+    if all(by_kill(a, b) for a, b in itertools.pairwise(ran)):
         return "kill"
     for run in ran:
         for e in frozen.get(int(run["pid"]), ()):
@@ -1119,10 +887,9 @@ def _rerun_cause(
 
 
 def _executions(f: Figures, ledger: Ledger, traces: Path, t_start: float) -> None:
-    """Executions per id from the node traces."""
+    """Executions per id from the node traces; a success must have run, on its node."""
     lines, f.truncated_lines = read_traces(traces)
-    f.trace_lines = len(lines)
-    f.trace_files = len(list(traces.glob("trace-*.jsonl")))
+    f.trace_lines, f.trace_files = len(lines), len(list(traces.glob("trace-*.jsonl")))
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for line in lines:
         rid = str(line.get("id"))
@@ -1137,37 +904,28 @@ def _executions(f: Figures, ledger: Ledger, traces: Path, t_start: float) -> Non
         f.ran_more += 1
         s = ledger.sent[rid]
         f.reran_at_most_once += s.at_most_once
-        cause = _rerun_cause(ran, s, f.events, f.losses)
-        if cause == "kill":
-            f.reran_after_kill += 1
-        elif cause == "freeze":
-            f.reran_after_freeze += 1
-        elif cause == "loss":
-            f.reran_after_loss += 1
-        else:
-            f.reran_unexplained += 1
+        cause = _rerun_cause(ran, s, f.events, f.losses) or "unexplained"
+        name = cause if cause == "unexplained" else f"after_{cause}"
+        setattr(f, f"reran_{name}", getattr(f, f"reran_{name}") + 1)
+        if cause == "unexplained":
             where = ", ".join(f"{r['node']}/{r['pid']}@{float(r['t']) - t_start:.2f}s" for r in ran)
-            _example(f, f"{rid}: ran {len(ran)} times with nothing to explain it: {where}")
+            f.example(f"{rid}: ran {len(ran)} times with nothing to explain it: {where}")
     for s in ledger.sent.values():
-        if s.answers:
-            _success_and_runs(f, s, runs)
-
-
-def _success_and_runs(f: Figures, s: Sent, runs: Mapping[str, list[dict[str, Any]]]) -> None:
-    """A success must have run, on the node it names."""
-    a = s.answers[0]
-    success = a.outcome == "ok" and (s.api != "generate" or a.what in ("stop", "length", "budget"))
-    if success and s.id not in runs:
-        if s.api == "generate" and a.node == "":
-            f.success_by_caller += 1  # every token sent before its node died
-        else:
-            f.success_without_run += 1
-            _example(f, f"{s.id} ({s.api}): a success without an execution in the traces")
-    elif success and a.node and a.node not in {line["node"] for line in runs[s.id]}:
-        f.wrong_node += 1
-        _example(f, f"{s.id}: answered by {a.node}, which has no execution of it")
-    elif not success and s.id in runs and a.outcome != "ok":
-        f.ran_but_error += 1
+        if not s.answers:
+            continue
+        a = s.answers[0]
+        success = a.outcome == "ok" and (s.api != "generate" or a.what in FINISHED)
+        if success and s.id not in runs:
+            if s.api == "generate" and a.node == "":
+                f.success_by_caller += 1  # every token sent before its node died
+            else:
+                f.success_without_run += 1
+                f.example(f"{s.id} ({s.api}): a success without an execution in the traces")
+        elif success and a.node and a.node not in {line["node"] for line in runs[s.id]}:
+            f.wrong_node += 1
+            f.example(f"{s.id}: answered by {a.node}, which has no execution of it")
+        elif not success and s.id in runs and a.outcome != "ok":
+            f.ran_but_error += 1
 
 
 def _memory(f: Figures, samples: Sequence[Sample], t_start: float, t_end: float) -> None:
@@ -1193,7 +951,7 @@ def _memory(f: Figures, samples: Sequence[Sample], t_start: float, t_end: float)
         f.memory.append((role, pid, last.at - head.at, head.rss_mb, warm_mb, last.rss_mb, growth))
 
 
-# ------------------------------------------------------------------------ main
+# ------------------------------------------------------------------------ the soak
 
 
 @dataclass
@@ -1207,11 +965,10 @@ class Parts:
     losses: Losses | None = None
 
 
-def _load_and_chaos(parts: Parts, figures: Figures, ledger: Ledger, refs: References) -> float:
-    """Start the fleet, run the load and the chaos for the options' minutes, wait for
-    the answers still out and for every node to serve again, close the client; the
-    unix time the load stopped."""
-    options, stop = figures.options, threading.Event()
+def _load_and_chaos(parts: Parts, f: Figures, ledger: Ledger, refs: References) -> float:
+    """Start the fleet, run the load and the chaos, wait for the answers still out and
+    for every node to serve again, close the client; the unix time the load stopped."""
+    options, stop, stop_sampling = f.options, threading.Event(), threading.Event()
     t0 = time.perf_counter()
     client = parts.fleet.start()
     log(f"cluster and fleet up in {time.perf_counter() - t0:.1f} s")
@@ -1219,96 +976,89 @@ def _load_and_chaos(parts: Parts, figures: Figures, ledger: Ledger, refs: Refere
     controller = parts.controller = Controller(
         parts.fleet, options.kinds, options.spare, options.seed
     )
-    stop_sampling = threading.Event()
     sampler = parts.sampler = Sampler(parts.fleet, ledger, controller, stop_sampling)
-    losses = parts.losses = Losses(client, stop_sampling)
-    figures.t_start = time.time()
-    began = time.monotonic()
+    parts.losses = Losses(client, stop_sampling)
+    f.t_start, began = time.time(), time.monotonic()
     load.start()
-    controller.start(began, options.seconds, options.kill_every_s)
-    sampler.start(began)
-    losses.start()
+    controller.start(began, options.minutes * 60, options.kill_every_s)
+    sampler.thread.start()
+    parts.losses.thread.start()
     next_freeze = began
     try:
-        while time.monotonic() < began + options.seconds:
+        while time.monotonic() < began + options.minutes * 60:
             controller.tick()
             if time.monotonic() >= next_freeze:
-                # The ledger only grows: out of the collector's full passes, which would
-                # stall this process (the caller whose answer times are measured) longer
-                # and longer.
+                # The ledger only grows: keep it out of the collector's full passes, which
+                # would stall this process (the caller being measured) longer and longer.
                 gc.freeze()
                 next_freeze += GC_FREEZE_EVERY_S
             time.sleep(0.1)
     except KeyboardInterrupt:
-        figures.interrupted = True
+        f.interrupted = True
         log("interrupted: stopping the load, then reporting")
     stop.set()
     t_end = time.time()
-    figures.seconds = t_end - figures.t_start
+    f.seconds = t_end - f.t_start
     drain_until = time.monotonic() + DRAIN_S
     try:
         controller.finish()  # what is down or frozen comes back
-        figures.still_running = load.join(drain_until)
+        f.still_running = load.join(drain_until)
         while ledger.outstanding() and time.monotonic() < drain_until:
             time.sleep(0.2)
         log(f"load stopped; {ledger.outstanding()} answers still out")
-        figures.not_serving = sampler.wait_healthy(time.monotonic() + RECOVER_S)
+        f.not_serving = sampler.wait_healthy(time.monotonic() + RECOVER_S)
     except KeyboardInterrupt:
-        figures.interrupted = True
+        f.interrupted = True
     stop_sampling.set()
     sampler.thread.join(SAMPLE_EVERY_S + CONTROL_TIMEOUT_S)
     sampler.sample()  # the last counters of the router
-    figures.leaked = parts.fleet.close()
+    f.leaked = parts.fleet.close()
     return t_end
 
 
-def _gather(parts: Parts, figures: Figures) -> list[Sample]:
-    """Copy what the soak's parts recorded into ``figures``; the memory samples."""
+def _gather(parts: Parts, f: Figures) -> list[Sample]:
+    """Copy what the soak's parts recorded into ``f``; the memory samples."""
     if parts.controller is not None:
-        figures.events = parts.controller.snapshot()
-        figures.controller_errors = list(parts.controller.errors)
+        f.events = parts.controller.snapshot()
+        f.controller_errors = list(parts.controller.errors)
     samples: list[Sample] = []
     if parts.sampler is not None:
         samples = list(parts.sampler.samples)
-        figures.fleet_counters = parts.sampler.router_totals()
-        figures.routers = len(parts.sampler.routers)
-        figures.status_calls = Counter(parts.sampler.status_calls)
-        figures.controller_errors += parts.sampler.errors
-        figures.control_errors += parts.sampler.status_errors
+        f.fleet_counters = parts.sampler.router_totals()
+        f.routers = len(parts.sampler.routers)
+        f.status_calls = Counter(parts.sampler.status_calls)
+        f.controller_errors += parts.sampler.errors
+        f.control_errors += parts.sampler.status_errors
     if parts.losses is not None:
-        figures.losses = parts.losses.snapshot()
+        f.losses = parts.losses.snapshot()
     if parts.load is not None:
-        figures.control = Counter(parts.load.control)
-        figures.control_errors += parts.load.control_errors
-        if parts.load.failures and figures.error is None:
-            figures.error = "\n".join(parts.load.failures)
+        f.control = Counter(parts.load.control)
+        f.control_errors += parts.load.control_errors
+        if parts.load.failures and f.error is None:
+            f.error = "\n".join(parts.load.failures)
     return samples
 
 
 def soak(options: Options, argv: Sequence[str] = ()) -> tuple[Figures, str]:
     """Run the soak; its figures and the Markdown report."""
-    started = utc_now()
-    facts = EnvFacts.collect()
+    started, facts = utc_now(), EnvFacts.collect()
     redis = shutil.which("redis-server") is not None
     if not redis and "head" in options.kinds:
         log("no redis-server: head restarts are left out (Debian: apt-get install redis-server)")
         options = replace(options, kinds=tuple(k for k in options.kinds if k != "head"))
-    figures = Figures(options)
-    ledger = Ledger()
-    t_end = time.time()
+    f, ledger, t_end = Figures(options), Ledger(), time.time()
     with tempfile.TemporaryDirectory(prefix="edgefleet-chaos-") as tmp:
         root = Path(tmp)
-        traces = root / "trace"
         log(f"chaos soak: {options.minutes:g} min, seed {options.seed}; {facts.line()}")
-        t0 = time.perf_counter()
         refs = make_references(make_models(root), options.seed)
-        log(f"models and references ready in {time.perf_counter() - t0:.1f} s")
-        parts = Parts(Fleet(root, traces, redis="head" in options.kinds, spare=options.spare))
+        parts = Parts(
+            Fleet(root, root / "trace", redis="head" in options.kinds, spare=options.spare)
+        )
         try:
-            t_end = _load_and_chaos(parts, figures, ledger, refs)
+            t_end = _load_and_chaos(parts, f, ledger, refs)
         except BaseException as exc:
-            figures.error = f"{type(exc).__name__}: {exc}"
-            log(f"the soak failed: {figures.error}")
+            f.error = f"{type(exc).__name__}: {exc}"
+            log(f"the soak failed: {f.error}")
             if not isinstance(exc, Exception | KeyboardInterrupt):
                 raise
         finally:
@@ -1316,25 +1066,15 @@ def soak(options: Options, argv: Sequence[str] = ()) -> tuple[Figures, str]:
                 parts.load.stop.set()
             parts.fleet.shutdown()
             gc.unfreeze()
-        samples = _gather(parts, figures)
+        samples = _gather(parts, f)
         if options.answers is not None:
-            ledger.write(options.answers, figures.t_start)
-        analyse(figures, ledger, refs, traces, samples, figures.t_start or t_end, t_end)
-    report = render(
-        figures,
-        facts,
-        started,
-        argv,
-        timeouts=TIMEOUT_S,
-        slack_s=ANSWER_SLACK_S,
-        sample_every_s=SAMPLE_EVERY_S,
-    )
-    return figures, report
+            ledger.write(options.answers, f.t_start)
+        analyse(f, ledger, refs, root / "trace", samples, f.t_start or t_end, t_end)
+    return f, render(f, facts, started, argv)
 
 
 def run(argv: Sequence[str] | None = None) -> Figures:
-    """Parse ``argv`` (the command line's arguments), soak, write the report (stdout and
-    ``--out``); the figures."""
+    """Parse ``argv``, soak, write the report (stdout and ``--out``); the figures."""
     args = list(sys.argv[1:] if argv is None else argv)
     options = parse_options(args)
     figures, report = soak(options, args)
@@ -1349,6 +1089,259 @@ def run(argv: Sequence[str] | None = None) -> Figures:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return 0 if run(argv).passed else 1
+
+
+# ---------------------------------------------------------------------- the report
+
+EVENT_NAMES = {
+    "node": "node process killed",
+    "router": "router killed",
+    "raylet": "raylet killed",
+    "node-freeze": "node process frozen",
+    "raylet-freeze": "raylet frozen",
+    "head": "head killed and restarted",
+}
+
+
+def _figures(title: str, rows: list[list[object]], *after: str) -> list[str]:
+    """A report section of (figure, value) rows."""
+    return [f"## {title}", "", md_table(["figure", "value"], rows), "", *after]
+
+
+def render(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> str:
+    """The report: header, invariants, requests, executions, generations, the chaos
+    events, memory and leaks."""
+    out = _md_header(f, facts, started, argv)
+    if f.error:
+        out += ["**The soak did not run to the end:**", "", "```", f.error, "```", ""]
+    checks = [[what, value, "ok" if ok else "**FAIL**"] for what, value, ok in f.invariants()]
+    out += ["## Invariants", "", md_table(["check", "value", "result"], checks), ""]
+    out += _md_requests(f) + _md_executions(f) + _md_generations(f) + _md_events(f) + _md_memory(f)
+    leaked = f"{len(f.leaked)}" + (f" ({', '.join(f.leaked)})" if f.leaked else "")
+    alive = f"Actors (or processes of the fleet's actors) alive after the client closed: {leaked}."
+    out += ["## Leaks", "", alive, ""]
+    if f.still_running:
+        out += [f"Load threads still running at the end: {', '.join(f.still_running)}.", ""]
+    if f.not_serving:
+        out += [f"Nodes not serving again at the end: {', '.join(f.not_serving)}.", ""]
+    if f.examples:
+        out += ["## Examples of failures", "", *(f"- {e}" for e in f.examples), ""]
+    return "\n".join(out)
+
+
+def _md_counts(f: Figures) -> str:
+    return ", ".join(f"{EVENT_NAMES[k]} {f.event_kinds[k]}" for k in f.options.kinds)
+
+
+def _md_header(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> list[str]:
+    o = f.options
+    period_s = int(HEALTH_CHECKS["RAY_health_check_period_ms"]) / 1000
+    home = f"{o.spare[0]}'s raylet" if o.spare else "a raylet of its own"
+    verdict = "**PASS** (every invariant below holds)" if f.passed else "**FAIL**"
+    short = ")" if f.covered else "; not every kind: the run was too short or cut short)"
+    return [
+        "# edgefleet chaos soak",
+        "",
+        f"- Date: {started}; this report: `python -m bench.chaos{''.join(' ' + a for a in argv)}`",
+        f"- Machine: {facts.line()}",
+        f"- Load: {f.seconds:.0f} s{' (interrupted by Ctrl-C)' if f.interrupted else ''}; "
+        f"seed {o.seed}; a chaos event every {0.6 * o.kill_every_s:.1f}-"
+        f"{1.4 * o.kill_every_s:.1f} s (none in the last {QUIET_END_S:g} s); never hit: "
+        f"{', '.join(o.spare) or 'none'}; every request with a timeout_s drawn "
+        f"log-uniformly from {TIMEOUT_S[0]:g}-{TIMEOUT_S[1]:g} s",
+        f"- Cluster: a Ray head (GCS state in Redis: {'yes' if 'head' in o.kinds else 'no'}), "
+        f"{len(NODES)} raylets with one edge node pinned to each (the harness's driver on "
+        f"{home}), on {LOOPBACK}; the router on the head; GCS health checks every "
+        f"{period_s:g} s; router reports every {REPORT_INTERVAL_S:g} s, a node lost "
+        f"(unresponsive) after {LOST_AFTER_S:g} s, restarted after {RESTART_AFTER_S:g} s more",
+        f"- Verdict: {verdict}",
+        f"- Chaos events: {len(f.events)} ({_md_counts(f)}{short}",
+        f"- Answer time: every request answered within max(deadline_s, timeout_s) + "
+        f"{ANSWER_SLACK_S:g} s: {'yes' if f.late == 0 else 'no'} ({f.late} late; the worst "
+        f"answer came {f.worst_late_s:+.2f} s after max(deadline_s, timeout_s))",
+        "",
+    ]
+
+
+def _md_requests(f: Figures) -> list[str]:
+    def listed(c: Counter[str]) -> str:
+        return f"{sum(c.values())} ({', '.join(f'{k} {v}' for k, v in c.most_common()) or 'none'})"
+
+    apis = ", ".join(f"{k} {v}" for k, v in sorted(f.by_api.items()))
+    limit = "max(deadline_s, timeout_s)"
+    rows: list[list[object]] = [
+        ["requests sent", f"{f.sent} ({apis})"],
+        ["answered exactly once", f.sent - f.no_answer - f.two_answers],
+        ["without an answer", f.no_answer],
+        ["with two or more answers", f.two_answers],
+        ["answered with a result", f.ok],
+        ["answered with a typed error", listed(f.typed)],
+        ["answered with an untyped error", listed(f.untyped)],
+        ["inference results with wrong outputs", f.wrong_outputs],
+        *(
+            [f"answer time p50 / p99 / max, {api} (s)", " / ".join(fmt(v, 3) for v in t)]
+            for api, t in sorted(f.latency.items())
+        ),
+        [f"worst answer time minus {limit} (s)", f"{f.worst_late_s:+.3f}"],
+        [
+            f"answered more than {ANSWER_SLACK_S:g} s after {limit} (of them TimedOut)",
+            f"{f.late} ({f.timed_out_late})",
+        ],
+        *(
+            [
+                f"{what} (ok / typed / untyped)",
+                " / ".join(str(c[k]) for k in ("ok", "typed", "untyped")),
+            ]
+            for what, c in (("lifecycle events", f.control), ("status calls", f.status_calls))
+        ),
+    ]
+    errors = [f"- {e}" for e in f.control_errors[:5]]
+    return _figures("Requests and answers", rows, *errors, *([""] if errors else []))
+
+
+def _md_executions(f: Figures) -> list[str]:
+    rows: list[list[object]] = [
+        ["trace files (node processes)", f.trace_files],
+        ["trace lines", f.trace_lines],
+        ["lines cut short by a killed process", f.truncated_lines],
+        ["lines of ids the harness never sent", f.unknown_ids],
+        ["ids run to completion once", f.ran_once],
+        ["ids run to completion more than once", f.ran_more],
+        ["... re-run after the node that ran them was killed before answering", f.reran_after_kill],
+        ["... re-run elsewhere while the node holding them was frozen", f.reran_after_freeze],
+        [
+            "... re-run elsewhere after the node holding them did not answer the caller's probe",
+            f.reran_after_loss,
+        ],
+        ["... re-run with no kill, freeze or loss to explain it", f.reran_unexplained],
+        [
+            "requests sent at_most_once / answered NodeLost ('may have run')",
+            f"{f.at_most_once_sent:,} / {f.at_most_once_lost:,}",
+        ],
+        ["at_most_once ids run more than once", f.reran_at_most_once],
+        ["successes without an execution", f.success_without_run],
+        ["successes naming a node that has no execution of them", f.wrong_node],
+        [
+            "generations ended by the caller after their node died, every token sent",
+            f.success_by_caller,
+        ],
+        ["ran on a node, yet answered with an error (its node died first)", f.ran_but_error],
+    ]
+    text = (
+        "A request whose node dies after running it but before its answer leaves is run again "
+        "elsewhere under the same id; one held by a node that does not answer its caller's "
+        "probe in time (frozen, or starved of CPU) is placed again elsewhere, and that node "
+        "may still run it once it runs again. Both are the documented at-least-once execution "
+        "of requests not sent at_most_once; the caller still gets one answer. A loss is when "
+        "the caller held the node out of service (its view, polled every 50 ms)."
+    )
+    return _figures("Executions (node traces)", rows, text, "")
+
+
+def _md_generations(f: Figures) -> list[str]:
+    done = " / ".join(str(f.gen_completed[k]) for k in FINISHED)
+    rows: list[list[object]] = [
+        ["generations answered", f.generations],
+        ["completed (stop / length / budget)", done],
+        ["... tokens identical to the reference run (in order, each once)", f.gen_exact],
+        ["... tokens duplicated, missing or wrong", f.gen_token_errors],
+        ["cancelled by a node", f.gen_completed["cancelled"]],
+        ["ended with a typed error", f.gen_typed],
+        ["... tokens so far not a prefix of the reference", f.gen_partial_errors],
+        ["tokens or errors after a stream's end", f.after_end],
+    ]
+    return _figures("Generations", rows)
+
+
+def _md_events(f: Figures) -> list[str]:
+    short = "." if f.covered else " (**not every kind**: the run was too short or cut short)."
+    out = [
+        "## Kills, freezes and head restarts",
+        "",
+        f"{len(f.events)} chaos events: {_md_counts(f)}{short}",
+        "",
+    ]
+    if f.events:
+
+        def after(t: float | None, e: Event) -> str:
+            return f"{t - e.at:.1f}" if t else "-"
+
+        rows = [
+            [f"{e.at - f.t_start:.1f}", e.kind, e.target, " ".join(map(str, e.pids)) or "-"]
+            + [after(e.back_at, e), after(e.healthy_at, e), e.note or "-"]
+            for e in f.events
+        ]
+        headers = [
+            "at s",
+            "kind",
+            "target",
+            "pids",
+            "back after s",
+            "serving again after s",
+            "note",
+        ]
+        out += [md_table(headers, rows), ""]
+        out += [
+            "Back after: a killed raylet or head started again, a frozen process sent SIGCONT. "
+            "Serving again: the node answering in a new process, or after its SIGCONT; the "
+            "router answering a status call.",
+            "",
+        ]
+    if f.controller_errors:
+        out += [
+            "Harness errors (the controller's, the sampler's): " + "; ".join(f.controller_errors),
+            "",
+        ]
+    if f.fleet_counters:
+        keys = ("received", "completed", "spilled", "replaced", "shed", "nodes_lost", "rejoined")
+        shown = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in keys)
+        more = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in ("unresponsive", "restarted"))
+        out += [
+            f"Fleet counters over the {f.routers} router processes seen: {shown}; {more}. The "
+            "caller's (received ... shed) are the largest a router process held; the router's "
+            "own (nodes_lost ... restarted) are added up over its processes (what a router "
+            "counted after the last sample before it was killed is not counted).",
+            "",
+        ]
+    return out
+
+
+def _md_memory(f: Figures) -> list[str]:
+    out = [
+        "## Memory",
+        "",
+        f"Resident memory of the router and node processes, sampled every {SAMPLE_EVERY_S:g} s "
+        f"while they answered; growth from the first sample after a warm-up of "
+        f"{f.warmup_s:.0f} s to the last (for processes that lived at least 10 s past the "
+        "warm-up). Every kill starts a new process.",
+        "",
+    ]
+    if f.memory:
+        headers = [
+            "process",
+            "pid",
+            "lived s",
+            "first MB",
+            "after warm-up MB",
+            "last MB",
+            "growth %",
+        ]
+        rows = [
+            [role, pid, fmt(lived, 0), fmt(first), fmt(warm), fmt(last)]
+            + ["-" if growth is None else fmt(growth, 1, signed=True)]
+            for role, pid, lived, first, warm, last, growth in f.memory
+        ]
+        growths = [m[6] for m in f.memory if m[6] is not None]
+        largest = fmt(max(growths) if growths else math.nan, 1, signed=True)
+        out += [md_table(headers, rows), "", f"Largest growth after warm-up: {largest} %.", ""]
+    if f.memory_over_time:
+        out += ["Over time (MB), for the processes that lived past the warm-up:", ""]
+        out += [
+            f"- {what}, every {step:.0f} s: {' '.join(f'{mb:.0f}' for mb in marks)}"
+            for what, step, marks in f.memory_over_time
+        ]
+        out += [""]
+    return out
 
 
 if __name__ == "__main__":

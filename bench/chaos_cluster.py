@@ -1,30 +1,14 @@
 """The chaos soak's cluster and the chaos itself (see bench/chaos.py).
 
-The cluster is made of separate machines, as a real one is: a Ray head started as
-``edgefleet up --detach`` starts one (cluster/head.py; with ``ray.redis`` when
-redis-server is installed, so that it can be killed and started again) and one worker
-raylet per edge node (cluster/raylet.py), all on loopback. The harness's driver is
-attached to the raylet of a node that is never hit (``--spare``), or, with none spared,
-to a raylet of its own: a driver attached to the head's raylet would die with the head.
-
-The :class:`Controller` hits the cluster on a seeded schedule, one event at a time
-(a head restart waits until nothing else is down or frozen, and nothing happens
-while the head is down):
-
-- ``node``: SIGKILL a node actor's process (Ray restarts it);
-- ``router``: ``ray.kill`` the router (Ray restarts it);
-- ``raylet``: SIGKILL every process of a node's raylet; a new raylet with the same
-  resources joins a few seconds later (Ray places the node actor there again);
-- ``node-freeze``: SIGSTOP a node actor's process, SIGCONT it after a while: shorter
-  than ``router.lost_after_s``, past it, or past ``lost_after_s`` +
-  ``router.restart_after_s`` (by then the router has killed it for Ray to restart);
-- ``raylet-freeze``: SIGSTOP a raylet and all its processes (its node actor's too),
-  SIGCONT them after a while: shorter than the GCS's health checks allow, or past them
-  (then the GCS has declared it dead, the raylet exits on SIGCONT, and a new one with
-  the same resources is started, as after a kill);
-- ``head``: SIGKILL the head's GCS and raylet (the router dies with it), start the
-  head again with the same settings a few seconds later (the nodes on the other
-  raylets keep serving).
+A Ray head started as ``edgefleet up --detach`` does (with ``ray.redis`` when
+redis-server is installed, so that it can be killed and started again) and one raylet
+per edge node, all on loopback; the driver attaches to a spared node's raylet (or one
+of its own: a driver on the head's raylet would die with the head). The
+:class:`Controller` hits the cluster on a seeded schedule, one event at a time:
+``node`` (SIGKILL a node actor's process), ``router`` (``ray.kill``), ``raylet``
+(SIGKILL a raylet and its processes, a new one joins later), ``node-freeze`` and
+``raylet-freeze`` (SIGSTOP, SIGCONT after a drawn while) and ``head`` (kill the head
+and start it again once nothing else is down or frozen).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""Shared helpers of the benchmarks: statistics, Markdown, one embedded Ray, models, fleets.
-
-Importing this module before Ray matters: see :func:`_pin_ray_to_loopback`.
-"""
+"""Shared helpers of the benchmarks: statistics, the report, CPU accounting, one
+embedded Ray, models, fleets and the loops that drive them."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import contextlib
 import datetime as _dt
@@ -17,31 +16,30 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 import onnxruntime as ort
 import ray
-from ray.actor import ActorHandle
 
+from actors.engine import open_session
 from cluster.client import FleetClient, FleetStatus
-from cluster.deploy import NAMESPACE, actor_name, init_loopback_ray
+from cluster.deploy import init_loopback_ray
+from cluster.traffic import Answer, OpenLoop
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.messages import Reply
 from edgefleet.modelgen import calibrate_slow
-from edgefleet.request import DEFAULT_PRIORITIES, InferRequest, new_request_id, resolve_priority
 from sim.report import md_table as md_table  # one table writer: benchmarks and simulator
+from sim.workload import Arrival
 
 DISTURBED_CORES = 0.15  # other processes using more than this means noisy figures
 CALM_CORES = 0.2  # a measurement disturbed more than this is taken again (bounded)
 GET_TIMEOUT_S = 30.0  # no single reply may take longer than this; a hang is a failure
-
+T = TypeVar("T")
+Feed = dict[str, np.ndarray]
 _T0 = time.perf_counter()
-
-
-# ------------------------------------------------------------------------ progress
 
 
 def log(message: str) -> None:
@@ -53,16 +51,8 @@ def log(message: str) -> None:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) with linear interpolation (numpy's default)."""
-    if not values:
-        return math.nan
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be within 0-100, got {q}")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    """The ``q``-th percentile (0-100), linear interpolation; NaN when empty."""
+    return float(np.percentile(values, q)) if len(values) else math.nan
 
 
 def median(values: Sequence[float]) -> float:
@@ -83,18 +73,9 @@ class Summary:
     @classmethod
     def of(cls, values: Sequence[float]) -> Summary:
         if not values:
-            return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan)
-        return cls(
-            n=len(values),
-            mean=sum(values) / len(values),
-            p50=percentile(values, 50),
-            p90=percentile(values, 90),
-            p99=percentile(values, 99),
-            max=max(values),
-        )
-
-
-# ------------------------------------------------------------------------ Markdown
+            return cls(0, *(math.nan,) * 5)
+        p50, p90, p99 = (percentile(values, q) for q in (50, 90, 99))
+        return cls(len(values), sum(values) / len(values), p50, p90, p99, max(values))
 
 
 def fmt(value: float, digits: int = 1, *, signed: bool = False) -> str:
@@ -103,7 +84,17 @@ def fmt(value: float, digits: int = 1, *, signed: bool = False) -> str:
     return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
 
 
-# ---------------------------------------------------------------- report sections
+def columns(header: str) -> list[str]:
+    """A table's column names from its Markdown header: ``"a | b"`` -> ``["a", "b"]``."""
+    return header.split(" | ")
+
+
+def pairs_text(counts: Mapping[str, int]) -> str:
+    """``a 1, b 2`` for the non-zero counts, sorted by name."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v)
+
+
+# ---------------------------------------------------------------------- the report
 
 
 @dataclass(frozen=True)
@@ -130,19 +121,10 @@ class Target:
         )
 
 
-def _footer(what: str, seconds: float, cpu: CpuUse | None) -> str:
-    footer = f"_{what} time: {seconds:.0f} s"
-    if cpu is not None:
-        footer += f"; {cpu.describe()}"
-        if cpu.foreign_cores > DISTURBED_CORES:
-            footer += " (**disturbed**: treat these figures with caution)"
-    return footer + "._"
-
-
 @dataclass
-class Part:
-    """A titled part of a section, for a scenario that measures several things; each
-    part has its own tables, targets and notes."""
+class Section:
+    """A scenario's part of the report (``level`` 2), or a titled part of one (3): what
+    was measured, its tables, targets and notes, then its own parts."""
 
     title: str
     measured: str
@@ -150,119 +132,90 @@ class Part:
     targets: list[Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    cpu: CpuUse | None = None
-
-    def markdown(self) -> str:
-        parts = [f"### {self.title}", "", self.measured, ""]
-        for table in self.tables:
-            parts += [table, ""]
-        if self.targets:
-            parts += ["Targets:", "", *(t.markdown() for t in self.targets), ""]
-        else:
-            parts += ["No target: reported for information.", ""]
-        for note in self.notes:
-            parts += [note, ""]
-        parts.append(_footer("Part", self.seconds, self.cpu))
-        return "\n".join(parts)
-
-
-@dataclass
-class Section:
-    """One scenario's part of the report."""
-
-    title: str
-    measured: str  # what was measured and how, one paragraph
-    tables: list[str] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
     error: str | None = None
     cpu: CpuUse | None = None
-    parts: list[Part] = field(default_factory=list)
+    parts: list[Section] = field(default_factory=list)
+    level: int = 2
 
     @property
     def all_targets(self) -> list[Target]:
-        """The section's own targets, then those of its parts, in order."""
-        return [*self.targets, *(t for p in self.parts for t in p.targets)]
+        return [*self.targets, *(t for p in self.parts for t in p.all_targets)]
 
     @property
     def passed(self) -> bool:
         return self.error is None and all(t.passed for t in self.all_targets)
 
     def markdown(self) -> str:
-        parts = [f"## {self.title}", "", self.measured, ""]
+        out = [f"{'#' * self.level} {self.title}", "", self.measured, ""]
         if self.error is not None:
-            parts += [
-                "**FAILED** — the scenario did not complete:",
-                "",
-                "```",
-                self.error,
-                "```",
-                "",
-            ]
-        for part in self.parts:
-            parts += [part.markdown(), ""]
-        for table in self.tables:
-            parts += [table, ""]
+            out += ["**FAILED** — the scenario did not complete:", "", "```", self.error, "```", ""]
+        for block in self.tables:
+            out += [block, ""]
         if self.targets:
-            parts += ["Targets:", "", *(t.markdown() for t in self.targets), ""]
-        for note in self.notes:
-            parts += [note, ""]
-        parts.append(_footer("Scenario", self.seconds, self.cpu))
-        return "\n".join(parts)
+            out += ["Targets:", "", *(t.markdown() for t in self.targets), ""]
+        elif self.level > 2:
+            out += ["No target: reported for information.", ""]
+        for block in [*self.notes, *(p.markdown() for p in self.parts)]:
+            out += [block, ""]
+        footer = f"_{'Scenario' if self.level == 2 else 'Part'} time: {self.seconds:.0f} s"
+        if self.cpu is not None:
+            footer += f"; {self.cpu.describe()}"
+            if self.cpu.foreign_cores > DISTURBED_CORES:
+                footer += " (**disturbed**: treat these figures with caution)"
+        return "\n".join([*out, footer + "._"])
 
 
-# ------------------------------------------------------------------- environment
+@dataclass
+class Part(Section):
+    """A titled part of a section."""
+
+    level: int = 3
+
+
+def timed(build: Callable[[], Section]) -> Section:
+    """``build()``, stamped with its wall time and CPU use."""
+    t0, cpu = time.perf_counter(), cpu_sample()
+    section = build()
+    section.seconds, section.cpu = time.perf_counter() - t0, cpu_since(cpu)
+    return section
+
+
+# ---------------------------------------------------------------- the environment
 
 
 @dataclass(frozen=True)
 class EnvFacts:
     cpus: int
     cpu_model: str
-    python: str
-    ray: str
-    onnxruntime: str
-    numpy: str
+    versions: str
     load_avg: tuple[float, float, float]
 
     @classmethod
     def collect(cls) -> EnvFacts:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return cls(
-            cpus=cpus or 1,
-            cpu_model=_cpu_model(),
-            python=platform.python_version(),
-            ray=ray.__version__,
-            onnxruntime=ort.__version__,
-            numpy=np.__version__,
-            load_avg=os.getloadavg(),
+        model = platform.processor() or "unknown CPU"
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+            names = (r.split(":", 1)[1].strip() for r in f if r.startswith("model name"))
+            model = next(names, model)
+        versions = (
+            f"Python {platform.python_version()}, ray {ray.__version__}, "
+            f"onnxruntime {ort.__version__}, numpy {np.__version__}"
         )
+        return cls(cpu_count(), model, versions, os.getloadavg())
 
     def line(self) -> str:
         load = ", ".join(f"{x:.2f}" for x in self.load_avg)
-        return (
-            f"{self.cpus} CPUs ({self.cpu_model}); Python {self.python}, ray {self.ray}, "
-            f"onnxruntime {self.onnxruntime}, numpy {self.numpy}; load average at start {load}"
-        )
+        return f"{self.cpus} CPUs ({self.cpu_model}); {self.versions}; load average at start {load}"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for row in f:
-                if row.startswith("model name"):
-                    return row.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def utc_now() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-# ------------------------------------------------------------- CPU disturbance
-
+# ---------------------------------------------------------------- CPU disturbance
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -288,9 +241,7 @@ class CpuUse:
     @property
     def foreign_cores(self) -> float:
         """Average cores used by processes outside this benchmark (a disturbance)."""
-        if self.wall_s <= 0:
-            return 0.0
-        return max(0.0, self.busy_s - self.own_s) / self.wall_s
+        return max(0.0, self.busy_s - self.own_s) / self.wall_s if self.wall_s > 0 else 0.0
 
     def describe(self) -> str:
         return (
@@ -306,8 +257,7 @@ def cpu_sample() -> CpuSample:
             fields = [int(v) for v in f.readline().split()[1:]]
     except OSError:
         return CpuSample(time.perf_counter(), 0.0, 0.0)
-    # user nice system idle iowait irq softirq steal ...: busy excludes idle and iowait
-    busy = sum(fields[:3]) + sum(fields[5:8])
+    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system, irq softirq steal
     return CpuSample(time.perf_counter(), busy / _CLK_TCK, _TREE.ticks() / _CLK_TCK)
 
 
@@ -317,19 +267,13 @@ def cpu_since(start: CpuSample) -> CpuUse:
 
 
 class _TreeAccountant:
-    """CPU ticks used by this process and every descendant it ever had.
-
-    A killed Ray worker vanishes from /proc without its time reaching any parent's
-    ``cutime`` (Ray reaps its workers without accounting), so live processes are
-    sampled in the background and a dead one keeps the last ticks seen for it.
-    Processes are keyed by (pid, start time), so a reused pid is a new process.
-    """
-
-    PERIOD_S = 0.25
+    """CPU ticks used by this process and every descendant it ever had. A killed Ray
+    worker vanishes without its time reaching a parent's ``cutime``, so live processes
+    are sampled in the background and a dead one keeps the last ticks seen for it
+    (keyed by pid and start time: a reused pid is a new process)."""
 
     def __init__(self) -> None:
-        self._root = os.getpid()
-        self._seen: dict[tuple[int, int], int] = {}  # in-tree process -> last ticks
+        self._seen: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -343,48 +287,35 @@ class _TreeAccountant:
 
     def _loop(self) -> None:
         while True:
-            time.sleep(self.PERIOD_S)
+            time.sleep(0.25)
             self._scan()
 
     def _scan(self) -> None:
         parent: dict[int, int] = {}
         usage: dict[int, tuple[int, int]] = {}  # pid -> (start time, utime + stime)
-        try:
-            entries = os.listdir("/proc")
-        except OSError:
-            return
-        for entry in entries:
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    data = f.read()
-            except OSError:  # the process ended meanwhile
-                continue
-            rest = data[data.rfind(")") + 2 :].split()
-            pid = int(entry)
-            parent[pid] = int(rest[1])
-            usage[pid] = (int(rest[19]), int(rest[11]) + int(rest[12]))
+        with contextlib.suppress(OSError):
+            for entry in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        data = f.read()
+                except OSError:  # the process ended meanwhile
+                    continue
+                rest = data[data.rfind(")") + 2 :].split()
+                parent[int(entry)] = int(rest[1])
+                usage[int(entry)] = (int(rest[19]), int(rest[11]) + int(rest[12]))
+        root = os.getpid()
         with self._lock:
             for pid, (start, used) in usage.items():
-                if self._in_tree(pid, parent):
-                    key = (pid, start)
-                    self._seen[key] = max(used, self._seen.get(key, 0))
-
-    def _in_tree(self, pid: int, parent: dict[int, int]) -> bool:
-        for _ in range(64):  # bounded walk up the process tree
-            if pid == self._root:
-                return True
-            pid = parent.get(pid, 0)
-            if pid <= 1:
-                return False
-        return False
+                up = pid
+                for _ in range(64):  # a bounded walk up the process tree
+                    if up == root or up <= 1:
+                        break
+                    up = parent.get(up, 0)
+                if up == root:
+                    self._seen[(pid, start)] = max(used, self._seen.get((pid, start), 0))
 
 
 _TREE = _TreeAccountant()
-
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -417,16 +348,22 @@ def calm(
     return Calm(best.value, best.foreign_cores, tries)
 
 
-# --------------------------------------------------------------------------- Ray
+def kept(c: Calm[Any]) -> Any:
+    """A kept measurement (a dataclass) stamped with its disturbance."""
+    return replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)
+
+
+def disturbance(runs: Mapping[str, Any]) -> str:
+    """``name 0.01 cores, 1; ...``: each kept measurement's disturbance and attempts."""
+    return "; ".join(f"{k} {r.foreign_cores:.2f} cores, {r.attempts}" for k, r in runs.items())
+
+
+# ---------------------------------------------------------------------- Ray, fleets
 
 
 @contextlib.contextmanager
 def embedded_ray(num_cpus: int = 2) -> Iterator[None]:
-    """One embedded Ray bound to 127.0.0.1 for the whole run (reused if already up).
-
-    Fleets are then deployed on it one after another with :func:`deployed`; each
-    :class:`FleetClient` finds Ray running and leaves it up when it closes.
-    """
+    """One embedded Ray bound to 127.0.0.1 for the whole run (reused if already up)."""
     if ray.is_initialized():
         yield
         return
@@ -440,8 +377,8 @@ def embedded_ray(num_cpus: int = 2) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One model entry of a benchmark fleet (several entries may share a file).
-    ``batching`` adds other keys of its ``batching:`` section (e.g. ``min_gain``)."""
+    """One model entry of a benchmark fleet; ``batching`` adds other keys of its
+    ``batching:`` section (e.g. ``min_gain``)."""
 
     name: str
     path: Path
@@ -452,140 +389,125 @@ class ModelEntry:
     batching: Mapping[str, Any] = field(default_factory=dict)
 
 
-NO_SHED: Mapping[str, Any] = {"placement": {"shed": {}}}
-
-
 def fleet_config(
     name: str,
     models: Sequence[ModelEntry],
-    base_dir: Path,
     *,
     capacity: int = 64,
     order: Literal["priority", "fifo"] = "priority",
-    preemption: bool = True,
-    min_priority_gap: int = 5,
     nodes: int = 1,
     node_list: Sequence[Mapping[str, Any]] | None = None,
     router: Mapping[str, Any] | None = None,
     starvation: Mapping[str, Any] | None = None,
 ) -> FleetConfig:
-    """Build a FleetConfig the way a YAML file would (through ``parse_config``).
-
-    ``nodes`` identical nodes (``local.nodes``) unless ``node_list`` gives the
-    ``nodes:`` entries. ``router`` is the ``router:`` section; by default router
-    shedding is off (:data:`NO_SHED`): the node-level scenarios measure one node's
-    scheduler, and the router must not shed background work before the node's own
-    queue is full. ``starvation`` is ``node_defaults.starvation`` (default: none).
-    """
+    """A FleetConfig parsed as a YAML file's would be: ``nodes`` identical nodes unless
+    ``node_list`` gives the ``nodes:`` entries; preemption on with gap 5. ``router`` is
+    the ``router:`` section; by default router shedding is off (the node-level
+    scenarios measure one node's scheduler)."""
+    batching = lambda m: {  # noqa: E731
+        "window_ms": m.window_ms,
+        "max_batch_size": m.max_batch_size,
+        "only_if_faster": m.only_if_faster,
+        **m.batching,
+    }
+    defaults: dict[str, Any] = {
+        "queue": {"capacity": capacity},
+        "preemption": {"enabled": True, "min_priority_gap": 5},
+        "order": order,
+    }
+    if starvation is not None:
+        defaults["starvation"] = dict(starvation)
     data: dict[str, Any] = {
         "fleet": {"name": name},
         "local": {"nodes": nodes},
         "models": {
-            m.name: {
-                "path": str(m.path),
-                "threads": m.threads,
-                "batching": {
-                    "window_ms": m.window_ms,
-                    "max_batch_size": m.max_batch_size,
-                    "only_if_faster": m.only_if_faster,
-                    **m.batching,
-                },
-            }
+            m.name: {"path": str(m.path), "threads": m.threads, "batching": batching(m)}
             for m in models
         },
-        "node_defaults": {
-            "queue": {"capacity": capacity},
-            "preemption": {"enabled": preemption, "min_priority_gap": min_priority_gap},
-            "order": order,
-        },
-        "router": dict(NO_SHED if router is None else router),
+        "node_defaults": defaults,
+        "router": dict({"placement": {"shed": {}}} if router is None else router),
     }
-    if starvation is not None:
-        data["node_defaults"]["starvation"] = dict(starvation)
     if node_list is not None:
         data["nodes"] = [dict(n) for n in node_list]
-    return parse_config(data, base_dir)
+    return parse_config(data, models[0].path.parent)
 
 
 @contextlib.contextmanager
 def deployed(config: FleetConfig) -> Iterator[FleetClient]:
     """Deploy a fleet on the running Ray, yield its client, tear it down afterwards."""
     t0 = time.perf_counter()
-    client = FleetClient.local(config, progress=lambda msg: log(f"  {msg}"))
-    log(f"fleet {config.fleet.name} up in {time.perf_counter() - t0:.1f} s")
-    try:
+    with FleetClient.local(config, progress=lambda msg: log(f"  {msg}")) as client:
+        log(f"fleet {config.fleet.name} up in {time.perf_counter() - t0:.1f} s")
         yield client
-    finally:
-        forget_nodes(config.fleet.name)
-        client.close()
-
-
-# ------------------------------------------------------- straight to a node actor
-
-_NODE_ACTORS: dict[tuple[str, str], ActorHandle] = {}
 
 
 def node_names(client: FleetClient) -> list[str]:
-    """The fleet's node names, in config order (``edge-0``, ... for ``local.nodes``)."""
+    """The fleet's node names, in config order."""
     return [spec.name for spec in client.config.node_specs()]
 
 
-def node_actor(fleet: str, node: str) -> ActorHandle:
-    """The node actor of ``fleet``'s ``node``, found by name once and then cached (the
-    cache is dropped when :func:`deployed` tears the fleet down)."""
-    key = (fleet, node)
-    handle = _NODE_ACTORS.get(key)
-    if handle is None:
-        handle = ray.get_actor(actor_name(fleet, node), namespace=NAMESPACE)
-        _NODE_ACTORS[key] = handle
-    return handle
-
-
-def forget_nodes(fleet: str) -> None:
-    for key in [k for k in _NODE_ACTORS if k[0] == fleet]:
-        del _NODE_ACTORS[key]
-
-
-def _fleet_and_priorities(target: FleetClient | str) -> tuple[str, Mapping[str, int]]:
-    if isinstance(target, FleetClient):
-        return target.config.fleet.name, target.config.priorities
-    return target, DEFAULT_PRIORITIES
-
-
 def node_submit(
-    target: FleetClient | str,
-    node: str,
-    model: str,
-    inputs: Mapping[str, np.ndarray],
-    priority: str | int = "foreground",
-    request_id: str | None = None,
-    deadline_s: float | None = None,
-    key: str | None = None,
+    client: FleetClient, node: str, model: str, inputs: Mapping[str, np.ndarray], **kw: Any
 ) -> ray.ObjectRef:
-    """Send one request straight to a node actor, bypassing the fleet's router.
+    """Send one request straight to a node actor, bypassing placement: the request as
+    the client builds it, to the node's actor. A reference to the node's Reply."""
+    request, _ = client._request(model, inputs, **kw)
+    return client._node(node).infer.remote(request)
 
-    ``target`` is the fleet's client (its priority classes are used) or the fleet's
-    name (default classes). Returns a reference to the node's :class:`Reply`.
-    """
-    fleet, classes = _fleet_and_priorities(target)
-    request = InferRequest(
-        model=model,
-        inputs=inputs,
-        priority=resolve_priority(priority, classes),
-        id=request_id or new_request_id(),
-        deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
-        key=key,
-    )
-    return node_actor(fleet, node).infer.remote(request)
 
+@dataclass(frozen=True)
+class NodeRoute:
+    """Straight to one node actor (what the node-level scenarios measure); a
+    ``cluster.traffic.Client``, as the fleet's client is."""
+
+    client: FleetClient
+    node: str
+
+    def submit(self, model: str, inputs: Mapping[str, np.ndarray], **kw: Any) -> ray.ObjectRef:
+        return node_submit(self.client, self.node, model, inputs, **kw)
+
+    def cancel(self, request_id: str, timeout_s: float = GET_TIMEOUT_S) -> bool:
+        ref = self.client._node(self.node).cancel.remote(request_id)
+        return bool(ray.get(ref, timeout=timeout_s))
+
+
+def only_node(client: FleetClient) -> NodeRoute:
+    """A route to the first (in the node-level scenarios: the only) node of the fleet."""
+    return NodeRoute(client, node_names(client)[0])
+
+
+def node_costs_ms(status: FleetStatus, model: str) -> Mapping[int, float]:
+    """The node's warm-up measurement of ``model``: engine ms per call, by batch rows."""
+    for node in status.nodes:
+        for m in node.models:
+            if m.name == model and m.cost_ms:
+                return dict(sorted(m.cost_ms.items()))
+    return {}
+
+
+def reply_of(pending: Any, timeout_s: float = GET_TIMEOUT_S) -> Reply:
+    """The reply of a node reference or a client future."""
+    if isinstance(pending, cf.Future):
+        reply: Reply = pending.result(timeout_s)
+        return reply
+    return ray.get(pending, timeout=timeout_s)  # type: ignore[no-any-return]
+
+
+def warm(submit: Callable[[], Any], calls: int) -> None:
+    for _ in range(calls):
+        reply_of(submit())
+
+
+# ---------------------------------------------------------------------------- loops
 
 Pending = Any  # a ray.ObjectRef (straight to a node) or a Future of FleetClient.submit
+Submit = Callable[[], Pending]
 
 
 class Inbox:
     """Replies as they become ready, of one kind: node references (``ray.wait``) or
     client futures (their completion callbacks fill a queue, so each reply costs the
-    same however many are in flight, as in an asyncio service awaiting them)."""
+    same however many are in flight)."""
 
     def __init__(self) -> None:
         self._done: queue.SimpleQueue[Pending] = queue.SimpleQueue()
@@ -598,65 +520,31 @@ class Inbox:
             self._refs.append(item)
         return item
 
-    def ready(self, timeout_s: float) -> list[Pending]:
-        """What is ready, waiting at most ``timeout_s`` for the first."""
+    def ready(self, timeout_s: float) -> list[tuple[Pending, Reply]]:
+        """What is ready and its replies, waiting at most ``timeout_s`` for the first."""
         if self._refs:
-            ready = _ray_ready(self._refs, timeout_s)
+            ready, rest = ray.wait(self._refs, num_returns=1, timeout=timeout_s)
+            if ready and rest:  # everything else that is ready in the same sweep
+                ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
             done = set(ready)
             self._refs = [r for r in self._refs if r not in done]
-            return ready
-        try:
-            out = [self._done.get(timeout=max(0.0, timeout_s))]
-        except queue.Empty:
-            return []
-        while True:
-            try:
+            return list(zip(ready, ray.get(ready, timeout=GET_TIMEOUT_S), strict=True))
+        out = []
+        with contextlib.suppress(queue.Empty):
+            out.append(self._done.get(timeout=max(0.0, timeout_s)))
+            while True:
                 out.append(self._done.get_nowait())
-            except queue.Empty:
-                return out
+        return [(f, f.result()) for f in out]
 
-
-def _ray_ready(pending: Sequence[Pending], timeout_s: float) -> list[Pending]:
-    """The references in ``pending`` that are ready, waiting at most ``timeout_s`` for
-    the first."""
-    ready, rest = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
-    if ready and rest:  # everything else that is ready in the same sweep
-        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-        ready += more
-    return ready
-
-
-def replies_of(ready: Sequence[Pending], timeout_s: float = GET_TIMEOUT_S) -> list[Reply]:
-    """The replies of node references or client futures (one kind), in order."""
-    if not ready:
-        return []
-    if isinstance(ready[0], cf.Future):
-        return FleetClient.gather(ready, timeout_s)
-    replies: list[Reply] = ray.get(list(ready), timeout=timeout_s)
-    return replies
-
-
-def reply_of(pending: Pending, timeout_s: float = GET_TIMEOUT_S) -> Reply:
-    (reply,) = replies_of([pending], timeout_s)
-    return reply
-
-
-def drain_pending(pending: Sequence[Pending], timeout_s: float = GET_TIMEOUT_S) -> None:
-    """Wait (bounded) for what is still out, ignoring the answers."""
-    if not pending:
-        return
-    if isinstance(pending[0], cf.Future):
-        cf.wait(pending, timeout=timeout_s)
-    else:
-        ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
-
-
-Submit = Callable[[], Pending]
+    def drain(self) -> None:
+        """Wait (bounded) for the references still out, ignoring the answers."""
+        if self._refs:
+            ray.wait(self._refs, num_returns=len(self._refs), timeout=GET_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
 class Loop:
-    """What a closed loop completed in its window."""
+    """What a closed loop completed in its window (or raw calls back to back)."""
 
     completed: int
     seconds: float
@@ -673,8 +561,18 @@ class Loop:
 
     @property
     def engine_ms(self) -> float:
-        """Engine milliseconds per call."""
-        return 1000 * self.engine_s / self.engine_calls if self.engine_calls else math.nan
+        """Engine ms per call (raw calls: wall ms per call)."""
+        if self.engine_calls:
+            return 1000 * self.engine_s / self.engine_calls
+        return 1000 * self.seconds / self.completed if self.completed else math.nan
+
+    @property
+    def engine_busy(self) -> float:
+        return self.engine_s / self.seconds if self.seconds > 0 else math.nan
+
+    @property
+    def mean_batch(self) -> float:
+        return self.completed / self.engine_calls if self.engine_calls else math.nan
 
     @property
     def cores(self) -> float:
@@ -683,8 +581,13 @@ class Loop:
 
     @property
     def cpu_ms(self) -> float:
-        """CPU milliseconds this benchmark's processes spent per completed request."""
+        """CPU ms this benchmark's processes spent per completed request."""
         return 1000 * self.own_s / self.completed if self.completed else math.nan
+
+    @property
+    def machine_cpu_ms(self) -> float:
+        """CPU ms every process on the machine spent per completed request."""
+        return 1000 * self.busy_s / self.completed if self.completed else math.nan
 
 
 class _Tally:
@@ -698,14 +601,14 @@ class _Tally:
         self.start = time.perf_counter()
 
     def add(self, reply: Reply) -> None:
-        if reply.error is None:
-            self.completed += 1
-            share = 1.0 / max(1, reply.batch_size)
-            self.engine_calls += share
-            self.engine_s += reply.service_s * share
-            self.by_node[reply.node] = self.by_node.get(reply.node, 0) + 1
-        else:
+        if reply.error is not None:
             self.errors += 1
+            return
+        self.completed += 1
+        share = 1.0 / max(1, reply.batch_size)
+        self.engine_calls += share
+        self.engine_s += reply.service_s * share
+        self.by_node[reply.node] = self.by_node.get(reply.node, 0) + 1
 
     def loop(self, end: float) -> Loop:
         """The loop so far; the CPU counted is the window's share when the last wait
@@ -725,6 +628,56 @@ class _Tally:
         )
 
 
+@dataclass(frozen=True)
+class Round:
+    """Loops measured side by side in one round, and how disturbed the round was."""
+
+    loops: dict[str, Loop]
+    foreign_cores: float = 0.0
+    attempts: int = 1
+
+    def __getitem__(self, name: str) -> Loop:
+        return self.loops[name]
+
+
+def rounds(
+    label: str,
+    loops: Mapping[str, Callable[[float], Loop]],
+    seconds: float,
+    count: int,
+    *,
+    warm_s: float,
+    attempts: int = 3,
+) -> list[Round]:
+    """Every loop once for ``warm_s`` (warm-up), then ``count`` rounds of each loop for
+    ``seconds``, the order rotating every round; a disturbed round is taken again."""
+    names = list(loops)
+    for loop in loops.values():
+        loop(warm_s)
+    out = []
+    for i in range(count):
+        order = names[i % len(names) :] + names[: i % len(names)]
+        c = calm(
+            lambda o=order: {k: loops[k](seconds) for k in o},
+            f"{label} round {i + 1}",
+            attempts=attempts,
+        )
+        out.append(Round(c.value, c.foreign_cores, c.attempts))
+        rates = ", ".join(f"{k} {x.rate:.0f}/s {x.cpu_ms:.2f} ms CPU" for k, x in c.value.items())
+        log(f"  {label} round {i + 1}/{count}: {rates}")
+    return out
+
+
+def med(items: Sequence[T], pick: Callable[[T], float]) -> float:
+    """The median of ``pick`` over ``items``."""
+    return median([pick(x) for x in items])
+
+
+def each(items: Sequence[T], pick: Callable[[T], float], digits: int = 0) -> str:
+    """``pick`` of every item, ``a / b / c``."""
+    return " / ".join(fmt(pick(x), digits) for x in items)
+
+
 def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:
     """Keep ``in_flight_each`` requests outstanding per submitter for ``seconds``; each
     reply is replaced by a new request from the submitter that sent it. Replies after
@@ -735,153 +688,98 @@ def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: floa
         for _ in range(in_flight_each):
             pending[inbox.add(submit())] = i
     tally = _Tally()
-    end = tally.start + seconds
-    last_progress = tally.start
-    while True:
-        now = time.perf_counter()
-        if now >= end:
-            break
-        if now - last_progress > GET_TIMEOUT_S:
+    end, last = tally.start + seconds, tally.start
+    while (now := time.perf_counter()) < end:
+        if now - last > GET_TIMEOUT_S:
             raise TimeoutError(f"no reply for {GET_TIMEOUT_S:.0f} s")
         ready = inbox.ready(min(end - now, 1.0))
         if not ready:
             continue
-        last_progress = time.perf_counter()
-        if last_progress > end:  # the wait ran past the window: these do not count
+        last = time.perf_counter()
+        if last > end:  # the wait ran past the window: these do not count
             break
-        for ref, reply in zip(ready, replies_of(ready), strict=True):
+        for ref, reply in ready:
             tally.add(reply)
             who = pending.pop(ref)
             pending[inbox.add(submitters[who]())] = who
     out = tally.loop(end)
-    drain_pending(list(pending))
+    inbox.drain()
+    cf.wait([p for p in pending if isinstance(p, cf.Future)], timeout=GET_TIMEOUT_S)
     return out
 
 
 def pipelined_loop(
-    client: FleetClient, model: str, feed: dict[str, np.ndarray], in_flight: int, seconds: float
+    client: FleetClient, model: str, feed: Feed, in_flight: int, seconds: float
 ) -> Loop:
-    """:func:`closed_loop` through ``FleetClient.map_unordered``: ``in_flight`` requests
-    outstanding for ``seconds``, the answers read on this thread. As in
-    :func:`closed_loop`, the window opens once the first ``in_flight`` are sent; answers
-    after it are read (the loop sends no more) but not counted."""
+    """:func:`closed_loop` through ``FleetClient.map_unordered``; the window opens once
+    the first ``in_flight`` are sent, answers after it are read but not counted."""
     opened: list[_Tally] = []
 
-    def feeds() -> Iterator[dict[str, np.ndarray]]:
+    def feeds() -> Iterator[Feed]:
         for _ in range(in_flight):
             yield feed
         opened.append(_Tally())  # drawn once the first answers make room
-        end = opened[0].start + seconds
-        while time.perf_counter() < end:
+        while time.perf_counter() < opened[0].start + seconds:
             yield feed
 
     out: Loop | None = None
     for _, reply in client.map_unordered(model, feeds(), in_flight=in_flight):
         if not opened or out is not None:
             continue
-        tally = opened[0]
-        if time.perf_counter() <= tally.start + seconds:
-            tally.add(reply)
+        if time.perf_counter() <= opened[0].start + seconds:
+            opened[0].add(reply)
         else:
-            out = tally.loop(tally.start + seconds)
+            out = opened[0].loop(opened[0].start + seconds)
     if out is None:
         tally = opened[0] if opened else _Tally()
         out = tally.loop(tally.start + seconds)
     return out
 
 
-def node_cancel(
-    target: FleetClient | str, node: str, request_id: str, timeout_s: float = GET_TIMEOUT_S
-) -> bool:
-    """Cancel a request on one node actor directly; True if the node had it."""
-    fleet, _ = _fleet_and_priorities(target)
-    return bool(ray.get(node_actor(fleet, node).cancel.remote(request_id), timeout=timeout_s))
-
-
-class Route(Protocol):
-    """Where a scenario sends its requests: one node actor, or the fleet's router. A
-    route is a ``cluster.traffic.Client``: the traffic drivers send through it."""
-
-    @property
-    def label(self) -> str: ...
-
-    def submit(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        priority: str | int = "foreground",
-        deadline_s: float | None = None,
-        key: str | None = None,
-        request_id: str | None = None,
-    ) -> Pending: ...
-
-    def cancel(self, request_id: str, timeout_s: float = GET_TIMEOUT_S) -> bool: ...
-
-
 @dataclass(frozen=True)
-class NodeRoute:
-    """Straight to one node actor (what the node-level scenarios measure)."""
+class OpenRun:
+    """An open-loop run of a workload's arrivals: every answer (``cluster.traffic``)."""
 
-    client: FleetClient
-    node: str
+    answers: tuple[Answer, ...]
+    max_lag_s: float  # worst delay of a submit behind its arrival time
+    lost: int  # sent and never answered
+    seconds: float
+    foreign_cores: float = 0.0  # CPU other processes used meanwhile
+    attempts: int = 1
 
-    @property
-    def label(self) -> str:
-        return f"node {self.node}"
+    def ok(self, priorities: Sequence[int] | None = None) -> list[Answer]:
+        return [
+            a
+            for a in self.answers
+            if a.reply.error is None
+            and (priorities is None or (a.arrival is not None and a.arrival.priority in priorities))
+        ]
 
-    def submit(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        priority: str | int = "foreground",
-        deadline_s: float | None = None,
-        key: str | None = None,
-        request_id: str | None = None,
-    ) -> Pending:
-        return node_submit(
-            self.client, self.node, model, inputs, priority, request_id, deadline_s, key
-        )
+    def latency_ms(self, priorities: Sequence[int] | None = None) -> Summary:
+        return Summary.of([a.latency_s * 1000 for a in self.ok(priorities)])
 
-    def cancel(self, request_id: str, timeout_s: float = GET_TIMEOUT_S) -> bool:
-        return node_cancel(self.client, self.node, request_id, timeout_s)
+    def count(self, error: str | None) -> int:
+        return sum(1 for a in self.answers if error_name(a.reply) == error)
 
 
-@dataclass(frozen=True)
-class RouterRoute:
-    """Placed by the fleet's client (``FleetClient.submit``): the fleet's placement."""
-
-    client: FleetClient
-
-    @property
-    def label(self) -> str:
-        return "fleet"
-
-    def submit(
-        self,
-        model: str,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        priority: str | int = "foreground",
-        deadline_s: float | None = None,
-        key: str | None = None,
-        request_id: str | None = None,
-    ) -> Pending:
-        return self.client.submit(
-            model, inputs, priority=priority, deadline_s=deadline_s, key=key, request_id=request_id
-        )
-
-    def cancel(self, request_id: str, timeout_s: float = GET_TIMEOUT_S) -> bool:
-        return self.client.cancel(request_id, timeout_s)
+def error_name(reply: Reply) -> str | None:
+    return None if reply.error is None else type(reply.error).__name__
 
 
-def only_node(client: FleetClient) -> NodeRoute:
-    """A route to the first (in the node-level scenarios: the only) node of the fleet."""
-    return NodeRoute(client, node_names(client)[0])
+def open_loop(client: Any, arrivals: Sequence[Arrival], feeds: Mapping[str, Feed]) -> OpenRun:
+    """Send ``arrivals`` at their times (``cluster.traffic.OpenLoop``) and wait for
+    every answer (each bounded by ``GET_TIMEOUT_S``)."""
+    answers: list[Answer] = []
+    driver = OpenLoop(
+        client, arrivals, feeds, on_answer=answers.append, reply_timeout_s=GET_TIMEOUT_S
+    )
+    t0 = time.perf_counter()
+    asyncio.run(driver.run())
+    lost = driver.counts.submitted - len(answers)
+    return OpenRun(tuple(answers), driver.max_lag_s, lost, time.perf_counter() - t0)
 
 
-# ------------------------------------------------------------------------ models
+# --------------------------------------------------------------------------- models
 
 
 @dataclass(frozen=True)
@@ -911,19 +809,14 @@ LINEAR_TILE = 64  # a make_linear model works on rows this many times its input 
 
 
 def make_linear(path: Path, layers: int, width: int) -> Path:
-    """Write a model whose call costs nearly in proportion to its rows.
-
-    ``x`` float32 ``[N, width]`` is tiled to ``[N, width * LINEAR_TILE]``, goes through
-    ``layers`` element-wise Tanh ops and is sliced back to ``[N, width]``. Nothing is
-    shared between rows (unlike a matrix product, whose weights are read once per call),
-    so batch 4 costs about 4x batch 1, while requests and replies stay small.
-    """
+    """A model whose call costs nearly in proportion to its rows: ``x`` float32
+    ``[N, width]`` tiled to ``[N, width * LINEAR_TILE]``, ``layers`` element-wise Tanh
+    ops, sliced back to ``[N, width]`` (nothing shared between rows)."""
     import onnx
     from onnx import TensorProto, helper
 
     nodes = [helper.make_node("Tile", ["x", "repeats"], ["h0"])]
-    for i in range(layers):
-        nodes.append(helper.make_node("Tanh", [f"h{i}"], [f"h{i + 1}"]))
+    nodes += [helper.make_node("Tanh", [f"h{i}"], [f"h{i + 1}"]) for i in range(layers)]
     nodes.append(helper.make_node("Slice", [f"h{layers}", "starts", "ends", "axes"], ["y"]))
     ints = {"repeats": [1, LINEAR_TILE], "starts": [0], "ends": [width], "axes": [1]}
     graph = helper.make_graph(
@@ -938,33 +831,24 @@ def make_linear(path: Path, layers: int, width: int) -> Path:
     return path
 
 
-def median_call_ms(session: Any, feed: dict[str, np.ndarray], repeats: int = 9) -> float:
+def raw_session(path: Path) -> ort.InferenceSession:
+    """An in-process session as a node's engine opens it."""
+    return open_session(path.stem, path, threads=1)
+
+
+def median_call_ms(session: Any, feed: Feed, repeats: int = 9) -> float:
     """Median ms of ``repeats`` back-to-back calls of ``session``, after 3 warm-ups."""
-    for _ in range(3):
-        session.run(None, feed)
     times = []
-    for _ in range(repeats):
+    for i in range(repeats + 3):
         t0 = time.perf_counter()
         session.run(None, feed)
-        times.append(time.perf_counter() - t0)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
     return 1000 * median(times)
 
 
 def linear_call_ms(path: Path, width: int, rows: int = 1, repeats: int = 9) -> float:
-    """Median ms of back-to-back calls of a :func:`make_linear` model, in-process."""
     return median_call_ms(raw_session(path), slow_feed(width, rows=rows), repeats)
-
-
-def calibrate_linear(path: Path, target_ms: float, width: int) -> tuple[Path, int]:
-    """A :func:`make_linear` model whose batch-1 call takes about ``target_ms`` here: two
-    probe depths give the cost per layer apart from the fixed cost of a call."""
-    shallow, deep = 50, 200
-    t_shallow = linear_call_ms(make_linear(path, shallow, width), width)
-    t_deep = linear_call_ms(make_linear(path, deep, width), width)
-    per_layer = max(1e-6, (t_deep - t_shallow) / (deep - shallow))
-    fixed = max(0.0, t_shallow - shallow * per_layer)
-    layers = max(1, round((target_ms - fixed) / per_layer))
-    return make_linear(path, layers, width), layers
 
 
 class ModelFactory:
@@ -972,34 +856,33 @@ class ModelFactory:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._made: dict[tuple[str, int, float], BenchModel] = {}
+        self._made: dict[tuple[bool, int, float], BenchModel] = {}
 
     def calibrated(self, target_ms: float, *, width: int = 256) -> BenchModel:
         """A slow model whose batch-1 call takes about ``target_ms`` on this machine."""
-        key = ("cal", width, target_ms)
-        if key not in self._made:
-            t0 = time.perf_counter()
-            path, layers = calibrate_slow(
-                self.directory / f"slow_w{width}_{target_ms:g}ms.onnx", target_ms, width=width
-            )
-            self._made[key] = BenchModel(path, width, layers, target_ms)
-            log(
-                f"calibrated width-{width} model to {target_ms:g} ms: {layers} layers "
-                f"({time.perf_counter() - t0:.1f} s)"
-            )
-        return self._made[key]
+        return self._make(False, target_ms, width)
 
     def linear(self, target_ms: float, *, width: int = 256) -> BenchModel:
         """A :func:`make_linear` model whose batch-1 call takes about ``target_ms``."""
-        key = ("lin", width, target_ms)
+        return self._make(True, target_ms, width)
+
+    def _make(self, linear: bool, target_ms: float, width: int) -> BenchModel:
+        key = (linear, width, target_ms)
         if key not in self._made:
             t0 = time.perf_counter()
-            path, layers = calibrate_linear(
-                self.directory / f"linear_w{width}_{target_ms:g}ms.onnx", target_ms, width
-            )
-            self._made[key] = BenchModel(path, width, layers, target_ms, linear=True)
+            kind = "linear" if linear else "slow"
+            path = self.directory / f"{kind}_w{width}_{target_ms:g}ms.onnx"
+            if linear:  # two probe depths: the cost per layer apart from a call's fixed cost
+                t50 = linear_call_ms(make_linear(path, 50, width), width)
+                t200 = linear_call_ms(make_linear(path, 200, width), width)
+                per_layer = max(1e-6, (t200 - t50) / 150)
+                layers = max(1, round((target_ms - max(0.0, t50 - 50 * per_layer)) / per_layer))
+                make_linear(path, layers, width)
+            else:
+                path, layers = calibrate_slow(path, target_ms, width=width)
+            self._made[key] = BenchModel(path, width, layers, target_ms, linear)
             log(
-                f"calibrated a linear model to {target_ms:g} ms: {layers} layers "
+                f"calibrated a width-{width} {kind} model to {target_ms:g} ms: {layers} layers "
                 f"({time.perf_counter() - t0:.1f} s)"
             )
         return self._made[key]
@@ -1011,31 +894,10 @@ def model_dir() -> Iterator[ModelFactory]:
         yield ModelFactory(Path(tmp))
 
 
-def slow_feed(width: int, *, rows: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
+def slow_feed(width: int, *, rows: int = 1, seed: int = 0) -> Feed:
     """A valid input for a slow model of ``width`` (float32 ``[rows, width]``)."""
     rng = np.random.default_rng(seed)
     return {"x": rng.standard_normal((rows, width)).astype(np.float32)}
-
-
-def raw_session(path: Path, threads: int = 1) -> ort.InferenceSession:
-    """An in-process session configured like a node's engine (sequential, 1 inter-op)."""
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-
-
-def node_costs_ms(status: FleetStatus, model: str) -> Mapping[int, float]:
-    """The node's warm-up measurement of ``model``: engine ms per call, by batch rows."""
-    for node in status.nodes:
-        for m in node.models:
-            if m.name == model and m.cost_ms:
-                return dict(sorted(m.cost_ms.items()))
-    return {}
-
-
-# ------------------------------------------------------------------ run context
 
 
 @dataclass(frozen=True)

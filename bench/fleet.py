@@ -1,99 +1,86 @@
-"""The fleet with placement in the caller: scaling, added latency, priorities,
-placement policies, and what placement costs per request.
-
-Five parts, each measured side by side in one run on one embedded Ray:
-
-(a) Throughput at saturation of a 3-node fleet (a ~5 ms model, batching off) over the
-    sum of its nodes' single-node throughputs. Each node is driven alone, straight to
-    its actor with ``K`` requests in flight; then all three straight at once (no
-    placement: the best this machine allows); then the fleet placed by the client with
-    ``3K`` in flight. Measurements alternate in rounds, so drift spreads over all.
-(b) The latency placement adds: sequential, unloaded requests (a ~1 ms model) placed
-    by the client and straight to the node it chose last, interleaved.
-(c) Foreground p99 across a 3-node fleet (a ~20 ms model, queue capacity 64) under a
-    background flood (from one caller, and split over two), against foreground alone
-    (the three in interleaved rounds, pooled) and against a FIFO fleet (``order: fifo``,
-    no shedding, round-robin placement).
-(d) The placement policies on one seeded open-loop trace (mixed priorities, a cheap
-    and a dear model, 4 nodes, one serving only the cheap model), replayed on one
-    fleet by one caller per policy, in interleaved rounds, at about 80% of the
-    fleet's measured capacity.
-(e) What placement costs: machine CPU per request and throughput on a tiny model at
-    saturation, placed by the client vs sent straight to the nodes.
-"""
+"""The fleet with placement in the caller, measured side by side on one embedded Ray:
+(a) throughput at saturation over the sum of its nodes', (b) the latency placement
+adds, (c) foreground p99 under a background flood, (d) the placement policies on one
+seeded trace (``sim.workload``), (e) what placement costs per request."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import os
 import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import ray
 
 from bench.common import (
     GET_TIMEOUT_S,
     BenchModel,
     Calm,
-    Inbox,
+    Feed,
     Loop,
     ModelEntry,
+    OpenRun,
     Part,
-    Pending,
-    RouterRoute,
+    Round,
     RunContext,
     Section,
-    Submit,
     Summary,
     Target,
     calm,
     closed_loop,
-    cpu_sample,
-    cpu_since,
+    columns,
+    cpu_count,
     deployed,
+    disturbance,
+    each,
     fleet_config,
     fmt,
+    kept,
     log,
     md_table,
+    med,
     median,
     node_names,
     node_submit,
+    open_loop,
+    pairs_text,
     pipelined_loop,
-    replies_of,
     reply_of,
+    rounds,
     slow_feed,
+    timed,
+    warm,
 )
-from bench.priority_latency import FLOOD_BACKOFF, FOREGROUND_COLUMNS, ForegroundRun, foreground
+from bench.priority_latency import (
+    FLOOD_BACKOFF,
+    FOREGROUND_COLUMNS,
+    ForegroundRun,
+    foreground,
+)
 from cluster.client import FleetClient
 from cluster.traffic import ClosedLoop, Counts
-from edgefleet.config import FleetConfig, parse_config
+from edgefleet.config import FleetConfig
 from edgefleet.modelgen import make_classifier, random_inputs
-from sim.workload import Workload, parse_workload
+from policies.placement import PLACEMENT_POLICIES
+from sim.workload import Arrival, Workload, parse_workload
 
 TITLE = "The fleet: placement in the caller (fleet)"
 
 # (a) scaling and (b) added latency: one 3-node fleet serving both models
 FLEET_NODES = 3
-SAT_MODEL = "slow5"
-SAT_COST_MS = 5.0
-LAT_MODEL = "slow1"
-LAT_COST_MS = 1.0
+SAT_MODEL, SAT_COST_MS = "slow5", 5.0
+LAT_MODEL, LAT_COST_MS = "slow1", 1.0
 IN_FLIGHT_PER_NODE = 32
 TARGET_SCALING = 0.85  # fleet / sum of single-node throughputs
 
 # (c) foreground under a background flood
-FLOOD_MODEL = "slow20"
-FLOOD_COST_MS = 20.0
+FLOOD_MODEL, FLOOD_COST_MS = "slow20", 20.0
 FLOOD_CAPACITY = 64
-FOREGROUND = 10
 BACKGROUND = 3
 FLOOD_CALLERS = 2  # the same flood split over this many clients placing requests
 SPLIT = "edgefleet, 2 callers"
@@ -102,16 +89,14 @@ FLOOD_MAX_RETRY_S = 1.0  # the router's retry hint is honoured, up to this
 TARGET_BOUND_RATIO = 1.0  # edgefleet p99 / (1.5 x alone p99 + one service time)
 TARGET_FIFO_RATIO = 8.0  # FIFO p99 / edgefleet p99
 
-# (d) placement policies on one trace
-POLICIES: tuple[str, ...] = ("expected_completion", "power_of_two", "round_robin", "random")
+# (d) placement policies on one trace: every policy of the registry, the default first
+DEFAULT_POLICY = PLACEMENT_POLICIES[0]
 CHEAP, DEAR = "cheap2", "dear10"
 CHEAP_COST_MS, DEAR_COST_MS = 2.0, 10.0
 CHEAP_SHARE = 0.5  # of the trace's requests
 PRIORITY_MIX: tuple[tuple[int, float], ...] = ((10, 0.10), (7, 0.20), (3, 0.50), (0, 0.20))
 LOAD = 0.8  # offered load over the measured fleet capacity
-# A replay whose median engine call took this many times the run's median (the machine
-# stalled: every call slowed, whatever placed it) is run once more.
-STALL_RATIO = 1.5
+STALL_RATIO = 1.5  # a replay whose median engine call took this x the run's is run again
 TRACE_SEED = 20261129
 CHEAP_NODE = "edge-cheap"
 TRACE_NODES: tuple[Mapping[str, Any], ...] = (
@@ -131,336 +116,179 @@ COST_IN_FLIGHT_PER_NODE = 32
 # ============================================================ (a) scaling at saturation
 
 
-@dataclass(frozen=True)
-class ScalingRound:
-    singles: Mapping[str, Loop]  # node -> driven alone, straight to its actor
-    direct_all: Loop  # every node at once, straight to the actors (no router)
-    fleet: Loop  # placed by the client
-    foreign_cores: float
-    attempts: int
-
-    @property
-    def single_sum(self) -> float:
-        return sum(loop.rate for loop in self.singles.values())
-
-    @property
-    def scaling(self) -> float:
-        return self.fleet.rate / self.single_sum
-
-    @property
-    def router_ratio(self) -> float:
-        return self.fleet.rate / self.direct_all.rate
-
-    @property
-    def machine_ratio(self) -> float:
-        return self.direct_all.rate / self.single_sum
+def _single_sum(r: Round) -> float:
+    return sum(x.rate for k, x in r.loops.items() if k not in ("direct", "fleet"))
 
 
-def _scaling_round(
-    client: FleetClient, feed: dict[str, np.ndarray], seconds: float, reverse: bool
-) -> tuple[dict[str, Loop], Loop, Loop]:
+RATIOS = {  # label -> a round's ratio
+    "**scaling** = fleet placed by the client / sum of single-node throughputs": lambda r: (
+        r["fleet"].rate / _single_sum(r)
+    ),
+    f"**placement efficiency** = fleet placed by the client / all {FLEET_NODES} nodes "
+    "straight": lambda r: r["fleet"].rate / r["direct"].rate,
+    f"machine limit = all {FLEET_NODES} nodes straight at once / sum of single-node": lambda r: (
+        r["direct"].rate / _single_sum(r)
+    ),
+}
+
+
+def measure_scaling(ctx: RunContext, client: FleetClient, feed: Feed) -> list[Round]:
+    """Every node alone, straight to its actor; all at once, straight; the fleet placed
+    by the client; in rounds."""
     nodes = node_names(client)
-
-    def to_node(node: str) -> Submit:
-        return lambda: node_submit(client, node, SAT_MODEL, feed)
-
-    def via_router() -> Pending:
-        return client.submit(SAT_MODEL, feed)
-
-    every = [to_node(n) for n in nodes]
-    steps: list[tuple[str, Callable[[], Loop]]] = [
-        *((n, partial(closed_loop, [to_node(n)], IN_FLIGHT_PER_NODE, seconds)) for n in nodes),
-        ("direct", partial(closed_loop, every, IN_FLIGHT_PER_NODE, seconds)),
-        ("router", partial(closed_loop, [via_router], IN_FLIGHT_PER_NODE * len(nodes), seconds)),
-    ]
-    if reverse:
-        steps.reverse()
-    out = {name: step() for name, step in steps}
-    return {n: out[n] for n in nodes}, out["direct"], out["router"]
+    to = {n: partial(node_submit, client, n, SAT_MODEL, feed) for n in nodes}
+    loops: dict[str, Callable[[float], Loop]] = {
+        n: partial(closed_loop, [to[n]], IN_FLIGHT_PER_NODE) for n in nodes
+    }
+    loops["direct"] = partial(closed_loop, list(to.values()), IN_FLIGHT_PER_NODE)
+    placed = [lambda: client.submit(SAT_MODEL, feed)]
+    loops["fleet"] = partial(closed_loop, placed, IN_FLIGHT_PER_NODE * len(nodes))
+    seconds, count, warm_s = ctx.pick(1.5, 0.6), ctx.count(3, 1), ctx.pick(0.5, 0.2)
+    return rounds("(a)", loops, seconds, count, warm_s=warm_s, attempts=2)
 
 
-def measure_scaling(
-    client: FleetClient, feed: dict[str, np.ndarray], seconds: float, rounds: int, warm_s: float
-) -> list[ScalingRound]:
-    _scaling_round(client, feed, warm_s, reverse=False)  # warm every path once
-    results: list[ScalingRound] = []
-    for i in range(rounds):
-        measure = partial(_scaling_round, client, feed, seconds, reverse=i % 2 == 1)
-        c = calm(measure, f"(a) round {i + 1}", attempts=2)
-        singles, direct, fleet = c.value
-        r = ScalingRound(singles, direct, fleet, c.foreign_cores, c.attempts)
-        results.append(r)
-        log(
-            f"  (a) round {i + 1}/{rounds}: singles "
-            + " + ".join(f"{x.rate:.0f}" for x in singles.values())
-            + f" = {r.single_sum:.0f}/s; all direct {direct.rate:.0f}/s; "
-            f"placed {fleet.rate:.0f}/s (fleet / sum {r.scaling:.2f}, "
-            f"fleet / all direct {r.router_ratio:.2f}; other processes "
-            f"{c.foreign_cores:.2f} cores)"
-        )
-    return results
-
-
-def _scaling_part(
-    rounds: list[ScalingRound], nodes: list[str], model: BenchModel, seconds: float
-) -> Part:
-    def med(pick: Callable[[ScalingRound], float]) -> float:
-        return median([pick(r) for r in rounds])
-
-    def per_round(pick: Callable[[ScalingRound], float], digits: int = 0) -> str:
-        return " / ".join(fmt(pick(r), digits) for r in rounds)
-
-    def share(pick: Callable[[ScalingRound], Loop]) -> str:
-        total = Counter[str]()
-        for r in rounds:
-            total.update(pick(r).by_node)
+def _scaling_tables(runs: list[Round], nodes: list[str]) -> list[str]:
+    def row(label: str, key: str) -> list[object]:
+        total: Counter[str] = Counter()
+        for r in runs:
+            total.update(r[key].by_node)
         n = sum(total.values())
-        return " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes) if n else "-"
-
-    def loop_row(label: str, pick: Callable[[ScalingRound], Loop], shares: bool) -> list[object]:
-        return [
-            label,
-            fmt(med(lambda r: pick(r).rate), 0),
-            per_round(lambda r: pick(r).rate),
-            fmt(med(lambda r: pick(r).engine_ms), 2),
-            fmt(med(lambda r: pick(r).cores), 2),
-            fmt(med(lambda r: pick(r).cpu_ms), 2),
-            share(pick) if shares else "-",
-        ]
-
-    def single(node: str) -> Callable[[ScalingRound], Loop]:
-        return lambda r: r.singles[node]
-
-    rows: list[list[object]] = [
-        loop_row(f"{node} alone, straight to its actor", single(node), False) for node in nodes
-    ]
-    rows.append(
-        [
-            "**sum of single-node throughputs** (one at a time)",
-            fmt(med(lambda r: r.single_sum), 0),
-            per_round(lambda r: r.single_sum),
-            "-",
-            "-",
-            "-",
-            "-",
-        ]
-    )
-    rows.append(
-        loop_row(
-            "all 3 nodes at once, straight to the actors (no router)",
-            lambda r: r.direct_all,
-            True,
+        share = (
+            " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes)
+            if n and key not in nodes
+            else "-"
         )
+        return (
+            [label, fmt(med(runs, lambda r: r[key].rate), 0), each(runs, lambda r: r[key].rate)]
+            + [
+                fmt(med(runs, lambda r, k=k: getattr(r[key], k)), 2)
+                for k in ("engine_ms", "cores", "cpu_ms")
+            ]
+            + [share]
+        )
+
+    rows = [row(f"{n} alone, straight to its actor", n) for n in nodes]
+    label = "**sum of single-node throughputs** (one at a time)"
+    rows.append([label, fmt(med(runs, _single_sum), 0), each(runs, _single_sum), *"----"])
+    rows.append(
+        row(f"all {FLEET_NODES} nodes at once, straight to the actors (no router)", "direct")
     )
-    rows.append(loop_row("**fleet, placed by the client**", lambda r: r.fleet, True))
-    table = md_table(
-        [
-            "measurement",
-            "requests/s (median)",
-            "per round",
-            "engine ms / call",
-            "cores used",
-            "CPU ms / request",
-            "share per node (" + " · ".join(nodes) + ")",
-        ],
-        rows,
-    )
-    ratios = md_table(
-        ["ratio", "median", "per round"],
-        [
-            [
-                "**scaling** = fleet placed by the client / sum of single-node throughputs",
-                fmt(med(lambda r: r.scaling), 2),
-                per_round(lambda r: r.scaling, 2),
-            ],
-            [
-                "**placement efficiency** = fleet placed by the client / all 3 nodes straight",
-                fmt(med(lambda r: r.router_ratio), 2),
-                per_round(lambda r: r.router_ratio, 2),
-            ],
-            [
-                "machine limit = all 3 nodes straight at once / sum of single-node",
-                fmt(med(lambda r: r.machine_ratio), 2),
-                per_round(lambda r: r.machine_ratio, 2),
-            ],
-        ],
-    )
-    errors = sum(x.errors for r in rounds for x in (*r.singles.values(), r.direct_all, r.fleet))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
-    alone_cpu_ms = median([x.cpu_ms for r in rounds for x in r.singles.values()])
-    alone_cores = median([x.cores for r in rounds for x in r.singles.values()])
-    repeats = sum(r.attempts - 1 for r in rounds)
-    foreign = max(r.foreign_cores for r in rounds)
+    rows.append(row("**fleet, placed by the client**", "fleet"))
+    header = "measurement | requests/s (median) | per round | engine ms / call | cores used | "
+    header += "CPU ms / request | share per node (" + " · ".join(nodes) + ")"
+    ratios = [[k, fmt(med(runs, f), 2), each(runs, f, 2)] for k, f in RATIOS.items()]
+    return [
+        md_table(columns(header), rows),
+        md_table(columns("ratio | median | per round"), ratios),
+    ]
+
+
+def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Part:
+    singles = [r[n] for r in runs for n in nodes]
+    alone_cpu_ms, alone_cores = med(singles, lambda x: x.cpu_ms), med(singles, lambda x: x.cores)
+    cpus = cpu_count()
+    most = cpus * 1000 / alone_cpu_ms
     measured = (
-        f"{FLEET_NODES} simulated nodes on one embedded Ray (`local: {{nodes: "
-        f"{FLEET_NODES}}}`), each serving a {model.describe()}, batching off. Closed loops "
-        f"of {seconds:g} s each: every node alone, straight to its actor with "
-        f"{IN_FLIGHT_PER_NODE} requests in flight (one node at a time, the others idle); "
-        f"all {FLEET_NODES} straight to their actors at once ({IN_FLIGHT_PER_NODE} in flight "
-        "each, no placement); and the fleet placed by the client (`FleetClient.submit`, "
-        f"{IN_FLIGHT_PER_NODE * FLEET_NODES} in flight, default placement "
-        f"expected_completion). {len(rounds)} round(s), the order reversed every other "
-        "round; ratios are medians of per-round ratios."
+        f"{FLEET_NODES} simulated nodes on one embedded Ray, each serving a {model.describe()}, "
+        f"batching off. Closed loops: every node alone, straight to its actor with "
+        f"{IN_FLIGHT_PER_NODE} requests in flight; all {FLEET_NODES} straight at once (no "
+        "placement); and the fleet placed by the client (`FleetClient.submit`, "
+        f"{IN_FLIGHT_PER_NODE * FLEET_NODES} in flight, default placement). {len(runs)} "
+        "round(s), the order rotating; ratios are medians of per-round ratios. Cores used "
+        "and CPU ms / request count every process of this benchmark."
     )
     notes = [
-        "Caveat: this machine has 2 cores and the fleet runs 3 engine threads (plus the "
-        "driver, the router and Ray). The sum of single-node throughputs is measured one "
-        "node at a time, each with the machine to itself, so it is not simultaneously "
-        "achievable here: three engines share two cores. The scaling ratio (the target) "
-        "therefore mixes the cost of placement with the machine's limit. The **placement "
-        "efficiency** ratio compares the fleet placed by the client with the best this "
-        "machine achieves with all three nodes busy at once (straight to the actors, no "
-        "placement) and isolates what placement costs; the machine limit is the rest.",
-        "Engine ms / call is the mean `Reply.service_s`: it grows when engine threads "
-        "share the cores, which is where the machine limit shows. Cores used and CPU ms / "
-        "request count every process of this benchmark (driver, Ray, router, nodes).",
+        "The sum of single-node throughputs is measured one node at a time, each with the "
+        f"machine to itself: not simultaneously achievable when {FLEET_NODES} engines share "
+        f"{cpus} cores. The placement efficiency ratio isolates what placement costs.",
         f"What the machine allows: one node alone already uses {alone_cores:.2f} of the "
-        f"{cpus} cores ({alone_cpu_ms:.1f} ms of CPU per request, for a "
-        f"{model.target_ms:g} ms model), so {cpus} cores cannot serve more than about "
-        f"{cpus * 1000 / alone_cpu_ms:.0f} requests/s at that cost: a scaling ratio of at "
-        f"most about {cpus * 1000 / alone_cpu_ms / med(lambda r: r.single_sum):.2f} on this "
-        "machine, whatever placement does.",
-        f"Failed replies: {errors}. Rounds measured again because other processes used "
-        f"more than 0.2 cores meanwhile: {repeats}; most CPU other processes used during a "
-        f"kept round: {foreign:.2f} cores.",
+        f"{cpus} cores ({alone_cpu_ms:.1f} ms of CPU per request), so the machine cannot "
+        f"serve more than about {most:.0f} requests/s: a scaling ratio of at most about "
+        f"{most / med(runs, _single_sum):.2f} here, whatever placement does.",
+        f"Failed replies: {sum(x.errors for r in runs for x in r.loops.values())}. Rounds "
+        f"measured again: {sum(r.attempts - 1 for r in runs)}; most CPU other processes used "
+        f"during a kept round: {max(r.foreign_cores for r in runs):.2f} cores.",
     ]
+    scaling = med(runs, next(iter(RATIOS.values())))
     target = Target(
-        "(a) fleet throughput / sum of single-node throughputs",
-        med(lambda r: r.scaling),
-        ">=",
-        TARGET_SCALING,
+        "(a) fleet throughput / sum of single-node throughputs", scaling, ">=", TARGET_SCALING
     )
-    return Part(
-        "(a) Fleet throughput at saturation vs the sum of its nodes",
-        measured,
-        [table, ratios],
-        [target],
-        notes,
-    )
+    title = "(a) Fleet throughput at saturation vs the sum of its nodes"
+    return Part(title, measured, _scaling_tables(runs, nodes), [target], notes)
 
 
 # ============================================================ (b) added latency
 
-
-@dataclass(frozen=True)
-class LatencyRun:
-    router_s: tuple[float, ...]
-    direct_s: tuple[float, ...]  # straight to the node the client chose last
-    other_s: tuple[float, ...]  # straight to a node it did not choose last
-    router_service_s: tuple[float, ...]
-    direct_service_s: tuple[float, ...]
-    nodes: Mapping[str, int]  # node the router chose -> requests
-    repeats: int  # placed requests that went to the node the placed one before went to
-    errors: int
-
-
 LATENCY_PATHS = ("placed", "same node", "other node")
 
 
-def measure_router_latency(
-    client: FleetClient, feed: dict[str, np.ndarray], pairs: int
-) -> LatencyRun:
+def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, Any]:
     """``pairs`` sequential rounds of three requests, the order rotating: one placed by
-    the client, one straight to the node the client chose last, one straight to another
-    node (each of the others in turn)."""
+    the client, one straight to the node it chose last, one straight to another node."""
     names = node_names(client)
     last = names[0]
-    out: dict[str, list[float]] = {path: [] for path in LATENCY_PATHS}
-    router_svc: list[float] = []
-    direct_svc: list[float] = []
-    nodes: Counter[str] = Counter()
-    repeats = errors = 0
+    out: dict[str, Any] = {p: [] for p in (*LATENCY_PATHS, "placed svc", "same svc")}
+    out["nodes"], out["repeats"], out["errors"] = Counter(), 0, 0
     for i in range(pairs):
         k = i % len(LATENCY_PATHS)
         for path in LATENCY_PATHS[k:] + LATENCY_PATHS[:k]:
+            others = [n for n in names if n != last]
+            node = last if path == "same node" else others[i % len(others)]
             t0 = time.perf_counter()
-            if path == "placed":  # what a sequential caller uses
+            if path == "placed":
                 reply = client.infer_reply(LAT_MODEL, feed)
-            elif path == "same node":
-                reply = reply_of(node_submit(client, last, LAT_MODEL, feed))
             else:
-                others = [n for n in names if n != last]
-                other = others[i % len(others)]
-                reply = reply_of(node_submit(client, other, LAT_MODEL, feed))
+                reply = reply_of(node_submit(client, node, LAT_MODEL, feed))
             elapsed = time.perf_counter() - t0
             if reply.error is not None:
-                errors += 1
+                out["errors"] += 1
                 continue
-            out[path].append(elapsed)
+            out[path].append(elapsed * 1000)
+            if path != "other node":
+                out["placed svc" if path == "placed" else "same svc"].append(reply.service_s * 1000)
             if path == "placed":
-                router_svc.append(reply.service_s)
-                nodes[reply.node] += 1
-                repeats += reply.node == last
+                out["nodes"][reply.node] += 1
+                out["repeats"] += reply.node == last
                 last = reply.node
-            elif path == "same node":
-                direct_svc.append(reply.service_s)
-    return LatencyRun(
-        tuple(out["placed"]),
-        tuple(out["same node"]),
-        tuple(out["other node"]),
-        tuple(router_svc),
-        tuple(direct_svc),
-        dict(nodes),
-        repeats,
-        errors,
-    )
+    return out
 
 
-def _latency_part(c: Calm[LatencyRun], model: BenchModel) -> Part:
+def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
     run = c.value
-    direct = Summary.of([x * 1000 for x in run.direct_s])
-    other = Summary.of([x * 1000 for x in run.other_s])
-    router = Summary.of([x * 1000 for x in run.router_s])
-    d_svc = median([x * 1000 for x in run.direct_service_s])
-    r_svc = median([x * 1000 for x in run.router_service_s])
+    direct, other, router = (Summary.of(run[p]) for p in ("same node", "other node", "placed"))
 
     def row(label: str, x: Summary, engine: str) -> list[object]:
         return [label, x.n, fmt(x.p50, 2), fmt(x.p99, 2), fmt(x.mean, 2), engine]
 
-    rows: list[list[object]] = [
-        row("straight to the node actor the client chose last", direct, fmt(d_svc, 2)),
+    def adds(label: str, base: Summary) -> list[object]:
+        gaps = (router.p50 - base.p50, router.p99 - base.p99, router.mean - base.mean)
+        return [label, "-", *(fmt(g, 2, signed=True) for g in gaps), "-"]
+
+    rows = [
+        row(
+            "straight to the node actor the client chose last",
+            direct,
+            fmt(median(run["same svc"]), 2),
+        ),
         row("straight to another node actor", other, "-"),
-        row("placed by the client", router, fmt(r_svc, 2)),
-        [
-            "**placement adds** (ms), over the node chosen last",
-            "-",
-            fmt(router.p50 - direct.p50, 2, signed=True),
-            fmt(router.p99 - direct.p99, 2, signed=True),
-            fmt(router.mean - direct.mean, 2, signed=True),
-            "-",
-        ],
-        [
-            "placement adds (ms), over another node",
-            "-",
-            fmt(router.p50 - other.p50, 2, signed=True),
-            fmt(router.p99 - other.p99, 2, signed=True),
-            fmt(router.mean - other.mean, 2, signed=True),
-            "-",
-        ],
+        row("placed by the client", router, fmt(median(run["placed svc"]), 2)),
+        adds("**placement adds** (ms), over the node chosen last", direct),
+        adds("placement adds (ms), over another node", other),
     ]
     table = md_table(["path", "requests", "p50 ms", "p99 ms", "mean ms", "engine p50 ms"], rows)
     measured = (
         f"The 3-node fleet of (a), unloaded, serving a {model.describe()}. Sequential "
-        "requests (one outstanding at a time), in rounds of three, the order rotating: one "
-        "placed by the client (`FleetClient.infer_reply`), one straight to the node actor "
-        "the client chose for the previous placed request (the target's comparison: the "
-        "same node), and one straight to another node (each of the others in turn). "
-        "Client end-to-end latency."
+        "requests in rounds of three, the order rotating: one placed by the client "
+        "(`FleetClient.infer_reply`), one straight to the node actor the client chose for "
+        "the previous placed request, one straight to another node. Client end-to-end latency."
     )
-    spread = ", ".join(f"{n} {k}" for n, k in sorted(run.nodes.items()))
     notes = [
-        "The placed request takes the same hop as the direct one (driver -> node -> "
-        "driver), waited for on the caller's thread like the direct one; placement adds "
-        "the decision (about 30 µs for 3 nodes) and the client's bookkeeping. On an idle "
-        "fleet it spreads sequential requests over the nodes (a placed request went to the "
-        f"node the one before it went to {run.repeats} times of {router.n}), while the "
-        "direct call to the node chosen last meets a node that has just run a request; "
-        "on this machine a node that has been idle longer answers later (its threads "
-        "wake on cores the others share), which the direct call to another node shows.",
-        f"Nodes the client chose: {spread}. Failed requests: {run.errors}. Other "
-        f"processes used {c.foreign_cores:.2f} cores during the kept measurement "
-        f"(attempts: {c.attempts}).",
+        "On an idle fleet placement spreads sequential requests over the nodes (a placed "
+        f"request went to the node the one before it went to {run['repeats']} times of "
+        f"{router.n}); a node idle for longer answers later on this machine.",
+        f"Nodes the client chose: {pairs_text(run['nodes'])}. Failed requests: "
+        f"{run['errors']}. Other processes used {c.foreign_cores:.2f} cores during the kept "
+        f"measurement (attempts: {c.attempts}).",
     ]
     target = Target("(b) p50 added over a direct call, ms", router.p50 - direct.p50, "<=", 1.0)
     return Part("(b) Latency placement adds", measured, [table], [target], notes)
@@ -469,140 +297,109 @@ def _latency_part(c: Calm[LatencyRun], model: BenchModel) -> Part:
 # =========================================================== (c) flood across the fleet
 
 
-def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float = 20.0) -> int:
-    """Wait (bounded) until every node's queue holds ``want_each`` requests."""
-    deadline = time.perf_counter() + timeout_s
-    least = 0
-    while time.perf_counter() < deadline:
-        least = min(n.queue_length for n in client.status(GET_TIMEOUT_S).nodes)
-        if least >= want_each:
-            return least
-        time.sleep(0.05)
-    raise TimeoutError(f"the flood filled the emptiest queue to {least}, wanted {want_each}")
-
-
 class FloodActor:
     """The background flood as a client of its own (a Ray actor with its own
-    ``FleetClient``, placing its requests itself, so its work does not share the
-    measuring driver's interpreter): a ``cluster.traffic.ClosedLoop`` of ``outstanding``
-    lanes, each sending one background request at a time and the next as soon as the
-    reply returns; after a refusal a lane waits the reply's ``retry_after_s`` (2 ms to
-    ``max_retry_s``), after an eviction or another error 5 ms (``FLOOD_BACKOFF``).
-    Without lanes it connects and sends nothing (a caller's process, idle)."""
+    ``FleetClient``, so its work does not share the measuring driver's interpreter): a
+    ``ClosedLoop`` of ``lanes`` background lanes. Without lanes it connects and sends
+    nothing (a caller's process, idle)."""
 
-    def __init__(
-        self,
-        fleet: str,
-        model: str,
-        feed: dict[str, np.ndarray],
-        outstanding: int,
-        priority: int,
-        max_retry_s: float,
-    ) -> None:
-        self._fleet = fleet
+    def __init__(self, fleet: str, feed: Feed, lanes: int) -> None:
+        self._fleet, self._feed, self._lanes = fleet, feed, lanes
         self._client: FleetClient | None = None
         self._flood: ClosedLoop | None = None
-        self._lanes = (model, feed, outstanding, priority)
-        self._backoff = replace(FLOOD_BACKOFF, max_retry_s=max_retry_s)
 
     async def start(self) -> None:
         # Connecting waits on the router: off the actor's event loop.
         loop = asyncio.get_running_loop()
-        self._client = await loop.run_in_executor(
-            None, partial(FleetClient.connect, fleet=self._fleet)
-        )
-        model, feed, outstanding, priority = self._lanes
-        if outstanding:
+        connect = partial(FleetClient.connect, fleet=self._fleet)
+        self._client = await loop.run_in_executor(None, connect)
+        if self._lanes:
+            backoff = replace(FLOOD_BACKOFF, max_retry_s=FLOOD_MAX_RETRY_S)
             self._flood = ClosedLoop(
                 self._client,
-                model,
-                feed,
-                lanes=outstanding,
-                priority=priority,
-                backoff=self._backoff,
+                FLOOD_MODEL,
+                self._feed,
+                lanes=self._lanes,
+                priority=BACKGROUND,
+                backoff=backoff,
             )
             await self._flood.start()
 
     def counts(self) -> tuple[Counts, str | None]:
-        """The counts so far, and the first failure of a lane (a lane that fails ends)."""
+        """The counts so far, and the first failure of a lane."""
         if self._flood is None:
             return Counts(), None
         error = self._flood.error
         return self._flood.counts.copy(), None if error is None else repr(error)
 
     async def stop(self, timeout_s: float) -> tuple[Counts, str | None]:
-        """Stop every lane, cancel what is in flight (bounded); the counts so far."""
         assert self._client is not None
         if self._flood is not None:
             await self._flood.stop(timeout_s)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._client.close)  # hands its counters to the router
+        await asyncio.get_running_loop().run_in_executor(None, self._client.close)
         return self.counts()
 
 
 @dataclass(frozen=True)
 class FleetFlood:
     run: ForegroundRun
-    router: Mapping[str, int]  # router counter deltas over the flood
+    router: Mapping[str, int]  # placement counter deltas over the flood
     queues: tuple[int, ...]  # node queue lengths at the end
     seconds: float = 0.0  # from the flood's start to the last foreground reply
     foreign_cores: float = 0.0
     attempts: int = 1
 
+    @property
+    def refusals(self) -> float:
+        """Background refusals per second of flood."""
+        return (self.run.flood.rejected if self.run.flood else 0) / max(self.seconds, 1e-9)
+
+
+def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float = 20.0) -> int:
+    deadline = time.perf_counter() + timeout_s
+    while (least := min(n.queue_length for n in client.status(GET_TIMEOUT_S).nodes)) < want_each:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"the flood filled the emptiest queue to {least}, not {want_each}")
+        time.sleep(0.05)
+    return least
+
+
+def _floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[Any]:
+    lanes = len(node_names(client)) * FLOOD_CAPACITY
+    # Its blocking calls run on executor threads; Ray warns of any blocking get in an
+    # async actor's process, whatever thread.
+    quiet = {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}
+    actor = ray.remote(FloodActor).options(num_cpus=0, runtime_env=quiet)
+    shares = [lanes // callers + (i < lanes % callers) for i in range(callers)] + [0] * idle
+    return [actor.remote(client.config.fleet.name, feed, n) for n in shares]
+
 
 def _fleet_flooded(
-    client: FleetClient,
-    feed: dict[str, np.ndarray],
-    count: int,
-    label: str,
-    bg_limit: float,
-    callers: int = 1,
-    idle: int = 0,
+    client: FleetClient, feed: Feed, count: int, label: str, bg_limit: float, **kw: int
 ) -> FleetFlood:
-    """Foreground under a background flood sent by ``callers`` flood clients (each
-    placing its own requests), sharing the same number of outstanding requests; ``idle``
-    more flood clients connect and send nothing."""
-    route = RouterRoute(client)
-    nodes = len(node_names(client))
+    """Foreground under a background flood from ``callers`` flood clients sharing the
+    lanes; ``idle`` more connect and send nothing."""
     before = client.status(GET_TIMEOUT_S)
     started = time.perf_counter()
-    lanes = nodes * FLOOD_CAPACITY
-    floods = [
-        ray.remote(FloodActor)
-        # Its blocking calls (connecting, closing) run on executor threads, off its event
-        # loop; Ray warns of any blocking get in an async actor's process, whatever thread.
-        .options(num_cpus=0, runtime_env={"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}})
-        .remote(
-            client.config.fleet.name,
-            FLOOD_MODEL,
-            feed,
-            lanes // callers + (i < lanes % callers) if i < callers else 0,
-            BACKGROUND,
-            FLOOD_MAX_RETRY_S,
-        )
-        for i in range(callers + idle)
-    ]
+    floods = _floods(client, feed, kw.get("callers", 1), kw.get("idle", 0))
 
     def counts_now() -> Counts:
         got = ray.get([f.counts.remote() for f in floods], timeout=GET_TIMEOUT_S)
         return Counts.total(c for c, _ in got)
 
-    errors: list[str] = []
     try:
         ray.get([f.start.remote() for f in floods], timeout=GET_TIMEOUT_S)
-        want = max(1, int(bg_limit * FLOOD_CAPACITY) - 5)
-        least = _wait_fleet_saturated(client, want)
+        least = _wait_fleet_saturated(client, max(1, int(bg_limit * FLOOD_CAPACITY) - 5))
         log(f"  {label}: flood running, at least {least} queued on every node")
-        counts0 = counts_now()
-        t0 = time.perf_counter()
-        fg = foreground(route, feed, count, label, model=FLOOD_MODEL, priority=FOREGROUND)
+        counts0, t0 = counts_now(), time.perf_counter()
+        fg = foreground(client, feed, count, label, model=FLOOD_MODEL)
         counts1 = counts_now()
         bg_rate = (counts1.completed - counts0.completed) / (time.perf_counter() - t0)
         after = client.status(GET_TIMEOUT_S)  # before the flood's leftovers are cancelled
         seconds = time.perf_counter() - started
     finally:
-        stopped = ray.get([f.stop.remote(GET_TIMEOUT_S) for f in floods], timeout=2 * GET_TIMEOUT_S)
-        errors = [e for _, e in stopped if e is not None]
+        stops = [f.stop.remote(GET_TIMEOUT_S) for f in floods]
+        errors = [e for _, e in ray.get(stops, timeout=2 * GET_TIMEOUT_S) if e is not None]
         for f in floods:
             ray.kill(f)
     if errors:
@@ -613,78 +410,53 @@ def _fleet_flooded(
     return FleetFlood(run, router, tuple(n.queue_length for n in after.nodes), seconds)
 
 
-def _refusals(f: FleetFlood) -> float:
-    """Background refusals per second of flood."""
-    flood = f.run.flood
-    return (flood.rejected if flood else 0) / max(f.seconds, 1e-9)
-
-
-def _kept(c: Calm[FleetFlood]) -> FleetFlood:
-    return replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)
-
-
-def _alone(client: FleetClient, feed: dict[str, np.ndarray], count: int) -> FleetFlood:
+def _alone(client: FleetClient, feed: Feed, count: int) -> FleetFlood:
     before = client.status(GET_TIMEOUT_S).router
-    run = foreground(
-        RouterRoute(client), feed, count, "alone", model=FLOOD_MODEL, priority=FOREGROUND
-    )
+    run = foreground(client, feed, count, "alone", model=FLOOD_MODEL)
     after = client.status(GET_TIMEOUT_S)
     router = {k: v - before.get(k, 0) for k, v in after.router.items()}
     return FleetFlood(run, router, tuple(n.queue_length for n in after.nodes))
 
 
 def background_limit(config: FleetConfig) -> float:
-    """The largest queue occupancy the router lets background work fill (1.0: no shedding)."""
+    """The largest queue occupancy placement lets background work fill (1.0: no shedding)."""
     shed = config.router.placement.shed
-    return min(
-        (f for name, f in shed.items() if config.priorities[name] >= BACKGROUND), default=1.0
-    )
+    return min((f for k, f in shed.items() if config.priorities[k] >= BACKGROUND), default=1.0)
 
 
 def _pool_floods(runs: Sequence[FleetFlood]) -> FleetFlood:
     """One configuration's rounds as one: every foreground sample, the counts added, the
     worst disturbance."""
-    first = runs[0]
     fg = [f.run for f in runs]
     floods = [r.flood for r in fg if r.flood is not None]
     seconds = sum(f.seconds for f in runs)
     bg_done = sum(r.bg_rate * f.seconds for r, f in zip(fg, runs, strict=True))
     run = replace(
-        first.run,
+        fg[0],
         latencies_s=tuple(x for r in fg for x in r.latencies_s),
         service_s=tuple(x for r in fg for x in r.service_s),
         queue_s=tuple(x for r in fg for x in r.queue_s),
         refused=sum(r.refused for r in fg),
         errors=sum(r.errors for r in fg),
         flood=Counts.total(floods) if floods else None,
-        bg_rate=bg_done / seconds if floods else float("nan"),
+        bg_rate=bg_done / seconds if floods else math.nan,
         counters=dict(sum((Counter(r.counters) for r in fg), Counter())),
     )
-    return FleetFlood(
-        run,
-        dict(sum((Counter(f.router) for f in runs), Counter())),
-        runs[-1].queues,
-        seconds,
-        max(f.foreign_cores for f in runs),
-        sum(f.attempts for f in runs),
-    )
+    router = dict(sum((Counter(f.router) for f in runs), Counter()))
+    foreign, attempts = max(f.foreign_cores for f in runs), sum(f.attempts for f in runs)
+    return FleetFlood(run, router, runs[-1].queues, seconds, foreign, attempts)
 
 
 def measure_flood(
     ctx: RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
-) -> tuple[FleetFlood, FleetFlood, FleetFlood, FleetFlood, FleetFlood]:
+) -> dict[str, FleetFlood]:
     """Foreground alone, under a flood from one caller, from ``FLOOD_CALLERS``, and from
-    one with a second caller's process idle beside it, in interleaved rounds whose
-    samples are pooled (a p99 of one round's 120 requests is its second slowest, which
-    moves with the machine); FIFO once."""
+    one with a second caller idle beside it, in interleaved rounds pooled; FIFO once."""
     feed = slow_feed(model.width)
-    n_fg = ctx.count(120, 8)  # enough that p99 is not just the slowest one
-    n_fifo = ctx.count(10, 2)
-    rounds = ctx.count(3, 1)
+    n_fg, rounds = ctx.count(120, 8), ctx.count(3, 1)
     bg_limit = background_limit(prio)
     with deployed(prio) as client:
-        for _ in range(5):
-            reply_of(client.submit(FLOOD_MODEL, feed))
+        warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
         measures: dict[str, Callable[[], FleetFlood]] = {
             "alone": lambda: _alone(client, feed, n_fg),
             "edgefleet": lambda: _fleet_flooded(client, feed, n_fg, "edgefleet", bg_limit),
@@ -698,31 +470,68 @@ def measure_flood(
         for i in range(rounds):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 log(f"(c) round {i + 1}/{rounds}: {name}")
-                runs[name].append(_kept(calm(measures[name], f"(c) {name}", attempts=2)))
-    alone, edge, split, idle = (_pool_floods(runs[name]) for name in names)
+                runs[name].append(kept(calm(measures[name], f"(c) {name}", attempts=2)))
+    out = {name: _pool_floods(r) for name, r in runs.items()}
     with deployed(fifo) as client:
-        for _ in range(5):
-            reply_of(client.submit(FLOOD_MODEL, feed))
-        log("(c) FIFO fleet under a background flood")
-        # Long, and its target has a wide margin: measured once, disturbance reported.
-        base = _kept(
-            calm(lambda: _fleet_flooded(client, feed, n_fifo, "FIFO", 1.0), "(c) FIFO", attempts=1)
+        warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
+        log("(c) FIFO fleet under a background flood")  # long, with a wide margin: once
+        n_fifo = ctx.count(10, 2)
+        flood = lambda: _fleet_flooded(client, feed, n_fifo, "FIFO", 1.0)  # noqa: E731
+        out["FIFO"] = kept(calm(flood, "(c) FIFO", attempts=1))
+    return out
+
+
+def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
+    edge, split, idle = f["edgefleet"], f[SPLIT], f[IDLE]
+    flooded = [x for k, x in f.items() if k != "alone"]
+    edge_p99 = edge.run.latency_ms.p99
+    notes = [
+        f"Foreground p99 over one caller's: the flood from {FLOOD_CALLERS} callers "
+        f"{split.run.latency_ms.p99 / edge_p99:.2f}, from one with a second caller idle "
+        f"{idle.run.latency_ms.p99 / edge_p99:.2f}; foreground engine time (median) "
+        f"{split.run.service_ms:.1f} and {idle.run.service_ms:.1f} ms against "
+        f"{edge.run.service_ms:.1f}.",
+        "Fleet-wide placement counters over each flood (`shed`: refused by placement to "
+        "keep headroom; `spilled`: a node refused and the caller tried elsewhere): "
+        + "; ".join(f"{x.run.config}: {pairs_text(x.router) or 'none'}" for x in flooded)
+        + ".",
+        "Node counters over each flood, added over the fleet: "
+        + "; ".join(f"{x.run.config}: {pairs_text(x.run.counters)}" for x in flooded)
+        + f". Failed foreground requests: {sum(x.run.errors for x in f.values())}.",
+        f"Refusal churn: on the edgefleet fleet callers were refused "
+        f"{edge.router.get('rejected', 0) / max(edge.seconds, 1e-9):.0f} background requests/s "
+        f"(while completing {edge.router.get('completed', 0) / max(edge.seconds, 1e-9):.0f}/s)"
+        f": the flood offers more than the {bg_limit:.0%} of each queue placement lets "
+        "background work fill.",
+        "Disturbance (CPU other processes used during the kept measurement; attempts): "
+        + disturbance({x.run.config: x for x in f.values()})
+        + ". Alone and edgefleet: up to 2 attempts a round; FIFO: once.",
+    ]
+    slowest = sorted(
+        zip(edge.run.latencies_s, edge.run.queue_s, edge.run.service_s, strict=True),
+        reverse=True,
+    )[:3]
+    notes.append(
+        "Where the edgefleet fleet's slowest foreground requests spent their time (end to "
+        "end = queued on the node + engine call + everything outside the node): "
+        + "; ".join(
+            f"{lat * 1000:.0f} ms = {q * 1000:.0f} + {s * 1000:.0f} + {(lat - q - s) * 1000:.0f}"
+            for lat, q, s in slowest
         )
-    return alone, edge, split, idle, base
+        + " ms."
+    )
+    if edge.run.service_ms > 1.2 * f["alone"].run.service_ms:
+        notes.append(
+            f"A foreground call under the flood took {edge.run.service_ms:.1f} ms of engine "
+            f"time against {f['alone'].run.service_ms:.1f} ms alone: it preempts the "
+            f"background call on its own node only, and {FLEET_NODES} engine threads share "
+            "this machine's cores, so the call stretches."
+        )
+    return notes
 
 
-def _flood_part(
-    alone: FleetFlood,
-    edge: FleetFlood,
-    split: FleetFlood,
-    idle: FleetFlood,
-    fifo: FleetFlood,
-    model: BenchModel,
-    bg_limit: float,
-) -> Part:
-    service_ms = median([s * 1000 for s in alone.run.service_s])
-    bound = 1.5 * alone.run.latency_ms.p99 + service_ms
-    rows: list[list[object]] = []
+def _flood_part(f: dict[str, FleetFlood], model: BenchModel, bg_limit: float) -> Part:
+    alone, edge, split, fifo = f["alone"].run, f["edgefleet"], f[SPLIT], f["FIFO"]
     labels = {
         "alone": "alone (edgefleet fleet, no flood)",
         "edgefleet": "edgefleet fleet under flood",
@@ -730,19 +539,16 @@ def _flood_part(
         IDLE: "edgefleet fleet under flood, a second caller idle",
         "FIFO": "FIFO fleet under flood",
     }
-    for f in (alone, edge, split, idle, fifo):
-        r = f.run
-        queues = "-" if r.flood is None else " / ".join(str(q) for q in f.queues)
-        rows.append([*r.row(labels.get(r.config, r.config)), queues])
-    table = md_table(
-        [*FOREGROUND_COLUMNS, "queues at end"],
-        rows,
-    )
+    rows = [
+        [*x.run.row(labels[k]), "-" if x.run.flood is None else " / ".join(map(str, x.queues))]
+        for k, x in f.items()
+    ]
+    table = md_table([*FOREGROUND_COLUMNS, "queues at end"], rows)
     edge_p99 = edge.run.latency_ms.p99
     targets = [
         Target(
             "(c) edgefleet fleet p99 / (1.5 x alone p99 + one service time)",
-            edge_p99 / bound,
+            edge_p99 / alone.bound_ms,
             "<=",
             TARGET_BOUND_RATIO,
         ),
@@ -761,369 +567,104 @@ def _flood_part(
         ),
         Target(
             f"(c) bg refusals, flood from {FLOOD_CALLERS} callers / from one",
-            _refusals(split) / max(1, _refusals(edge)),
+            split.refusals / max(1, edge.refusals),
             "<=",
             1.1,
         ),
     ]
-    nodes = FLEET_NODES
-    flood_cfgs = (edge, split, idle, fifo)
     measured = (
-        f"{nodes} nodes, each serving a {model.describe()}, batching off, queue capacity "
-        f"{FLOOD_CAPACITY}; everything goes through the router. A background client (a Ray "
-        "actor of its own, so it does not share the measuring driver's interpreter) keeps "
-        f"{nodes * FLOOD_CAPACITY} background (priority {BACKGROUND}) requests outstanding, "
-        "the queues' full capacity, resubmitting each as its reply returns; a refused one "
-        "(a node's full queue, or shed by placement) is resubmitted after the reply's "
-        f"`retry_after_s` hint (at most {FLOOD_MAX_RETRY_S:g} s). Foreground requests "
-        f"(priority {FOREGROUND}) go one "
-        "at a time, 100 ms apart, once every node's queue is full; latency is client end "
-        "to end, retries of a refused foreground request included. Configurations: alone "
-        "(the edgefleet fleet, no flood); edgefleet (priority order, preemption on with "
-        "gap 5, the default placement expected_completion and default shedding: "
-        f"background may fill {bg_limit:.0%} of a queue); FIFO (`node_defaults.order: "
-        "fifo`, `router.placement.shed: {}`, placement round_robin). Alone, edgefleet, "
-        f"the flood from {FLOOD_CALLERS} callers (the same lanes split between two flood "
-        "clients, each placing its own) and the flood from one caller with a second flood "
-        "client connected beside it sending nothing (a control: the second caller's "
-        "process without its share of the work) run in interleaved rounds (the order "
-        "rotating), each configuration's samples and counts pooled; FIFO once."
+        f"{FLEET_NODES} nodes, each serving a {model.describe()}, batching off, queue "
+        f"capacity {FLOOD_CAPACITY}; everything placed by the client. A background client "
+        f"(a Ray actor of its own) keeps {FLEET_NODES * FLOOD_CAPACITY} background (priority "
+        f"{BACKGROUND}) requests outstanding, a refused one sent again after its "
+        f"`retry_after_s` hint (at most {FLOOD_MAX_RETRY_S:g} s). Foreground requests go one "
+        "at a time, 100 ms apart, once every node's queue is full; latency is client end to "
+        "end. Configurations: alone; edgefleet (priority order, preemption gap 5, the default "
+        f"placement and shedding: background may fill {bg_limit:.0%} of a queue); the flood "
+        f"split between {FLOOD_CALLERS} flood clients; the flood from one with a second "
+        "client connected and idle (a control); FIFO (`order: fifo`, no shedding, placement "
+        "round_robin). All but FIFO in interleaved rounds, pooled; FIFO once."
     )
     notes = [
-        f"Bound used for the first target: 1.5 x {alone.run.latency_ms.p99:.1f} ms + "
-        f"{service_ms:.1f} ms (median service time alone) = {bound:.1f} ms.",
-        f"Foreground p99 over one caller's: the flood from {FLOOD_CALLERS} callers "
-        f"{split.run.latency_ms.p99 / edge_p99:.2f}, from one with a second caller idle "
-        f"{idle.run.latency_ms.p99 / edge_p99:.2f}; foreground engine time (median) "
-        f"{median([s * 1000 for s in split.run.service_s]):.1f} and "
-        f"{median([s * 1000 for s in idle.run.service_s]):.1f} ms against "
-        f"{median([s * 1000 for s in edge.run.service_s]):.1f}. On this machine a "
-        "caller's process takes its CPU from the engines: the idle one its Ray worker's "
-        "own, the working one the share of the flood it sends, in parallel with the other "
-        "caller rather than behind it.",
-        "Fleet-wide placement counters over each flood (refused background requests come "
-        "back as `rejected`; `shed` counts those placement refused itself to keep headroom, "
-        "`spilled` those a node refused and the caller tried elsewhere): "
-        + "; ".join(
-            f"{f.run.config}: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(f.router.items()) if v) or "none")
-            for f in flood_cfgs
-        )
-        + ".",
-        "Node counters over each flood, added over the fleet: "
-        + "; ".join(
-            f"{f.run.config}: "
-            + ", ".join(f"{k} {v}" for k, v in sorted(f.run.counters.items()) if v)
-            for f in flood_cfgs
-        )
-        + f". Failed foreground requests: {sum(f.run.errors for f in (alone, *flood_cfgs))}.",
-        f"Refusal churn: on the edgefleet fleet callers were refused "
-        f"{edge.router.get('rejected', 0) / max(edge.seconds, 1e-9):.0f} background requests/s "
-        f"(while completing {edge.router.get('completed', 0) / max(edge.seconds, 1e-9):.0f}/s):"
-        " the flood offers more than the "
-        f"{bg_limit:.0%} of each queue placement lets background work fill, and each refused "
-        "request comes back after its `retry_after_s` hint, on the same 2 cores as the "
-        "foreground work.",
-        "Disturbance (CPU other processes used during the kept measurement; attempts): "
-        + "; ".join(
-            f"{f.run.config} {f.foreign_cores:.2f} cores, {f.attempts}"
-            for f in (alone, *flood_cfgs)
-        )
-        + ". Every round of alone and edgefleet: up to 2 attempts; FIFO: once, its margin "
-        "is wide.",
+        f"Bound used for the first target: 1.5 x {alone.latency_ms.p99:.1f} ms + "
+        f"{alone.service_ms:.1f} ms (median service time alone) = {alone.bound_ms:.1f} ms.",
+        *_flood_notes(f, bg_limit),
     ]
-    slowest = sorted(
-        zip(edge.run.latencies_s, edge.run.queue_s, edge.run.service_s, strict=True),
-        reverse=True,
-    )[:3]
-    if slowest:
-        notes.append(
-            "Where the edgefleet fleet's slowest foreground requests spent their time "
-            "(end to end = queued on the node + engine call + everything outside the node: "
-            "placement, Ray, the driver): "
-            + "; ".join(
-                f"{lat * 1000:.0f} ms = {q * 1000:.0f} + {svc * 1000:.0f} + "
-                f"{(lat - q - svc) * 1000:.0f}"
-                for lat, q, svc in slowest
-            )
-            + " ms."
-        )
-    alone_svc = service_ms
-    edge_svc = median([s * 1000 for s in edge.run.service_s])
-    if edge_svc > 1.2 * alone_svc:
-        notes.append(
-            f"A foreground call under the flood took {edge_svc:.1f} ms of engine time "
-            f"against {alone_svc:.1f} ms alone: the foreground request preempts the "
-            "background call on its own node only; the other nodes' background calls keep "
-            f"running, and {nodes} engine threads (plus the flood's clients, the router and "
-            "Ray) share this machine's 2 cores, so the foreground call stretches. On "
-            "separate machines each node would have its own CPU; here that stretch, not "
-            "queueing (see fg queue p50), is what separates edgefleet from alone."
-        )
-    return Part(
-        "(c) Foreground p99 across the fleet under a background flood",
-        measured,
-        [table],
-        targets,
-        notes,
-    )
+    title = "(c) Foreground p99 across the fleet under a background flood"
+    return Part(title, measured, [table], targets, notes)
 
 
 # ========================================================= (d) placement on one trace
 
 
-@dataclass(frozen=True)
-class TraceItem:
-    at: float  # arrival, in mean inter-arrival gaps from the first
-    model: str
-    priority: int
-
-
 def trace_workload(rate: float, count: int, seed: int = TRACE_SEED) -> Workload:
-    """The placement trace as a workload of the simulator's: Poisson arrivals at
-    ``rate``/s, half cheap half dear (``CHEAP_SHARE``), priorities in ``PRIORITY_MIX``."""
+    """The placement trace: Poisson arrivals at ``rate``/s, half cheap half dear
+    (``CHEAP_SHARE``), priorities in ``PRIORITY_MIX``."""
     mix = [
         {"model": model, "priority": p, "weight": share * w}
         for model, share in ((CHEAP, CHEAP_SHARE), (DEAR, 1 - CHEAP_SHARE))
         for p, w in PRIORITY_MIX
     ]
-    data = {
-        "seed": seed,
-        "requests": count,
-        "arrivals": {"process": "poisson", "rate": rate},
-        "mix": mix,
-    }
+    data = {"seed": seed, "requests": count, "arrivals": {"rate": rate}, "mix": mix}
     return parse_workload(data, source="the placement trace")
 
 
-def make_trace(count: int, seed: int = TRACE_SEED) -> tuple[TraceItem, ...]:
-    """A deterministic trace (``trace_workload``), arrival times in mean gaps."""
-    workload = trace_workload(1.0, count, seed)
-    return tuple(
-        TraceItem(a.at, a.model, a.priority)
-        for a in workload.arrivals(random.Random(seed), nodes=len(TRACE_NODES))
-    )
+def trace(rate: float, count: int) -> list[Arrival]:
+    workload = trace_workload(rate, count)
+    return list(workload.arrivals(random.Random(workload.seed), nodes=len(TRACE_NODES)))
 
 
 @dataclass(frozen=True)
-class TraceSample:
-    item: TraceItem
-    latency_s: float
-    node: str
-    error: str | None  # the error's type name, None when completed
-    service_s: float
-    queue_s: float = 0.0
+class Replay(OpenRun):
+    """A policy's replays of the trace (pooled over rounds)."""
 
-
-@dataclass(frozen=True)
-class Replay:
-    policy: str
-    samples: tuple[TraceSample, ...]
-    max_lag_s: float
-    lost: int
-    seconds: float
+    policy: str = ""
     router: Mapping[str, int] = field(default_factory=dict)
-    foreign_cores: float = 0.0
-    attempts: int = 1
-    capacity: float = math.nan  # the policy's closed-loop throughput on the mix
-    rounds: tuple[Replay, ...] = ()  # the replays pooled into this one
+    capacity: float = math.nan  # the default policy's closed-loop throughput on the mix
+    rounds: tuple[Replay, ...] = ()
     stalled: int = 0  # replays run once more because the machine stalled
 
     @property
     def engine_p50_s(self) -> float:
-        """The median engine time of the calls that answered its completed requests."""
-        done = [s.service_s for s in self.samples if s.error is None]
-        return median(done) if done else math.nan
+        return median([a.reply.service_s for a in self.ok()])
 
     def round_p99(self, priorities: Sequence[int] | None = None) -> float:
-        """The median over the pooled rounds of each round's p99: one round that the
-        machine disturbed moves it less than the pooled p99."""
-        runs = self.rounds or (self,)
-        return median([r.latency_ms(priorities).p99 for r in runs])
-
-    def latency_ms(self, priorities: Sequence[int] | None = None) -> Summary:
-        return Summary.of(
-            [
-                s.latency_s * 1000
-                for s in self.samples
-                if s.error is None and (priorities is None or s.item.priority in priorities)
-            ]
-        )
-
-    def count(self, error: str | None) -> int:
-        return sum(1 for s in self.samples if s.error == error)
-
-    def shares(self, nodes: Sequence[str]) -> dict[str, float]:
-        done = Counter(s.node for s in self.samples if s.error is None)
-        total = sum(done.values())
-        return {n: done[n] / total if total else math.nan for n in nodes}
+        """The median over the rounds of each round's p99."""
+        return median([r.latency_ms(priorities).p99 for r in self.rounds or (self,)])
 
 
-def replay(
-    client: FleetClient,
-    trace: Sequence[TraceItem],
-    rate: float,
-    feeds: Mapping[str, dict[str, np.ndarray]],
-    drain_s: float = GET_TIMEOUT_S,
-) -> Replay:
-    """Submit ``trace`` open loop (at its arrival times for ``rate``/s) through the
-    client, stamping each reply as it arrives. Bounded: stops ``drain_s`` after the last
-    arrival whatever is still outstanding."""
-    sent: dict[Pending, tuple[TraceItem, float]] = {}
-    inbox = Inbox()
-    samples: list[TraceSample] = []
-    max_lag = 0.0
-    i = 0
-    start = time.perf_counter() + 0.01
-    last_due = start + trace[-1].at / rate
-    hard_stop = last_due + drain_s
-    while i < len(trace) or sent:
-        now = time.perf_counter()
-        if now > hard_stop:
-            break
-        due = start + trace[i].at / rate if i < len(trace) else hard_stop
-        if i < len(trace) and now >= due:
-            max_lag = max(max_lag, now - due)
-            item = trace[i]
-            ref = client.submit(item.model, feeds[item.model], priority=item.priority)
-            sent[inbox.add(ref)] = (item, time.perf_counter())
-            i += 1
-            continue
-        if not sent:
-            time.sleep(max(0.0, due - now))
-            continue
-        ready = inbox.ready(max(0.0, due - now))
-        if not ready:
-            continue
-        done_at = time.perf_counter()
-        for ref, reply in zip(ready, replies_of(ready), strict=True):
-            item, t0 = sent.pop(ref)
-            samples.append(
-                TraceSample(
-                    item,
-                    done_at - t0,
-                    reply.node,
-                    None if reply.error is None else type(reply.error).__name__,
-                    reply.service_s,
-                    reply.queue_s,
-                )
-            )
-    seconds = time.perf_counter() - start
-    return Replay("", tuple(samples), max_lag, len(sent), seconds)
-
-
-def _trace_config(name: str, models: Mapping[str, BenchModel], policy: str) -> FleetConfig:
+def trace_config(name: str, models: Mapping[str, BenchModel], policy: str) -> FleetConfig:
     entries = [ModelEntry(n, m.path) for n, m in models.items()]
+    router = {"placement": {"policy": policy, "seed": TRACE_SEED}}  # default shedding
     return fleet_config(
-        name,
-        entries,
-        next(iter(models.values())).path.parent,
-        capacity=FLOOD_CAPACITY,
-        node_list=TRACE_NODES,
-        router={"placement": {"policy": policy, "seed": TRACE_SEED}},  # default shedding
+        name, entries, capacity=FLOOD_CAPACITY, node_list=TRACE_NODES, router=router
     )
 
 
-def _warm(client: FleetClient, feeds: Mapping[str, dict[str, np.ndarray]], calls: int) -> None:
-    """``calls`` requests per model on every node, straight to the actors, all nodes at
-    once: warms sessions and the nodes' observed per-row costs placement reads."""
-    refs = [
-        node_submit(client, spec.name, m, feeds[m])
-        for spec in client.config.node_specs()
-        for m in spec.models
-        for _ in range(calls)
-    ]
-    ray.get(refs, timeout=GET_TIMEOUT_S)
+def warm_nodes(client: FleetClient, feeds: Mapping[str, Feed], calls: int) -> None:
+    """``calls`` requests per model on every node, straight to the actors, all at once:
+    warms sessions and the per-row costs placement reads."""
+    specs = client.config.node_specs()
+    pairs = [(s.name, m) for s in specs for m in s.models] * calls
+    ray.get([node_submit(client, n, m, feeds[m]) for n, m in pairs], timeout=GET_TIMEOUT_S)
 
 
-def measure_capacity(
-    client: FleetClient, feeds: Mapping[str, dict[str, np.ndarray]], seconds: float
-) -> Loop:
-    """The fleet's throughput, placed by the client, at saturation on the trace's model mix
-    (all at foreground priority, so nothing is shed)."""
-    rng = np.random.default_rng(TRACE_SEED + 1)
+def measure_capacity(client: FleetClient, feeds: Mapping[str, Feed], seconds: float) -> Loop:
+    """The fleet's throughput, placed by the client, at saturation on the trace's model
+    mix (all at foreground priority, so nothing is shed)."""
+    rng = random.Random(TRACE_SEED + 1)
 
-    def submit() -> Pending:
+    def submit() -> Any:
         model = CHEAP if rng.random() < CHEAP_SHARE else DEAR
         return client.submit(model, feeds[model])
 
-    nodes = len(client.config.node_specs())
-    return closed_loop([submit], CAPACITY_IN_FLIGHT_PER_NODE * nodes, seconds)
+    in_flight = CAPACITY_IN_FLIGHT_PER_NODE * len(client.config.node_specs())
+    return closed_loop([submit], in_flight, seconds)
 
 
-def measure_placement(
-    ctx: RunContext, models: Mapping[str, BenchModel], trace: Sequence[TraceItem]
-) -> tuple[float, list[Replay]]:
-    """Replay ``trace`` under every policy on one fleet, in interleaved rounds.
-
-    Each policy places from a caller of its own (``FleetClient.with_placement``) on the
-    same nodes, so every policy meets the same warm nodes and, round by round, the
-    same state of the machine; the order rotates every round and each policy's samples
-    are pooled over the rounds. The capacity of the default policy on the trace's mix
-    (a closed loop at saturation) sets the rate for all."""
-    feeds = {n: slow_feed(m.width) for n, m in models.items()}
-    rounds = ctx.count(9, 1)
-    pooled: dict[str, list[Replay]] = {p: [] for p in POLICIES}
-    with deployed(_trace_config("bench-trace", models, POLICIES[0])) as base:
-        _warm(base, feeds, 10)
-        cap = measure_capacity(base, feeds, ctx.pick(1.5, 0.8))
-        rate = LOAD * cap.rate
-        log(
-            f"  (d) capacity on the mix {cap.rate:.0f}/s ({POLICIES[0]}); every policy "
-            f"replays {len(trace)} requests at {rate:.0f}/s, {rounds} round(s)"
-        )
-        callers = {p: base.with_placement(policy=p, seed=TRACE_SEED) for p in POLICIES}
-        try:
-            for i in range(rounds):
-                order = POLICIES[i % len(POLICIES) :] + POLICIES[: i % len(POLICIES)]
-                for policy in order:
-                    client = callers[policy]
-                    _settle(client)
-
-                    def one(client: FleetClient = client, policy: str = policy) -> Replay:
-                        before = client.counters()  # this caller's: the replay's own
-                        r = replay(client, trace, rate, feeds)
-                        after = client.counters()
-                        router = {k: v - before.get(k, 0) for k, v in after.items()}
-                        return replace(r, policy=policy, router=router)
-
-                    label = f"(d) {policy} round {i + 1}"
-                    kept = calm(one, label, attempts=2)
-                    r = replace(
-                        kept.value, foreign_cores=kept.foreign_cores, attempts=kept.attempts
-                    )
-                    usual = median([x.engine_p50_s for runs in pooled.values() for x in runs])
-                    if i and r.engine_p50_s > STALL_RATIO * usual:
-                        log(
-                            f"  {label}: engine calls took {r.engine_p50_s * 1000:.1f} ms "
-                            f"(median so far {usual * 1000:.1f} ms): the machine stalled, "
-                            "once more"
-                        )
-                        _settle(client)
-                        kept = calm(one, label, attempts=2)
-                        r = replace(
-                            kept.value,
-                            foreign_cores=kept.foreign_cores,
-                            attempts=kept.attempts,
-                            stalled=1,
-                        )
-                    pooled[policy].append(r)
-                    fg = r.latency_ms([10])
-                    log(
-                        f"  (d) round {i + 1} {policy}: fg p50 {fg.p50:.1f} ms p99 "
-                        f"{fg.p99:.1f} ms; all p99 {r.latency_ms().p99:.1f} ms"
-                    )
-        finally:
-            for caller in callers.values():
-                caller.close()
-    return rate, [_pool(policy, runs, cap.rate) for policy, runs in pooled.items()]
-
-
-def _settle(client: FleetClient, timeout_s: float = GET_TIMEOUT_S) -> None:
-    """Wait until every node is idle with nothing left in its busy window (the engine
-    time by priority placement reads, which a report keeps for ``BUSY_WINDOW_S``), and
-    ``client`` holds those reports (``status`` hands them to its placement): each replay
-    starts from the same idle fleet, not from what the work before it left there."""
+def settle(client: FleetClient, timeout_s: float = GET_TIMEOUT_S) -> None:
+    """Wait until every node is idle with nothing left in its busy window and ``client``
+    holds those reports: each replay starts from the same idle fleet."""
     end = time.perf_counter() + timeout_s
     while any(n.queue_length or n.running or n.busy for n in client.status(GET_TIMEOUT_S).nodes):
         if time.perf_counter() > end:
@@ -1131,98 +672,112 @@ def _settle(client: FleetClient, timeout_s: float = GET_TIMEOUT_S) -> None:
         time.sleep(0.05)
 
 
+def _replay_once(
+    client: FleetClient, policy: str, arrivals: list[Arrival], feeds: Mapping[str, Feed]
+) -> Replay:
+    settle(client)
+
+    def one() -> Replay:
+        before = client.counters()  # this caller's: the replay's own
+        run = open_loop(client, arrivals, feeds)
+        router = {k: v - before.get(k, 0) for k, v in client.counters().items()}
+        return Replay(**vars_of(run), policy=policy, router=router)
+
+    return kept(calm(one, f"(d) {policy}", attempts=2))
+
+
+def vars_of(run: OpenRun) -> dict[str, Any]:
+    return {k: getattr(run, k) for k in OpenRun.__dataclass_fields__}
+
+
+def measure_placement(
+    ctx: RunContext, models: Mapping[str, BenchModel]
+) -> tuple[list[Arrival], list[Replay]]:
+    """Replay one trace under every policy on one fleet, in interleaved rounds, each
+    policy from a caller of its own (``FleetClient.with_placement``); the default
+    policy's capacity on the trace's mix sets the rate for all."""
+    feeds = {n: slow_feed(m.width) for n, m in models.items()}
+    rounds = ctx.count(9, 1)
+    pooled: dict[str, list[Replay]] = {p: [] for p in PLACEMENT_POLICIES}
+    with deployed(trace_config("bench-trace", models, DEFAULT_POLICY)) as base:
+        warm_nodes(base, feeds, 10)
+        cap = measure_capacity(base, feeds, ctx.pick(1.5, 0.8))
+        arrivals = trace(LOAD * cap.rate, ctx.count(600, 160))
+        log(f"  (d) capacity {cap.rate:.0f}/s; {len(arrivals)} requests, {rounds} round(s)")
+        callers = {p: base.with_placement(policy=p, seed=TRACE_SEED) for p in PLACEMENT_POLICIES}
+        try:
+            for i in range(rounds):
+                k = i % len(PLACEMENT_POLICIES)
+                for policy in PLACEMENT_POLICIES[k:] + PLACEMENT_POLICIES[:k]:
+                    r = _replay_once(callers[policy], policy, arrivals, feeds)
+                    usual = median([x.engine_p50_s for runs in pooled.values() for x in runs])
+                    if i and r.engine_p50_s > STALL_RATIO * usual:
+                        log(f"  (d) {policy}: the machine stalled, once more")
+                        r = replace(
+                            _replay_once(callers[policy], policy, arrivals, feeds), stalled=1
+                        )
+                    pooled[policy].append(r)
+                    log(f"  (d) round {i + 1} {policy}: fg p99 {r.latency_ms([10]).p99:.1f} ms")
+        finally:
+            for caller in callers.values():
+                caller.close()
+    return arrivals, [_pool(p, runs, cap.rate) for p, runs in pooled.items()]
+
+
 def _pool(policy: str, runs: Sequence[Replay], capacity: float) -> Replay:
-    """One policy's replays as one: every sample, the worst disturbance."""
+    """One policy's replays as one: every answer, the worst disturbance."""
     router: Counter[str] = Counter()
     for r in runs:
         router.update(r.router)
     return Replay(
-        policy,
-        tuple(s for r in runs for s in r.samples),
+        tuple(a for r in runs for a in r.answers),
         max(r.max_lag_s for r in runs),
         sum(r.lost for r in runs),
         sum(r.seconds for r in runs),
-        dict(router),
         max(r.foreign_cores for r in runs),
         max(r.attempts for r in runs),
+        policy,
+        dict(router),
         capacity,
         tuple(runs),
         sum(r.stalled for r in runs),
     )
 
 
-def _placement_part(
-    replays: list[Replay],
-    rate: float,
-    trace: Sequence[TraceItem],
-    models: Mapping[str, BenchModel],
-) -> Part:
+def _placement_tables(replays: list[Replay]) -> list[str]:
     nodes = [str(n["name"]) for n in TRACE_NODES]
-    rows: list[list[object]] = []
+    rows = []
     for r in replays:
-        fg = r.latency_ms([10])
-        every = r.latency_ms()
-        other = len(r.samples) - r.count(None) - r.count("Rejected") - r.count("Evicted")
+        fg, every = r.latency_ms([10]), r.latency_ms()
+        done, rejected, evicted = r.count(None), r.count("Rejected"), r.count("Evicted")
         rows.append(
-            [
-                r.policy,
-                fmt(fg.p50, 1),
-                fmt(fg.p99, 1),
-                fmt(r.latency_ms([7]).p99, 1),
-                fmt(r.latency_ms([3]).p99, 1),
-                fmt(r.latency_ms([0]).p99, 1),
-                fmt(every.p50, 1),
-                fmt(every.p99, 1),
-                r.count(None),
-                r.count("Rejected"),
-                r.count("Evicted"),
-                other + r.lost,
-                fmt(r.capacity, 0),
-            ]
+            [r.policy, fmt(fg.p50), fmt(fg.p99)]
+            + [fmt(r.latency_ms([p]).p99) for p in (7, 3, 0)]
+            + [fmt(every.p50), fmt(every.p99), done, rejected, evicted]
+            + [len(r.answers) - done - rejected - evicted + r.lost, fmt(r.capacity, 0)]
         )
-    table = md_table(
-        [
-            "policy",
-            "fg p50 ms",
-            "fg p99 ms",
-            "prio 7 p99 ms",
-            "prio 3 p99 ms",
-            "prio 0 p99 ms",
-            "all p50 ms",
-            "all p99 ms",
-            "completed",
-            "rejected",
-            "evicted",
-            "other / lost",
-            "capacity req/s",
-        ],
-        rows,
-    )
-    share_rows: list[list[object]] = []
+    headers = ["policy", "fg p50 ms", "fg p99 ms", "prio 7 p99 ms", "prio 3 p99 ms"]
+    headers += ["prio 0 p99 ms", "all p50 ms", "all p99 ms", "completed", "rejected"]
+    headers += ["evicted", "other / lost", "capacity req/s"]
+    share_rows = []
     for r in replays:
-        shares = r.shares(nodes)
-        by_model = {
-            m: Counter(s.node for s in r.samples if s.error is None and s.item.model == m)
-            for m in (CHEAP, DEAR)
-        }
-        share_rows.append(
-            [
-                r.policy,
-                *(
-                    f"{shares[n] * 100:.0f}% ({by_model[CHEAP][n]} / {by_model[DEAR][n]})"
-                    for n in nodes
-                ),
-                ", ".join(f"{k} {v}" for k, v in sorted(r.router.items()) if v),
-            ]
-        )
-    share_table = md_table(
-        ["policy", *(f"{n} share (cheap / dear)" for n in nodes), "placement counters"],
-        share_rows,
-    )
+        ok = r.ok()
+        by = {m: Counter(a.reply.node for a in ok if a.arrival.model == m) for m in (CHEAP, DEAR)}
+        share = [
+            f"{(by[CHEAP][n] + by[DEAR][n]) / max(1, len(ok)) * 100:.0f}% "
+            f"({by[CHEAP][n]} / {by[DEAR][n]})"
+            for n in nodes
+        ]
+        share_rows.append([r.policy, *share, pairs_text(r.router)])
+    share_headers = ["policy", *(f"{n} share (cheap / dear)" for n in nodes), "placement counters"]
+    return [md_table(headers, rows), md_table(share_headers, share_rows)]
+
+
+def _placement_part(
+    replays: list[Replay], arrivals: list[Arrival], models: Mapping[str, BenchModel]
+) -> Part:
     by = {r.policy: r for r in replays}
-    default = by[POLICIES[0]]
-    # p99 over every round's samples: a round holds a few dozen foreground requests, so
-    # its own p99 is its slowest one, and a median of those is a median of maxima
+    default = by[DEFAULT_POLICY]
     pairs = [
         (label, prios, other)
         for label, prios in (("fg p99", [10]), ("all p99", None))
@@ -1230,7 +785,7 @@ def _placement_part(
     ]
     targets = [
         Target(
-            f"(d) {POLICIES[0]} {label} / {other} {label} (all rounds pooled)",
+            f"(d) {DEFAULT_POLICY} {label} / {other} {label} (all rounds pooled)",
             default.latency_ms(prios).p99 / by[other].latency_ms(prios).p99,
             "<=",
             1.0,
@@ -1241,477 +796,176 @@ def _placement_part(
         f"{label} / {other} {default.round_p99(prios) / by[other].round_p99(prios):.2f}"
         for label, prios, other in pairs
     )
-    rounds = max(1, round(len(default.samples) / len(trace)))
-    mix = Counter((t.model, t.priority) for t in trace)
-    n_fg = sum(v for (_, p), v in mix.items() if p == 10)
-    span = trace[-1].at / rate
+    rounds = len(default.rounds) or 1
+    n_fg = sum(1 for a in arrivals if a.priority == 10)
+    span = arrivals[-1].at
     measured = (
         f"4 nodes: {CHEAP_NODE} serves only {CHEAP} ({models[CHEAP].describe()}); "
         f"edge-1..3 serve {CHEAP} and {DEAR} ({models[DEAR].describe()}); queue capacity "
-        f"{FLOOD_CAPACITY}, priority order, the default shedding. One seeded "
-        f"trace (seed {TRACE_SEED}) of {len(trace)} requests: Poisson arrivals, "
+        f"{FLOOD_CAPACITY}, priority order, the default shedding. One seeded trace from "
+        f"`sim.workload` (seed {TRACE_SEED}) of {len(arrivals)} requests: Poisson arrivals, "
         f"{CHEAP_SHARE:.0%} {CHEAP} / {1 - CHEAP_SHARE:.0%} {DEAR}, priorities "
         + " / ".join(f"{p}" for p, _ in PRIORITY_MIX)
         + " in proportions "
         + " / ".join(f"{w:.0%}" for _, w in PRIORITY_MIX)
-        + f" ({n_fg} foreground requests in this trace). One fleet for every policy: 10 "
-        "calls per model per node straight to the actors (warm-up), then a closed loop "
-        f"placed by the default policy at saturation ({CAPACITY_IN_FLIGHT_PER_NODE} in "
-        "flight per node, the trace's model mix, all at foreground priority so nothing is "
-        "shed; its throughput is the capacity column). Each policy then places from a "
-        "caller of its own (`FleetClient.with_placement`) on the same nodes; in each of "
-        f"{rounds} round(s) every policy replays the trace open loop once, the order "
-        "rotating every round, after the fleet is idle and its caller holds fresh reports; "
-        "each policy's samples are pooled over the rounds, so every policy meets the same "
-        f"warm nodes and the same drifts of the machine. The rate is {LOAD:.0%} of that "
-        f"capacity: {rate:.0f} requests/s ({span:.1f} s of arrivals per replay). Latency "
-        "is client end to end; a refused or evicted request is not retried."
-    )
-    median_note = (
-        f"The same ratios as medians over the rounds of each round's own p99 ({per_round}): "
-        "a round's foreground p99 is its slowest request or two."
+        + f" ({n_fg} foreground requests). One fleet for every policy of the registry: 10 "
+        "calls per model per node straight to the actors, then a closed loop placed by the "
+        f"default policy at saturation ({CAPACITY_IN_FLIGHT_PER_NODE} in flight per node, all "
+        "foreground; the capacity column). Each policy then places from a caller of its own "
+        f"(`FleetClient.with_placement`); in each of {rounds} round(s) every policy replays "
+        "the trace open loop (`cluster.traffic.OpenLoop`) once, the order rotating, after "
+        f"the fleet is idle. The rate is {LOAD:.0%} of that capacity: {span:.1f} s of "
+        "arrivals per replay. Latency is client end to end; nothing refused is retried."
     )
     notes = [
-        "Share = the node's share of completed requests; in brackets the completed "
-        f"{CHEAP} / {DEAR} requests it served.",
-        "Placement counters over the replays (the replaying caller's own, "
-        "`FleetClient.counters()`): `spilled` = a node refused and the caller tried "
-        "the next; `replaced` = evicted from a node and placed again; `shed` = refused "
-        "by placement to keep headroom for urgent work.",
-        "Reading p99 of the foreground: the pooled replays hold "
-        f"{n_fg * rounds} foreground requests per policy, so the p99 is set by the slowest "
-        f"{max(1, n_fg * rounds // 100)} or so.",
-        median_note,
+        f"Share = the node's share of completed requests; in brackets the completed {CHEAP} "
+        f"/ {DEAR} requests it served. Placement counters: the replaying caller's own.",
+        f"Reading p99 of the foreground: the pooled replays hold {n_fg * rounds} foreground "
+        f"requests per policy. The same ratios as medians over the rounds of each round's "
+        f"own p99: {per_round}.",
         "Disturbance (CPU other processes used during the kept replay; attempts; worst "
         "submit lag behind the trace): "
         + "; ".join(
             f"{r.policy} {r.foreign_cores:.2f} cores, {r.attempts}, {r.max_lag_s * 1000:.0f} ms"
             for r in replays
         )
-        + ". A replay disturbed by more than 0.2 cores is run once more on the same fleet, "
-        f"and so is one whose median engine call took more than {STALL_RATIO:g}x the "
-        "median of the replays before it (from the second round on: the machine stalled, "
-        "which slows every call whatever placed it; run again: "
+        + f". Replays run again because the machine stalled (median engine call over "
+        f"{STALL_RATIO:g}x the run's): "
         + ", ".join(f"{r.policy} {r.stalled}" for r in replays)
-        + ").",
+        + ".",
     ]
-    if not all(t.passed for t in targets):
-        notes.append(
-            "On this machine the four nodes share 2 cores: a request placed on an idle node "
-            "adds a fourth busy engine thread and every call in flight slows down, while "
-            "one that preempts background work on a busy node takes that call's share. "
-            "Placement that sees each node as a separate device (what it is built for) "
-            "cannot see that, and a policy that ignores load pays less for it here than "
-            "it would on a real fleet; the per-round figures in the log show how much "
-            "the tails move between rounds."
-        )
-    return Part(
-        "(d) Placement policies on one trace", measured, [table, share_table], targets, notes
-    )
+    title = "(d) Placement policies on one trace"
+    return Part(title, measured, _placement_tables(replays), targets, notes)
 
 
 # ================================================= (e) what placement costs per request
 
 
-@dataclass(frozen=True)
-class CostRound:
-    direct: Loop  # every node straight, one submitter per node
-    pipelined: Loop  # placed by the client, answers read on the loop's thread (map_unordered)
-    futures: Loop  # placed by the client, answers as futures (submit)
-
-    @staticmethod
-    def ratio(placed: Loop, direct: Loop) -> float:
-        return placed.rate / direct.rate
-
-    @staticmethod
-    def extra_cpu_ms(placed: Loop, direct: Loop) -> float:
-        return placed.cpu_ms - direct.cpu_ms
-
-
-COST_PATHS = ("direct", "pipelined", "futures")
-
-
 def measure_routing_cost(
-    client: FleetClient, feed: dict[str, np.ndarray], seconds: float, rounds: int
-) -> list[CostRound]:
-    """Closed loops at saturation, the order rotating every round: all nodes straight
-    to their actors, and the same number of requests in flight placed by the client,
-    read on the loop's thread (``map_unordered``) and as futures (``submit``)."""
+    client: FleetClient, feed: Feed, seconds: float, count: int
+) -> list[Round]:
+    """Closed loops at saturation, in rounds: all nodes straight to their actors, and as
+    many in flight placed by the client, read on the loop's thread (``map_unordered``)
+    and as futures (``submit``)."""
     nodes = node_names(client)
     in_flight = COST_IN_FLIGHT_PER_NODE * len(nodes)
-
-    def to_node(node: str) -> Submit:
-        return lambda: node_submit(client, node, COST_MODEL, feed)
-
-    def placed() -> Pending:
-        return client.submit(COST_MODEL, feed)
-
+    direct = [partial(node_submit, client, n, COST_MODEL, feed) for n in nodes]
     loops: dict[str, Callable[[float], Loop]] = {
-        "direct": partial(closed_loop, [to_node(n) for n in nodes], COST_IN_FLIGHT_PER_NODE),
+        "direct": partial(closed_loop, direct, COST_IN_FLIGHT_PER_NODE),
         "pipelined": partial(pipelined_loop, client, COST_MODEL, feed, in_flight),
-        "futures": partial(closed_loop, [placed], in_flight),
+        "futures": partial(closed_loop, [lambda: client.submit(COST_MODEL, feed)], in_flight),
     }
-    for loop in loops.values():  # warm every path
-        loop(seconds / 2)
-    out: list[CostRound] = []
-    for i in range(rounds):
-
-        def one(i: int = i) -> CostRound:
-            order = COST_PATHS[i % 3 :] + COST_PATHS[: i % 3]
-            got = {path: loops[path](seconds) for path in order}
-            return CostRound(**got)
-
-        r = calm(one, f"(e) round {i + 1}", attempts=2).value
-        log(
-            f"  (e) round {i + 1}/{rounds}: "
-            + "; ".join(
-                f"{path} {getattr(r, path).rate:.0f}/s {getattr(r, path).cpu_ms:.2f} ms CPU/request"
-                for path in COST_PATHS
-            )
-        )
-        out.append(r)
-    return out
+    return rounds("(e)", loops, seconds, count, warm_s=seconds / 2, attempts=2)
 
 
-def _cost_part(rounds: list[CostRound], seconds: float) -> Part:
-    def med(pick: Callable[[CostRound], float]) -> float:
-        return median([pick(r) for r in rounds])
-
-    def each(pick: Callable[[CostRound], float], digits: int) -> str:
-        return " / ".join(fmt(pick(r), digits) for r in rounds)
-
-    def loop_row(label: str, pick: Callable[[CostRound], Loop]) -> list[object]:
+def _cost_part(runs: list[Round], seconds: float) -> Part:
+    def loop_row(label: str, path: str) -> list[object]:
+        rate, cpu = (lambda r: r[path].rate), (lambda r: r[path].cpu_ms)
         return [
             label,
-            fmt(med(lambda r: pick(r).rate), 0),
-            each(lambda r: pick(r).rate, 0),
-            fmt(med(lambda r: pick(r).cpu_ms), 3),
-            each(lambda r: pick(r).cpu_ms, 3),
+            fmt(med(runs, rate), 0),
+            each(runs, rate),
+            fmt(med(runs, cpu), 3),
+            each(runs, cpu, 3),
         ]
 
-    def extra(pick: Callable[[CostRound], Loop]) -> Callable[[CostRound], float]:
-        return lambda r: CostRound.extra_cpu_ms(pick(r), r.direct)
-
-    def ratio(pick: Callable[[CostRound], Loop]) -> Callable[[CostRound], float]:
-        return lambda r: CostRound.ratio(pick(r), r.direct)
-
-    rows: list[list[object]] = [loop_row("all nodes straight to their actors", lambda r: r.direct)]
-    for label, pick in (
-        ("`map_unordered`", lambda r: r.pipelined),
-        ("`submit`", lambda r: r.futures),
-    ):
-        x, q = extra(pick), ratio(pick)
+    rows = [loop_row("all nodes straight to their actors", "direct")]
+    for label, path in (("`map_unordered`", "pipelined"), ("`submit`", "futures")):
+        x = lambda r, p=path: r[p].cpu_ms - r["direct"].cpu_ms  # noqa: E731
+        q = lambda r, p=path: r[p].rate / r["direct"].rate  # noqa: E731
         rows += [
-            loop_row(f"placed by the client ({label})", pick),
-            ["**placed - direct**", "-", "-", fmt(med(x), 3, signed=True), each(x, 3)],
-            ["**placed / direct** (throughput)", fmt(med(q), 2), each(q, 2), "-", "-"],
+            loop_row(f"placed by the client ({label})", path),
+            ["**placed - direct**", "-", "-", fmt(med(runs, x), 3, signed=True), each(runs, x, 3)],
+            ["**placed / direct** (throughput)", fmt(med(runs, q), 2), each(runs, q, 2), "-", "-"],
         ]
-    table = md_table(
-        ["path", "requests/s (median)", "per round", "CPU ms / request", "per round"], rows
-    )
+    header = "path | requests/s (median) | per round | CPU ms / request | per round"
     measured = (
         f"{COST_NODES} nodes serving the generated `classifier` (a tiny CNN, batching off), "
-        f"closed loops of {seconds:g} s at saturation: {COST_IN_FLIGHT_PER_NODE} requests "
-        "in flight per node sent straight to each node actor (the replies waited for with "
-        "`ray.wait` on the loop's thread), and the same number in flight placed by the "
-        "client (the default placement on the fleet view the router publishes), two "
-        "ways: `FleetClient.map_unordered`, which reads the answers on the caller's "
-        "thread as the direct loop does, and `FleetClient.submit`, whose futures Ray's "
-        f"thread completes one by one. {len(rounds)} round(s), the order rotating. CPU is "
-        "the machine's: every process of this benchmark (driver, Ray, router, nodes), per "
-        "completed request; the difference is what placement costs, its thread handoffs "
-        "included. The targets are on `map_unordered`, the path for a caller that keeps "
-        "a fleet busy from one thread."
+        f"closed loops of {seconds:g} s at saturation: {COST_IN_FLIGHT_PER_NODE} requests in "
+        "flight per node straight to each node actor (`ray.wait` on the loop's thread), and "
+        "as many placed by the client, two ways: `FleetClient.map_unordered` (answers read "
+        "on the caller's thread, as the direct loop does) and `FleetClient.submit` (futures "
+        f"Ray's thread completes). {len(runs)} round(s), the order rotating. CPU: every "
+        "process of this benchmark, per completed request. The targets are on "
+        "`map_unordered`."
     )
-    notes = [
-        "`submit` hands each answer from Ray's thread to the caller's (a future per "
-        "request, as an asyncio service awaits it); what that costs beyond "
-        "`map_unordered` per request: "
-        f"{med(lambda r: r.futures.cpu_ms - r.pipelined.cpu_ms):+.3f} ms of CPU, "
-        f"throughput {med(lambda r: r.futures.rate / r.pipelined.rate):.2f}x (medians "
-        "of the rounds).",
-        "Before callers placed their own requests, every request crossed a router actor "
-        "(client -> router -> node -> router -> client): 2.54 ms of machine CPU per "
-        "request against 1.51 ms straight to the nodes, and 0.54-0.66 of the direct "
-        "throughput (measured with the same fleet shape).",
-    ]
-    pipelined = extra(lambda r: r.pipelined)
+    futures_cpu = med(runs, lambda r: r["futures"].cpu_ms - r["pipelined"].cpu_ms)
+    futures_rate = med(runs, lambda r: r["futures"].rate / r["pipelined"].rate)
+    note = (
+        f"What `submit`'s futures cost beyond `map_unordered` per request: {futures_cpu:+.3f} "
+        f"ms of CPU, throughput {futures_rate:.2f}x."
+    )
+    extra = med(runs, lambda r: r["pipelined"].cpu_ms - r["direct"].cpu_ms)
+    ratio = med(runs, lambda r: r["pipelined"].rate / r["direct"].rate)
     targets = [
-        Target("(e) placed - direct CPU per request, ms", med(pipelined), "<=", 0.25),
-        Target("(e) placed / direct throughput", med(ratio(lambda r: r.pipelined)), ">=", 0.9),
+        Target("(e) placed - direct CPU per request, ms", extra, "<=", 0.25),
+        Target("(e) placed / direct throughput", ratio, ">=", 0.9),
     ]
-    return Part("(e) What placement costs per request", measured, [table], targets, notes)
+    table = md_table(columns(header), rows)
+    return Part("(e) What placement costs per request", measured, [table], targets, [note])
 
 
 # ======================================================================== the scenario
 
 
-def _timed(fn: Callable[[], Part]) -> Part:
-    t0 = time.perf_counter()
-    cpu = cpu_sample()
-    part = fn()
-    part.seconds = time.perf_counter() - t0
-    part.cpu = cpu_since(cpu)
-    return part
+def _parts_ab(ctx: RunContext, m5: BenchModel, m1: BenchModel) -> list[Section]:
+    """(a) and (b): one 3-node fleet serving the 5 ms and the 1 ms model."""
+    entries = [ModelEntry(SAT_MODEL, m5.path), ModelEntry(LAT_MODEL, m1.path)]
+    config = fleet_config("bench-fleet", entries, nodes=FLEET_NODES, router={})  # defaults
+    with deployed(config) as client:
+        nodes = node_names(client)
+        log("(a) fleet throughput at saturation")
+        feed5 = slow_feed(m5.width)
+        a = timed(lambda: _scaling_part(measure_scaling(ctx, client, feed5), nodes, m5))
+        log("(b) latency placement adds, sequential requests")
+        feed1 = slow_feed(m1.width)
+        warm(lambda: client.submit(LAT_MODEL, feed1), 20)
+        warm(lambda: node_submit(client, nodes[0], LAT_MODEL, feed1), 20)
+        pairs = ctx.count(300, 60)
+        measure = lambda: measure_latency(client, feed1, pairs)  # noqa: E731
+        b = timed(lambda: _latency_part(calm(measure, "(b) latency"), m1))
+    return [a, b]
 
 
 def run(ctx: RunContext) -> Section:
-    m5 = ctx.models.calibrated(SAT_COST_MS)
-    m1 = ctx.models.calibrated(LAT_COST_MS)
-    m20 = ctx.models.calibrated(FLOOD_COST_MS)
-    m2 = ctx.models.calibrated(CHEAP_COST_MS)
-    m10 = ctx.models.calibrated(DEAR_COST_MS)
-    parts: list[Part] = []
-
-    # (a) and (b): one 3-node fleet serving the 5 ms and the 1 ms model
-    config = fleet_config(
-        "bench-fleet",
-        [ModelEntry(SAT_MODEL, m5.path), ModelEntry(LAT_MODEL, m1.path)],
-        m5.path.parent,
-        nodes=FLEET_NODES,
-        router={},  # defaults: expected_completion, default shedding (foreground is never shed)
+    m5, m1, m20, m2, m10 = (
+        ctx.models.calibrated(ms)
+        for ms in (SAT_COST_MS, LAT_COST_MS, FLOOD_COST_MS, CHEAP_COST_MS, DEAR_COST_MS)
     )
-    seconds = ctx.pick(1.5, 0.6)
-    rounds = ctx.count(3, 1)
-    with deployed(config) as client:
-        nodes = node_names(client)
-        t0, cpu0 = time.perf_counter(), cpu_sample()
-        log("(a) fleet throughput at saturation")
-        feed5 = slow_feed(m5.width)
-        scaling = measure_scaling(client, feed5, seconds, rounds, ctx.pick(0.5, 0.2))
-        part_a = _scaling_part(scaling, nodes, m5, seconds)
-        part_a.seconds, part_a.cpu = time.perf_counter() - t0, cpu_since(cpu0)
-        parts.append(part_a)
-        t0, cpu0 = time.perf_counter(), cpu_sample()
-        log("(b) latency placement adds, sequential requests")
-        feed1 = slow_feed(m1.width)
-        for _ in range(20):
-            reply_of(client.submit(LAT_MODEL, feed1))
-            ray.get(node_submit(client, nodes[0], LAT_MODEL, feed1), timeout=GET_TIMEOUT_S)
-        pairs = ctx.count(300, 60)
-        lat = calm(lambda: measure_router_latency(client, feed1, pairs), "(b) latency")
-        part_b = _latency_part(lat, m1)
-        part_b.seconds, part_b.cpu = time.perf_counter() - t0, cpu_since(cpu0)
-        parts.append(part_b)
-
-    # (c): foreground under a background flood, edgefleet vs FIFO fleets
+    parts = _parts_ab(ctx, m5, m1)
     entries = [ModelEntry(FLOOD_MODEL, m20.path)]
-    prio = fleet_config(
-        "bench-fleet-prio",
-        entries,
-        m20.path.parent,
-        capacity=FLOOD_CAPACITY,
-        order="priority",
-        preemption=True,
-        min_priority_gap=5,
-        nodes=FLEET_NODES,
-        router={},  # the router's defaults: expected_completion and default shedding
-    )
-    fifo = fleet_config(
-        "bench-fleet-fifo",
-        entries,
-        m20.path.parent,
-        capacity=FLOOD_CAPACITY,
-        order="fifo",
-        nodes=FLEET_NODES,
-        router={"placement": {"policy": "round_robin", "shed": {}}},
-    )
+    flood = dict(capacity=FLOOD_CAPACITY, nodes=FLEET_NODES)
+    prio = fleet_config("bench-fleet-prio", entries, router={}, **flood)
+    fifo_router = {"placement": {"policy": "round_robin", "shed": {}}}
+    fifo = fleet_config("bench-fleet-fifo", entries, order="fifo", router=fifo_router, **flood)
     bg_limit = background_limit(prio)
-    parts.append(_timed(lambda: _flood_part(*measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
-
-    # (d): placement policies on one trace
+    parts.append(timed(lambda: _flood_part(measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
     models = {CHEAP: m2, DEAR: m10}
-    trace = make_trace(ctx.count(600, 160))
 
-    def part_d() -> Part:
-        rate, replays = measure_placement(ctx, models, trace)
-        return _placement_part(replays, rate, trace, models)
+    def part_d() -> Section:
+        arrivals, replays = measure_placement(ctx, models)
+        return _placement_part(replays, arrivals, models)
 
-    parts.append(_timed(part_d))
-
-    # (e): what placement costs per request, on a tiny model
+    parts.append(timed(part_d))
     classifier = make_classifier(ctx.models.directory / "classifier.onnx")
     tiny = fleet_config(
-        "bench-cost",
-        [ModelEntry(COST_MODEL, classifier)],
-        classifier.parent,
-        nodes=COST_NODES,
-        router={},
+        "bench-cost", [ModelEntry(COST_MODEL, classifier)], nodes=COST_NODES, router={}
     )
 
-    def part_e() -> Part:
+    def part_e() -> Section:
         with deployed(tiny) as client:
             log("(e) what placement costs per request, tiny model at saturation")
-            cost_s = ctx.pick(2.0, 0.8)
+            seconds = ctx.pick(2.0, 0.8)
+            feed = random_inputs(COST_MODEL)
             return _cost_part(
-                measure_routing_cost(client, random_inputs(COST_MODEL), cost_s, ctx.count(16, 1)),
-                cost_s,
+                measure_routing_cost(client, feed, seconds, ctx.count(16, 1)), seconds
             )
 
-    parts.append(_timed(part_e))
+    parts.append(timed(part_e))
     measured = (
         "The fleet as clients see it: requests placed by the client (`FleetClient.submit`; "
         "in (e) also `FleetClient.map_unordered`) compared, in the same run, with requests "
-        "sent straight to the node actors. Five "
-        "parts, each with its own fleet(s) on the one embedded Ray; every ratio is of "
-        "measurements taken side by side."
+        "sent straight to the node actors. Five parts, each with its own fleet(s) on the "
+        "one embedded Ray; every ratio is of measurements taken side by side."
     )
     return Section(TITLE, measured, parts=parts)
-
-
-# ------------------------------------------------------------ the cost of watching
-
-
-@dataclass(frozen=True)
-class WatchCost:
-    """CPU of the router's pool membership per reconcile, at ``nodes`` Ray nodes."""
-
-    nodes: int
-    join_ms: float  # the first pass: every device joins (a one-off)
-    steady_ms: float  # median pass, nothing changed
-    churn_ms: float  # median pass with ``churned`` Ray nodes dead and as many new
-    churned: int
-    parse_ms: float  # parsing the GCS reply's node infos (Ray's client does it)
-    interval_s: float
-
-    def share(self, ms: float) -> float:
-        """Of one core, at the default reconcile interval."""
-        return ms / 1000.0 / self.interval_s
-
-
-def watch_cost(nodes: int = 5000, passes: int = 21, churned: int = 50) -> WatchCost:
-    """The router's reconcile loop over a node table of ``nodes`` Ray nodes (one pool
-    selecting all of them), in this process, with no Ray: the table's rows come from
-    real ``GcsNodeInfo`` protobufs through :meth:`cluster.nodes.RayNodeTable.rows` (the
-    code a live router runs on the GCS's reply), and members start on fakes that answer
-    at once. CPU time (``time.process_time``) of each ``Membership.reconcile``, the
-    members' start tasks included; the parse of the reply's serialized node infos is
-    timed apart (Ray's client does it before the router sees the reply).
-
-    ``python -c "from bench.fleet import watch_cost; print(watch_cost())"``
-    """
-    import statistics
-
-    from ray._raylet import NodeID
-    from ray.core.generated.gcs_pb2 import GcsNodeInfo
-
-    from cluster.membership import RayNodeRow
-    from cluster.nodes import RayNodeTable
-    from cluster.router import Router
-    from edgefleet.clock import FakeClock
-    from edgefleet.labels import DEVICE_LABEL
-    from edgefleet.messages import NodeState, NodeStatus
-
-    config = parse_config(
-        {
-            "fleet": {"name": "watch"},
-            "models": {"m": {"path": "m.onnx"}},
-            "pools": [{"name": "cams", "selector": {"device": "camera"}}],
-        },
-        Path("/nonexistent"),
-    )
-    rng = random.Random(1)
-
-    def info(i: int, started_ms: int) -> tuple[Any, Any]:
-        node_id = NodeID(rng.randbytes(28))
-        labels = {"device": "camera", DEVICE_LABEL: f"cam-{i}", "ray.io/node-id": node_id.hex()}
-        gcs = GcsNodeInfo(
-            node_id=node_id.binary(),
-            state=GcsNodeInfo.ALIVE,
-            node_manager_address="10.0.0.1",
-            node_name="10.0.0.1",
-            start_time_ms=started_ms,
-            labels=labels,
-        )
-        gcs.resources_total.update({"CPU": 4.0, "memory": 8e9})
-        return node_id, gcs
-
-    now_ms = int(time.time() * 1000)
-    infos = dict(info(i, now_ms - 3_600_000 + i) for i in range(nodes))
-
-    class Control:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        async def start(self) -> NodeStatus:
-            return NodeStatus(self.name, NodeState.SERVING, {}, 0, None, ())
-
-        async def status(self) -> NodeStatus:
-            return await self.start()
-
-    class Actors:
-        async def create(self, spec: Any) -> Any:
-            return Control(spec.name)
-
-        async def remove(self, spec: Any) -> None:
-            pass
-
-    class Table(RayNodeTable):
-        async def read(self) -> list[RayNodeRow]:
-            return self.rows(infos)
-
-    router = Router(
-        config,
-        {},
-        clock=FakeClock(),
-        table=Table(10.0),
-        actors=Actors(),  # type: ignore[arg-type]
-    )
-    membership = router._membership
-    assert membership is not None
-
-    async def measure() -> tuple[float, list[float], list[float]]:
-        async def one() -> float:
-            began = time.process_time()
-            await membership.reconcile()
-            starting = [m.task for m in membership.members.values() if m.task is not None]
-            await asyncio.gather(*starting)
-            return (time.process_time() - began) * 1000.0
-
-        join = await one()
-        steady = [await one() for _ in range(passes)]
-        churn = []
-        serial = nodes
-        for _ in range(passes):
-            for node_id in rng.sample(sorted(infos, key=lambda n: n.hex()), churned):
-                dead = GcsNodeInfo()
-                dead.CopyFrom(infos[node_id])
-                dead.state = GcsNodeInfo.DEAD
-                dead.end_time_ms = int(time.time() * 1000)
-                infos[node_id] = dead
-            for _ in range(churned):  # as many devices join (new ones: new names)
-                node_id, gcs = info(serial, int(time.time() * 1000))
-                infos[node_id] = gcs
-                serial += 1
-            churn.append(await one())
-        return join, steady, churn
-
-    join, steady, churn = asyncio.run(measure())
-    blobs = [i.SerializeToString() for i in infos.values()]
-    began = time.process_time()
-    for blob in blobs:
-        GcsNodeInfo.FromString(blob)
-    parse_ms = (time.process_time() - began) * 1000.0 * nodes / len(blobs)
-    return WatchCost(
-        nodes,
-        join,
-        statistics.median(steady),
-        statistics.median(churn),
-        churned,
-        parse_ms,
-        config.router.membership.interval_s,
-    )
-
-
-__all__ = [
-    "Loop",
-    "WatchCost",
-    "Replay",
-    "TraceItem",
-    "closed_loop",
-    "make_trace",
-    "replay",
-    "run",
-    "trace_workload",
-    "watch_cost",
-]

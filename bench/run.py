@@ -13,8 +13,6 @@ import argparse
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from bench import (
@@ -26,7 +24,6 @@ from bench import (
     simulation,
 )
 from bench.common import (
-    CpuUse,
     EnvFacts,
     RunContext,
     Section,
@@ -35,26 +32,19 @@ from bench.common import (
     embedded_ray,
     log,
     model_dir,
+    timed,
     utc_now,
 )
 
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    run: Callable[[RunContext], Section]
-    title: str
-
-
-SCENARIOS: tuple[Scenario, ...] = (
-    Scenario("node_overhead", node_overhead.run, node_overhead.TITLE),
-    Scenario("batching_window", batching_window.run, batching_window.TITLE),
-    Scenario("priority_latency", priority_latency.run, priority_latency.TITLE),
-    Scenario("priority_batching", priority_latency.run_batching, priority_latency.BATCHING_TITLE),
-    Scenario("fleet", fleet.run, fleet.TITLE),
-    Scenario("generation", generation.run, generation.TITLE),
-    Scenario("simulation", simulation.run, simulation.TITLE),
-)
+SCENARIOS = {  # name -> (run, title)
+    "node_overhead": (node_overhead.run, node_overhead.TITLE),
+    "batching_window": (batching_window.run, batching_window.TITLE),
+    "priority_latency": (priority_latency.run, priority_latency.TITLE),
+    "priority_batching": (priority_latency.run_batching, priority_latency.BATCHING_TITLE),
+    "fleet": (fleet.run, fleet.TITLE),
+    "generation": (generation.run, generation.TITLE),
+    "simulation": (simulation.run, simulation.TITLE),
+}
 
 
 def build_parser(prog: str = "python -m bench.run") -> argparse.ArgumentParser:
@@ -65,42 +55,37 @@ def build_parser(prog: str = "python -m bench.run") -> argparse.ArgumentParser:
         epilog=f"example: {prog} --quick --only priority_latency --out /tmp/results.md",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="short durations: a smoke run in about two minutes"
+        "--quick", action="store_true", help="short durations: a smoke run in a few minutes"
     )
     parser.add_argument(
         "--only",
         nargs="+",
         action="extend",
-        choices=[s.name for s in SCENARIOS],
+        choices=list(SCENARIOS),
         metavar="NAME",
-        help=f"run only these scenarios ({', '.join(s.name for s in SCENARIOS)})",
+        help=f"run only these scenarios ({', '.join(SCENARIOS)})",
     )
     parser.add_argument(
-        "--out",
-        type=Path,
-        metavar="PATH",
-        help="also write the report to this file (default: stdout only)",
+        "--out", type=Path, metavar="PATH", help="also write the report to this file"
     )
     return parser
 
 
-def _run_one(scenario: Scenario, ctx: RunContext) -> Section:
-    log(f"scenario {scenario.name}: start")
-    t0 = time.perf_counter()
-    cpu = cpu_sample()
-    try:
-        section = scenario.run(ctx)
-    except Exception:
-        section = Section(
-            scenario.title, "The scenario raised before completing.", error=traceback.format_exc()
-        )
-    section.seconds = time.perf_counter() - t0
-    section.cpu = cpu_since(cpu)
+def _run_one(name: str, ctx: RunContext) -> Section:
+    log(f"scenario {name}: start")
+    run, title = SCENARIOS[name]
+
+    def attempt() -> Section:
+        try:
+            return run(ctx)
+        except Exception:
+            return Section(
+                title, "The scenario raised before completing.", error=traceback.format_exc()
+            )
+
+    section = timed(attempt)
     verdict = "error" if section.error else ("all targets met" if section.passed else "misses")
-    log(
-        f"scenario {scenario.name}: done in {section.seconds:.0f} s ({verdict}); "
-        f"{section.cpu.describe()}"
-    )
+    log(f"scenario {name}: done in {section.seconds:.0f} s ({verdict}); {section.cpu.describe()}")
     return section
 
 
@@ -108,85 +93,51 @@ def _verdict(section: Section) -> str:
     if section.error:
         return "did not run (error)"
     targets = section.all_targets
+    missed = [t.label for t in targets if not t.passed]
     if not targets:
         return "no targets"
-    missed = [t.label for t in targets if not t.passed]
-    met = len(targets) - len(missed)
     if not missed:
-        return f"PASS ({met}/{len(targets)} targets met)"
-    return f"MISS ({met}/{len(targets)} met; missed: {'; '.join(missed)})"
-
-
-def render(
-    sections: list[Section],
-    facts: EnvFacts,
-    *,
-    quick: bool,
-    started: str,
-    seconds: float,
-    cpu: CpuUse,
-    argv: list[str],
-) -> str:
-    args = " ".join(argv)
-    command = "python -m bench.run" + (f" {args}" if args else "")
-    header = [
-        "# edgefleet benchmark results",
-        "",
-        f"- Date: {started}",
-        f"- Machine: {facts.line()}",
-        f"- Mode: {'quick (smoke run; figures are rough)' if quick else 'full'}; "
-        f"total run time {seconds:.0f} s; CPU during the run: {cpu.describe()}",
-        "- Reproduce: from the source checkout, with the project installed "
-        "(`pip install -e .`), run "
-        "`python -m bench.run --out bench/RESULTS.md`; add "
-        "`--quick` for a smoke run, `--only NAME` for one scenario. Models are generated "
-        "and calibrated to this machine at the start of each run; Ray runs embedded on "
-        "127.0.0.1.",
-        f"- This report: `{command}`",
-        "",
-        "Every figure is a ratio of measurements taken side by side in this run: the "
-        "machine is small and shared, so absolute numbers drift between runs.",
-        "",
-    ]
-    summary = [
-        "| scenario | result |",
-        "| --- | --- |",
-        *(f"| {s.title} | {_verdict(s)} |" for s in sections),
-        "",
-    ]
-    body = "\n\n".join(s.markdown() for s in sections)
-    return "\n".join(header + summary) + "\n" + body + "\n"
+        return f"PASS ({len(targets)}/{len(targets)} targets met)"
+    return f"MISS ({len(targets) - len(missed)}/{len(targets)} met; missed: {'; '.join(missed)})"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    wanted = set(args.only or [s.name for s in SCENARIOS])
-    chosen = [s for s in SCENARIOS if s.name in wanted]
-    started = utc_now()
-    t0 = time.perf_counter()
-    cpu = cpu_sample()
-    facts = EnvFacts.collect()
+    chosen = [name for name in SCENARIOS if name in set(args.only or SCENARIOS)]
+    started, t0, cpu, facts = utc_now(), time.perf_counter(), cpu_sample(), EnvFacts.collect()
     log(f"{len(chosen)} scenario(s), {'quick' if args.quick else 'full'} mode; {facts.line()}")
-    sections: list[Section] = []
     with embedded_ray(num_cpus=2), model_dir() as models:
-        ctx = RunContext(quick=args.quick, models=models)
-        for scenario in chosen:
-            sections.append(_run_one(scenario, ctx))
+        sections = [_run_one(name, RunContext(args.quick, models)) for name in chosen]
     seconds = time.perf_counter() - t0
-    shown = argv if argv is not None else sys.argv[1:]
-    report = render(
-        sections,
-        facts,
-        quick=args.quick,
-        started=started,
-        seconds=seconds,
-        cpu=cpu_since(cpu),
-        argv=shown,
-    )
-    print(report, end="")
+    shown = " ".join(argv if argv is not None else sys.argv[1:])
+    mode = "quick (smoke run; figures are rough)" if args.quick else "full"
+    report = [
+        "# edgefleet benchmark results",
+        "",
+        f"- Date: {started}",
+        f"- Machine: {facts.line()}",
+        f"- Mode: {mode}; total run time {seconds:.0f} s; CPU during the run: "
+        f"{cpu_since(cpu).describe()}",
+        "- Reproduce: from the source checkout, with the project installed (`pip install "
+        "-e .`), run `python -m bench.run --out bench/RESULTS.md`; add `--quick` for a smoke "
+        "run, `--only NAME` for one scenario. Models are generated and calibrated to this "
+        "machine at the start of each run; Ray runs embedded on 127.0.0.1.",
+        f"- This report: `python -m bench.run{' ' + shown if shown else ''}`",
+        "",
+        "Every figure is a ratio of measurements taken side by side in this run: the "
+        "machine is small and shared, so absolute numbers drift between runs.",
+        "",
+        "| scenario | result |",
+        "| --- | --- |",
+        *(f"| {s.title} | {_verdict(s)} |" for s in sections),
+        "",
+        "\n\n".join(s.markdown() for s in sections),
+    ]
+    text = "\n".join(report) + "\n"
+    print(text, end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+        args.out.write_text(text)
         log(f"report written to {args.out}")
     log(f"finished in {seconds:.0f} s")
     return 1 if any(s.error for s in sections) else 0
