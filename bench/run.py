@@ -19,6 +19,7 @@ from bench import (
     batching_window,
     fleet,
     generation,
+    membership,
     node_overhead,
     priority_latency,
     simulation,
@@ -44,6 +45,7 @@ SCENARIOS = {  # name -> (run, title)
     "fleet": (fleet.run, fleet.TITLE),
     "generation": (generation.run, generation.TITLE),
     "simulation": (simulation.run, simulation.TITLE),
+    "membership": (membership.run, membership.TITLE),
 }
 
 

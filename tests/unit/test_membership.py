@@ -457,3 +457,12 @@ def test_status_shows_each_pool_with_its_devices():
     assert "timed out" in table and "left 12s ago" in table
     assert "pool gw (site=s1): 0 serving" in table and "no Ray node matches yet" in table
     assert status_dict(status)["pools"][0]["devices"][1]["reason"] == "timed out"
+
+
+def test_the_watch_cost_bench_measures_each_pass_on_real_node_infos():
+    from bench.membership import watch_cost
+
+    cost = watch_cost(nodes=200, passes=2, churned=5)
+    assert cost.nodes == 200 and cost.churned == 5
+    assert cost.join_ms > 0 and cost.steady_ms > 0 and cost.churn_ms > 0 and cost.parse_ms > 0
+    assert cost.share(cost.steady_ms) == cost.steady_ms / 1000.0 / cost.interval_s

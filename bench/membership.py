@@ -1,0 +1,187 @@
+"""The cost of watching: the router's pool membership at 5,000 Ray nodes.
+
+The router's reconcile pass (``cluster/membership.py``) over a node table of 5,000
+alive Ray nodes, every one matched by one pool, in this process and without Ray: the
+rows come from real ``GcsNodeInfo`` protobufs through ``RayNodeTable.rows`` (the code
+a live router runs on the GCS's reply), and members start on fakes that answer at
+once. Each figure is the CPU time (``time.process_time``) of one
+``Membership.reconcile``, the members' start tasks included; parsing the reply's
+serialized node infos (Ray's client does it) is timed apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import RunContext, Section, Target, fmt
+from cluster.membership import RayNodeRow
+from cluster.nodes import RayNodeTable
+from cluster.router import Router
+from edgefleet.clock import FakeClock
+from edgefleet.config import parse_config
+from edgefleet.labels import DEVICE_LABEL
+from edgefleet.messages import NodeState, NodeStatus
+from sim.report import md_table
+
+TITLE = "The cost of watching: pool membership at 5,000 Ray nodes"
+MAX_SHARE = 0.05  # of one core at the default reconcile interval, steady state
+
+
+@dataclass(frozen=True)
+class WatchCost:
+    """CPU of the router's pool membership per reconcile, at ``nodes`` Ray nodes."""
+
+    nodes: int
+    join_ms: float  # the first pass: every device joins (a one-off)
+    steady_ms: float  # median pass, nothing changed
+    churn_ms: float  # median pass with ``churned`` Ray nodes dead and as many new
+    churned: int
+    parse_ms: float  # parsing the GCS reply's node infos
+    interval_s: float
+
+    def share(self, ms: float) -> float:
+        """Of one core, at the default reconcile interval."""
+        return ms / 1000.0 / self.interval_s
+
+
+class _Member:
+    """A pool member's actor that is serving as soon as it is asked."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def start(self) -> NodeStatus:
+        return NodeStatus(self.name, NodeState.SERVING, {}, 0, None, ())
+
+    async def status(self) -> NodeStatus:
+        return await self.start()
+
+
+class _Actors:
+    async def create(self, spec: Any) -> Any:
+        return _Member(spec.name)
+
+    async def remove(self, spec: Any) -> None:
+        pass
+
+
+def watch_cost(nodes: int = 5000, passes: int = 21, churned: int = 50) -> WatchCost:
+    """Measure ``passes`` unchanged passes and ``passes`` passes with ``churned`` Ray
+    nodes dead and as many new devices each, after the first pass (all join)."""
+    from ray._raylet import NodeID
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+
+    config = parse_config(
+        {
+            "fleet": {"name": "watch"},
+            "models": {"m": {"path": "m.onnx"}},
+            "pools": [{"name": "cams", "selector": {"device": "camera"}}],
+        },
+        Path("/nonexistent"),
+    )
+    rng = random.Random(1)
+
+    def info(i: int, started_ms: int) -> tuple[Any, Any]:
+        node_id = NodeID(rng.randbytes(28))
+        labels = {"device": "camera", DEVICE_LABEL: f"cam-{i}", "ray.io/node-id": node_id.hex()}
+        gcs = GcsNodeInfo(
+            node_id=node_id.binary(),
+            state=GcsNodeInfo.ALIVE,
+            node_manager_address="10.0.0.1",
+            node_name="10.0.0.1",
+            start_time_ms=started_ms,
+            labels=labels,
+        )
+        gcs.resources_total.update({"CPU": 4.0, "memory": 8e9})
+        return node_id, gcs
+
+    now_ms = int(time.time() * 1000)
+    infos = dict(info(i, now_ms - 3_600_000 + i) for i in range(nodes))
+
+    class Table(RayNodeTable):
+        async def read(self) -> list[RayNodeRow]:
+            return self.rows(infos)
+
+    router = Router(config, {}, clock=FakeClock(), table=Table(10.0), actors=_Actors())  # type: ignore[arg-type]
+    membership = router._membership
+    assert membership is not None
+
+    async def one() -> float:
+        began = time.process_time()
+        await membership.reconcile()
+        await asyncio.gather(*(m.task for m in membership.members.values() if m.task))
+        return (time.process_time() - began) * 1000.0
+
+    def churn_some(serial: int) -> int:
+        for node_id in rng.sample(sorted(infos, key=lambda n: n.hex()), churned):
+            dead = GcsNodeInfo()
+            dead.CopyFrom(infos[node_id])
+            dead.state = GcsNodeInfo.DEAD
+            dead.end_time_ms = int(time.time() * 1000)
+            infos[node_id] = dead
+        for _ in range(churned):  # as many devices join (new ones: new names)
+            node_id, gcs = info(serial, int(time.time() * 1000))
+            infos[node_id] = gcs
+            serial += 1
+        return serial
+
+    async def measure() -> tuple[float, list[float], list[float]]:
+        join = await one()
+        steady = [await one() for _ in range(passes)]
+        churn, serial = [], nodes
+        for _ in range(passes):
+            serial = churn_some(serial)
+            churn.append(await one())
+        return join, steady, churn
+
+    join, steady, churn = asyncio.run(measure())
+    blobs = [i.SerializeToString() for i in infos.values()]
+    began = time.process_time()
+    for blob in blobs:
+        GcsNodeInfo.FromString(blob)
+    parse_ms = (time.process_time() - began) * 1000.0 * nodes / len(blobs)
+    interval = config.router.membership.interval_s
+    median = statistics.median
+    return WatchCost(nodes, join, median(steady), median(churn), churned, parse_ms, interval)
+
+
+def run(ctx: RunContext) -> Section:
+    cost = watch_cost(passes=5 if ctx.quick else 21)
+    pct = lambda ms: f"{cost.share(ms) * 100:.1f} %"  # noqa: E731
+    rows = [
+        ["nothing changed (the usual pass)", f"{fmt(cost.steady_ms)} ms", pct(cost.steady_ms)],
+        [
+            f"... plus parsing the GCS reply's {cost.nodes:,} node infos",
+            f"+{fmt(cost.parse_ms)} ms",
+            f"+{pct(cost.parse_ms)}",
+        ],
+        [
+            f"{cost.churned} Ray nodes dead and {cost.churned} new devices joined, every pass",
+            f"{fmt(cost.churn_ms)} ms",
+            pct(cost.churn_ms),
+        ],
+        [f"the first pass: all {cost.nodes:,} devices join (once)", f"{fmt(cost.join_ms)} ms", "-"],
+    ]
+    steady = cost.share(cost.steady_ms + cost.parse_ms)
+    return Section(
+        TITLE,
+        __doc__.split("\n\n", 1)[1].replace("\n", " ").strip()
+        + f" Median of the passes; the share is of one core at the default "
+        f"`router.membership.interval_s` of {cost.interval_s:g} s.",
+        tables=[md_table(["pass", "CPU per pass", "of one core"], rows)],
+        targets=[
+            Target(
+                "steady watch cost with the parse, share of one core", steady, "<=", MAX_SHARE, 3
+            )
+        ],
+        notes=[
+            "Not measured: the GCS's own work and the RPC (another process), and what "
+            "callers pay when members change (each receives every member's spec once)."
+        ],
+    )
