@@ -66,8 +66,10 @@ from cluster.client import FleetClient
 from cluster.traffic import ClosedLoop, Counts
 from edgefleet.config import FleetConfig
 from edgefleet.modelgen import make_classifier, random_inputs
-from policies.placement import PLACEMENT_POLICIES
+from policies.placement import placement_policies
 from sim.workload import Arrival, Workload, parse_workload
+
+POLICIES = placement_policies()  # the default first
 
 TITLE = "The fleet: placement in the caller (fleet)"
 
@@ -90,7 +92,7 @@ TARGET_BOUND_RATIO = 1.0  # edgefleet p99 / (1.5 x alone p99 + one service time)
 TARGET_FIFO_RATIO = 8.0  # FIFO p99 / edgefleet p99
 
 # (d) placement policies on one trace: every policy of the registry, the default first
-DEFAULT_POLICY = PLACEMENT_POLICIES[0]
+DEFAULT_POLICY = POLICIES[0]
 CHEAP, DEAR = "cheap2", "dear10"
 CHEAP_COST_MS, DEAR_COST_MS = 2.0, 10.0
 CHEAP_SHARE = 0.5  # of the trace's requests
@@ -698,17 +700,17 @@ def measure_placement(
     policy's capacity on the trace's mix sets the rate for all."""
     feeds = {n: slow_feed(m.width) for n, m in models.items()}
     rounds = ctx.count(9, 1)
-    pooled: dict[str, list[Replay]] = {p: [] for p in PLACEMENT_POLICIES}
+    pooled: dict[str, list[Replay]] = {p: [] for p in POLICIES}
     with deployed(trace_config("bench-trace", models, DEFAULT_POLICY)) as base:
         warm_nodes(base, feeds, 10)
         cap = measure_capacity(base, feeds, ctx.pick(1.5, 0.8))
         arrivals = trace(LOAD * cap.rate, ctx.count(600, 160))
         log(f"  (d) capacity {cap.rate:.0f}/s; {len(arrivals)} requests, {rounds} round(s)")
-        callers = {p: base.with_placement(policy=p, seed=TRACE_SEED) for p in PLACEMENT_POLICIES}
+        callers = {p: base.with_placement(policy=p, seed=TRACE_SEED) for p in POLICIES}
         try:
             for i in range(rounds):
-                k = i % len(PLACEMENT_POLICIES)
-                for policy in PLACEMENT_POLICIES[k:] + PLACEMENT_POLICIES[:k]:
+                k = i % len(POLICIES)
+                for policy in POLICIES[k:] + POLICIES[:k]:
                     r = _replay_once(callers[policy], policy, arrivals, feeds)
                     usual = median([x.engine_p50_s for runs in pooled.values() for x in runs])
                     if i and r.engine_p50_s > STALL_RATIO * usual:

@@ -61,11 +61,13 @@ from bench.fleet import (
 from cluster.traffic import Answer
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.request import priority_name
-from policies.placement import PLACEMENT_POLICIES
+from policies.placement import placement_policies
 from sim.fleet import ModelCost, Network
 from sim.report import OUTCOMES, RunResult
 from sim.run import RECORDED_WINDOW_S, measured_costs, recorded_costs, simulate
 from sim.workload import EngineTimes, Workload, parse_workload, read_engine_times
+
+POLICIES = placement_policies()  # the default first
 
 TITLE = (
     "Fleet simulator: fidelity, scale, placement policies at 1,000 and 10,000 nodes (simulation)"
@@ -147,7 +149,7 @@ def _real_runs(
     replays, their windows (unix times), the workload, the rate and capacity and the
     nodes' warm-up status."""
     feeds = {n: slow_feed(m.width) for n, m in models.items()}
-    config = trace_config("bench-sim", models, PLACEMENT_POLICIES[0])
+    config = trace_config("bench-sim", models, POLICIES[0])
     router = config.router.model_copy(update={"record_dir": record_dir})
     with deployed(config.model_copy(update={"router": router})) as client:
         warm_nodes(client, feeds, 10)
@@ -542,7 +544,7 @@ def _scale_part(run: dict[str, Any], target: bool) -> Part:
 def measure_table(sizes: Sequence[tuple[int, int]]) -> list[list[Any]]:
     """Every scenario under every policy at every (nodes, requests) size, two runs at a
     time (each is deterministic, and one core's work)."""
-    jobs = [(n, r, s, p) for n, r in sizes for s in SCENARIOS for p in PLACEMENT_POLICIES]
+    jobs = [(n, r, s, p) for n, r in sizes for s in SCENARIOS for p in POLICIES]
     out = []
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         for row in pool.map(_table_row, jobs):

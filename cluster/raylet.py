@@ -32,12 +32,14 @@ def start_raylet(
     directory: Path,
     *,
     resources: Mapping[str, float],
+    labels: Mapping[str, str] | None = None,
     num_cpus: int = 1,
     token_auth: bool = True,
 ) -> None:
     """Start a worker raylet bound to 127.0.0.1 that joins the head at ``address``,
     its Ray folder ``directory`` (keep it short: Ray puts Unix sockets there), with
-    ``num_cpus`` and custom ``resources``; returns once it has joined. Pins this
+    ``num_cpus``, custom ``resources`` and Ray node ``labels`` (a device's, as
+    ``edgefleet join --labels`` gives them); returns once it has joined. Pins this
     process to loopback and sets its authentication mode (see cluster.deploy), which
     the raylet inherits. Raises FleetStartError when it does not start (what it
     started is stopped)."""
@@ -52,6 +54,7 @@ def start_raylet(
         temp_dir=str(directory),
         num_cpus=num_cpus,
         resources=dict(resources),
+        labels=dict(labels or {}),
         object_store_memory=OBJECT_STORE_BYTES,
         dashboard_agent_listen_port=_free_port(),
         include_log_monitor=False,
