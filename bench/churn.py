@@ -131,22 +131,30 @@ class Load:
         return min(times, default=None)
 
 
-def _churn(cluster: Cluster, seconds: float, seed: int) -> list[tuple[str, float]]:
+def _churn(cluster: Cluster, load: Load, seconds: float, seed: int) -> list[tuple[str, float]]:
     """Devices leave and come back until ``seconds`` have passed (the last ones come back
-    before the end); each return: (device, when its raylet joined)."""
+    before the end); each return: (device, when its raylet joined). A device that came
+    back leaves again only once it has served."""
     rng = random.Random(f"{seed}/churn")
     returns: list[tuple[str, float]] = []
     away: dict[str, float] = {}  # device -> when it comes back
+    joined: dict[str, float] = {}  # device -> when it last came back
     end = time.monotonic() + seconds
     next_leave = time.monotonic() + rng.uniform(*EVERY_S)
     while time.monotonic() < end or away:
         now = time.monotonic()
         for device, back_at in sorted(away.items()):
             if now >= back_at:
-                returns.append((device, cluster.add(device)))
+                joined[device] = cluster.add(device)
+                returns.append((device, joined[device]))
                 del away[device]
                 log(f"churn: {device} is back")
-        present = [d for d in DEVICES if d not in away]
+        present = [
+            d
+            for d in DEVICES
+            if d not in away
+            and (d not in joined or load.first_served(f"{POOL}/{d}", joined[d]) is not None)
+        ]
         if now >= next_leave and now < end - AWAY_S[1] and len(present) > 1:
             device = rng.choice(present)
             cluster.kill(device)
@@ -189,7 +197,7 @@ def soak(models: Path, seconds: float, seed: int = 0) -> dict[str, Any]:
         load = Load(client, seed)
         load.thread.start()
         t0 = time.monotonic()
-        returns = _churn(cluster, seconds, seed)
+        returns = _churn(cluster, load, seconds, seed)
         deadline = time.monotonic() + ANSWER_S  # the last devices back serve under load
         while time.monotonic() < deadline and any(
             load.first_served(f"{POOL}/{d}", joined) is None for d, joined in returns
@@ -202,6 +210,7 @@ def soak(models: Path, seconds: float, seed: int = 0) -> dict[str, Any]:
         replies = [f.result() for _, _, f in sent if f.done()]
         figures = _figures(sent, replies, read_traces(traces)[0], load, returns)
         figures["minutes"] = (time.monotonic() - t0) / 60
+        figures["asked"] = seconds / 60
         client.close()
         return figures
     finally:
@@ -260,7 +269,7 @@ def section(f: dict[str, Any]) -> Section:
         TITLE,
         __doc__.split("\n\n", 2)[1].replace("\n", " ")
         + f" {len(DEVICES)} devices, {RATE:g} requests/s, {f['minutes']:.1f} minutes"
-        + f" (`python -m bench.churn --minutes {f['minutes']:.0f}`).",
+        + f" (`python -m bench.churn --minutes {f['asked']:g}`).",
         tables=[md_table(["figure", "value"], rows)],
         targets=[
             Target("requests without an answer", f["sent"] - f["answered"], "<=", 0, 0),
