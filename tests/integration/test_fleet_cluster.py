@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -113,18 +114,20 @@ def test_foreground_goes_where_least_higher_priority_work_waits(cluster_fleet):
     # its random choice among near-best nodes (unit tests cover those).
     client = fleet.with_placement(lower_share=0.0, picker="best")
     feed = random_inputs("slow")
-    # edge-0: a long queue, all background; edge-1/2: a few foreground requests.
-    sent = [node_actor("edge-0").infer.remote(InferRequest("slow25", feed, 3)) for _ in range(16)]
+    rows8 = {k: np.repeat(v, 8, axis=0) for k, v in feed.items()}  # 8 rows: a call 8x longer
+    # edge-0: a long queue, all background; edge-1/2: a few foreground requests. Each
+    # holds its node about 0.2 s: the scene lasts while a busy machine delivers the calls.
+    sent = [node_actor("edge-0").infer.remote(InferRequest("slow25", rows8, 3)) for _ in range(16)]
     for name in ("edge-1", "edge-2"):
-        sent += [node_actor(name).infer.remote(InferRequest("slow25", feed, 10)) for _ in range(6)]
+        sent += [node_actor(name).infer.remote(InferRequest("slow25", rows8, 10)) for _ in range(6)]
     try:
-        for _ in range(100):  # status() refreshes the reports the client places on
+        deadline = time.monotonic() + 30
+        while True:  # status() refreshes the reports the client places on
             queues = {n.name: n.queue_length for n in client.status().nodes}
             if queues["edge-0"] >= 12 and queues["edge-1"] >= 3 and queues["edge-2"] >= 3:
                 break
+            assert time.monotonic() < deadline, f"scene not set up: {queues}"
             time.sleep(0.01)
-        else:
-            raise AssertionError(f"scene not set up: {queues}")
         fg = client.infer_reply("slow25", feed, priority="foreground")
         assert fg.error is None and fg.node == "edge-0", fg.node
         bg = client.infer_reply("slow25", feed, priority="background")
