@@ -38,7 +38,7 @@ pytestmark = pytest.mark.integration
 PROMETHEUS = shutil.which("prometheus")
 FLEET = "metrics"
 LOAD_BUDGET_S = 25.0  # bursts until every kind of event happened, at most this long
-DATA_BUDGET_S = 40.0  # for Ray's agent and Prometheus to show it
+DATA_BUDGET_S = 90.0  # for Ray's agent and Prometheus to show it (a busy machine is slow)
 
 
 def _free_port() -> int:
