@@ -869,28 +869,8 @@ def _failures(
 ) -> list[FleetEvent]:
     """Failures of the nodes that are up, each node at ``per_node_s`` per second, and the
     rejoins ``down_s`` after each."""
-    out: list[FleetEvent] = []
-    up = list(range(nodes))
-    rejoins: list[tuple[float, int]] = []
-    t = 0.0
-    while True:
-        fail_at = t + rng.expovariate(len(up) * per_node_s) if up else math.inf
-        rejoin_at = rejoins[0][0] if rejoins else math.inf
-        if min(fail_at, rejoin_at) > horizon_s:
-            return out
-        if rejoin_at <= fail_at:  # a rejoin first; the failure clock restarts (memoryless)
-            t, node = heapq.heappop(rejoins)
-            up.append(node)
-            out.append(FleetEvent(t, "rejoin", node))
-            continue
-        t = fail_at
-        i = rng.randrange(len(up))
-        node = up[i]
-        up[i] = up[-1]
-        up.pop()
-        out.append(FleetEvent(t, "fail", node))
-        if down_s is not None:
-            heapq.heappush(rejoins, (t + down_s, node))
+    away = None if down_s is None else (lambda: down_s)
+    return _absences(rng, list(range(nodes)), horizon_s, per_node_s, away, ("fail", "rejoin"))
 
 
 def _churn(rng: random.Random, nodes: int, horizon_s: float, c: ChurnConfig) -> list[FleetEvent]:
@@ -899,32 +879,49 @@ def _churn(rng: random.Random, nodes: int, horizon_s: float, c: ChurnConfig) -> 
     ``rejoin_distribution`` says, with mean ``rejoin_after_s``)."""
     count = min(nodes, max(1, round(c.share * nodes)))
     churning = list(range(nodes)) if count == nodes else sorted(rng.sample(range(nodes), count))
+    mean = c.rejoin_after_s
+    away: Callable[[], float] | None = None
+    if mean is not None:
+        exponential = c.rejoin_distribution == "exponential"
+        away = (lambda: rng.expovariate(1.0 / mean)) if exponential else (lambda: mean)
     per_s = c.leave_per_device_per_hour / 3600.0
+    return _absences(rng, churning, horizon_s, per_s, away, ("leave", "join"))
+
+
+def _absences(
+    rng: random.Random,
+    members: list[int],
+    horizon_s: float,
+    per_s: float,
+    away: Callable[[], float] | None,
+    kinds: tuple[Literal["fail", "leave"], Literal["rejoin", "join"]],
+) -> list[FleetEvent]:
+    """Each of ``members`` that is present leaves at ``per_s`` per second (a Poisson
+    process over the present ones) and comes back ``away()`` seconds later (never, with
+    no ``away``); the events, ``kinds`` naming a departure and a return."""
+    gone, back = kinds
     out: list[FleetEvent] = []
-    present = list(churning)
-    joins: list[tuple[float, int]] = []
+    present = list(members)
+    returns: list[tuple[float, int]] = []
     t = 0.0
     while True:
         leave_at = t + rng.expovariate(len(present) * per_s) if present else math.inf
-        join_at = joins[0][0] if joins else math.inf
-        if min(leave_at, join_at) > horizon_s:
+        return_at = returns[0][0] if returns else math.inf
+        if min(leave_at, return_at) > horizon_s:
             return out
-        if join_at <= leave_at:  # a join first; the leave clock restarts (memoryless)
-            t, node = heapq.heappop(joins)
+        if return_at <= leave_at:  # a return first; the leave clock restarts (memoryless)
+            t, node = heapq.heappop(returns)
             present.append(node)
-            out.append(FleetEvent(t, "join", node))
+            out.append(FleetEvent(t, back, node))
             continue
         t = leave_at
         i = rng.randrange(len(present))
         node = present[i]
         present[i] = present[-1]
         present.pop()
-        out.append(FleetEvent(t, "leave", node))
-        if c.rejoin_after_s is not None:
-            away = c.rejoin_after_s
-            if c.rejoin_distribution == "exponential":
-                away = rng.expovariate(1.0 / c.rejoin_after_s)
-            heapq.heappush(joins, (t + away, node))
+        out.append(FleetEvent(t, gone, node))
+        if away is not None:
+            heapq.heappush(returns, (t + away(), node))
 
 
 # -- reading files ---------------------------------------------------------------------
