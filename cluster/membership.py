@@ -341,6 +341,7 @@ class Membership:
     async def reconcile(self) -> None:
         """Read Ray's node table once and take every member one step towards it. Raises
         when the table cannot be read (nothing changes then)."""
+        self._metrics.refresh()  # the pools' gauges, even while nothing changes
         rows = await self._table.read()
         now = self._clock.now()
         seen = frozenset(map(id, rows))

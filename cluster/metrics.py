@@ -29,6 +29,7 @@ from actors.metrics import (
     ROUTER_REQUESTS,
     ROUTER_SHED,
     ROUTER_SPILLED,
+    MetricDef,
     Recorder,
     Sink,
     bucket_quantile,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
 # Ray's name for it (ray._private.ray_constants.PROMETHEUS_SERVICE_DISCOVERY_FILE).
 SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"
+GAUGE_REFRESH_S = 5.0  # the router's occasional gauges are recorded again this often
 OVERVIEW_WINDOW_S = 60.0  # the dashboard's default $window: 1m
 OUTCOMES = (  # how a caller's request ended: completed, or its error's class
     "completed", "rejected", "evicted", "superseded", "deadlineexceeded", "cancelled",
@@ -63,6 +65,25 @@ class RouterMetrics(Recorder):
     ) -> None:
         """Recorded in batches in Ray (see :class:`~actors.metrics.Recorder`)."""
         super().__init__({"fleet": fleet}, priorities, sink, clock=clock)
+        self._gauges: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[MetricDef, float]] = {}
+        self._refreshed_at = self._clock.now()
+
+    def _set(self, metric: MetricDef, value: float, **labels: str) -> None:
+        """Set a gauge the router changes only now and then, and keep its value for
+        :meth:`refresh`."""
+        self._gauges[(metric.name, tuple(sorted(labels.items())))] = (metric, value)
+        self.emit(metric, value, **labels)
+
+    def refresh(self) -> None:
+        """Record every such gauge again, at most every GAUGE_REFRESH_S: Ray exports a
+        gauge's value when it is recorded, so one recorded once (at the router's start,
+        perhaps before Ray's metrics agent took records) would show no data."""
+        now = self._clock.now()
+        if now - self._refreshed_at < GAUGE_REFRESH_S:
+            return
+        self._refreshed_at = now
+        for (_, labels), (metric, value) in list(self._gauges.items()):
+            self.emit(metric, value, **dict(labels))
 
     def start(self) -> None:
         """A caller's counters start at zero for every priority class and outcome."""
@@ -110,13 +131,13 @@ class RouterMetrics(Recorder):
         self.node_health(node, False)
 
     def node_unresponsive(self, node: str, unresponsive: bool) -> None:
-        self.emit(NODE_UNRESPONSIVE, 1 if unresponsive else 0, node=node)
+        self._set(NODE_UNRESPONSIVE, 1 if unresponsive else 0, node=node)
 
     def node_restarted(self, node: str) -> None:
         self.emit(NODE_RESTARTS, 1, node=node)
 
     def pool_devices(self, pool: str, state: str, devices: int) -> None:
-        self.emit(POOL_DEVICES, devices, pool=pool, state=state)
+        self._set(POOL_DEVICES, devices, pool=pool, state=state)
 
     def device_change(self, pool: str, change: str) -> None:
         """``change``: ``joined`` (a return included) or ``left``."""

@@ -191,6 +191,7 @@ class Router:
             self._counters["joined" if first else "rejoined"] += 1
         entry.healthy = True
         self._metrics.node_health(entry.spec.name, True)
+        self._metrics.refresh()
 
     async def _silent(self, entry: NodeEntry) -> None:
         """``entry``'s node has not reported for ``lost_after_s``: unresponsive, unless

@@ -380,3 +380,36 @@ def test_a_callers_metrics_go_out_together_and_none_are_lost_between_threads():
     clock.advance(m.COUNTER_FLUSH_S)
     rec.answered(request, None, 0.01)  # a second on: out without a flush
     assert sink.memory.value(m.ROUTER_REQUESTS, outcome="completed") == 4001
+
+
+def test_the_routers_occasional_gauges_are_recorded_again_every_few_seconds():
+    """Ray exports a gauge when it is recorded: one the router sets once (no node is
+    unresponsive, a pool with no device) must be recorded again, or the dashboard shows
+    no data for it once the first record is gone."""
+    from cluster.metrics import GAUGE_REFRESH_S
+    from edgefleet.clock import FakeClock
+
+    class Counting(MemorySink):
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[tuple[str, float, dict]] = []
+
+        def record(self, metric, value, tags):
+            self.records.append((metric.name, value, dict(tags)))
+            super().record(metric, value, tags)
+
+    sink, clock = Counting(), FakeClock()
+    rec = RouterMetrics("t", sink=sink, clock=clock)
+    rec.node_unresponsive("edge-0", False)
+    rec.pool_devices("cams", "serving", 0)
+    rec.node_unresponsive("edge-0", True)  # the last value is the one kept
+    sink.records.clear()
+    rec.refresh()  # too soon: nothing again
+    assert sink.records == []
+    clock.advance(GAUGE_REFRESH_S)
+    rec.refresh()
+    assert sorted((name, value) for name, value, _ in sink.records) == [
+        (m.NODE_UNRESPONSIVE.name, 1.0),
+        (m.POOL_DEVICES.name, 0.0),
+    ]
+    assert sink.value(m.NODE_UNRESPONSIVE, node="edge-0") == 1
