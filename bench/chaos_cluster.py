@@ -255,7 +255,8 @@ class Fleet:
     def kill_router(self) -> bool:
         try:
             ray.kill(self._actors["router"], no_restart=False)  # Ray restarts it
-        except Exception:
+        except Exception as exc:
+            log(f"chaos: could not kill the router: {type(exc).__name__}: {exc}")
             return False
         return True
 
