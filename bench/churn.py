@@ -16,6 +16,7 @@ back takes from its raylet's join to its first served request.
 from __future__ import annotations
 
 import argparse
+import bisect
 import concurrent.futures as cf
 import os
 import random
@@ -95,13 +96,13 @@ class Cluster:
 
 class Load:
     """Requests at RATE in a thread: each one's id, whether it is at most once and its
-    future; when each answer came."""
+    future; when each node answered one."""
 
     def __init__(self, client: FleetClient, seed: int) -> None:
         self.client = client
         self.rng = random.Random(f"{seed}/load")
         self.sent: list[tuple[str, bool, Any]] = []
-        self.answered: dict[str, tuple[float, Any]] = {}
+        self.served: dict[str, list[float]] = {}  # node -> when its answers came, in order
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="churn-load", daemon=True)
         self._lock = threading.Lock()
@@ -116,19 +117,22 @@ class Load:
             future = self.client.submit(
                 "classifier", inputs, priority=priority, request_id=rid, at_most_once=amo
             )
-            future.add_done_callback(lambda f, rid=rid: self._done(rid, f))
+            future.add_done_callback(self._done)
             self.sent.append((rid, amo, future))
             i += 1
             time.sleep(max(0.0, began + i / RATE - time.monotonic()))
 
-    def _done(self, rid: str, future: Any) -> None:
+    def _done(self, future: Any) -> None:
+        node = future.result().node
         with self._lock:
-            self.answered.setdefault(rid, (time.monotonic(), future.result()))
+            self.served.setdefault(node, []).append(time.monotonic())
 
     def first_served(self, node: str, since: float) -> float | None:
+        """When ``node`` first answered a request at or after ``since``."""
         with self._lock:
-            times = [t for t, r in self.answered.values() if r.node == node and t >= since]
-        return min(times, default=None)
+            times = self.served.get(node, [])
+            i = bisect.bisect_left(times, since)
+            return times[i] if i < len(times) else None
 
 
 def _churn(cluster: Cluster, load: Load, seconds: float, seed: int) -> list[tuple[str, float]]:
