@@ -43,8 +43,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from actors.engine import InputInfo, RunAborted, Signature, open_session, session_signature
+from actors.engine import InputInfo, RunAborted, Signature, open_planned, session_signature
 from edgefleet.errors import EngineError, InvalidInput
+from edgefleet.providers import CPU, SessionPlan
 from edgefleet.request import GenerateRequest
 
 PAST = "past_key_values."
@@ -230,8 +231,11 @@ class DecoderEngine:
         max_context: int | None = None,
         stop_ids: Sequence[int] = (),
         prefill_chunk: int = 0,
+        plan: SessionPlan | None = None,
     ) -> None:
-        self._session = open_session(name, path, threads)
+        plan = plan or SessionPlan(path, (CPU,))
+        path = plan.path
+        self._session, self.providers = open_planned(name, plan, threads)
         # Logits depend on how tokens are grouped into calls: caches are rebuilt by
         # replaying the original calls, never reused from other requests or batched.
         self.exact_grouping = dynamically_quantized(path)

@@ -18,6 +18,16 @@ import numpy as np
 import onnxruntime as ort
 
 from edgefleet.errors import EngineError, InvalidInput, ModelNotFound
+from edgefleet.providers import (
+    BUILDS,
+    CPU,
+    DeviceProviders,
+    ProviderConfig,
+    ProviderUnavailable,
+    ProviderUse,
+    SessionPlan,
+    short_names,
+)
 from edgefleet.request import input_rows
 
 Dim = int | str | None  # a fixed size, or a named / unnamed dynamic axis
@@ -190,19 +200,105 @@ def check_inputs(
 
 
 def open_session(name: str, path: Path, threads: int) -> ort.InferenceSession:
-    """An ONNX Runtime session as a node runs it: CPU, sequential, one inter-op thread."""
+    """An ONNX Runtime session of ``path`` on the CPU provider, as a node opens one."""
+    return open_planned(name, SessionPlan(path, (CPU,)), threads)[0]
+
+
+def open_planned(
+    name: str, plan: SessionPlan, threads: int
+) -> tuple[ort.InferenceSession, ProviderUse]:
+    """An ONNX Runtime session as a node runs it (sequential, one inter-op thread) on
+    the providers of ``plan``, and what it really runs on.
+
+    A session whose first provider is not the CPU is first opened with the CPU
+    fallback off, so that a graph its provider cannot run whole is caught: a strict
+    model then fails with ProviderUnavailable; any other is opened again with the
+    fallback on, and says why in ``ProviderUse.fallback``.
+    """
+    path = plan.path
     if not path.is_file():
         raise ModelNotFound(f"model {name!r}: file {path} does not exist")
+    accelerated = [p for p in plan.providers if p.name != CPU.name]
+    fallback = plan.fallback
+    if accelerated and plan.providers[0] != CPU:
+        try:
+            session = _session(name, path, threads, accelerated, cpu_fallback=False)
+            return session, _use(session, plan, fallback)
+        except _PartlyOnCpu as exc:
+            if plan.strict:
+                first = plan.providers[0].name
+                raise ProviderUnavailable(
+                    f"model {name!r} is strict and part of its graph would run on the CPU, "
+                    f"not on provider {first}: {exc}",
+                    model=name,
+                    provider=first,
+                ) from None
+            fallback = f"part of the graph runs on the CPU: {exc}"
+    session = _session(name, path, threads, plan.providers, cpu_fallback=True)
+    return session, _use(session, plan, fallback)
+
+
+class _PartlyOnCpu(Exception):
+    """ONNX Runtime refused a session without the CPU fallback: some graph node needs it."""
+
+
+def _session(
+    name: str,
+    path: Path,
+    threads: int,
+    providers: Sequence[ProviderConfig],
+    *,
+    cpu_fallback: bool,
+) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.log_severity_level = 3  # errors come back as exceptions; keep stderr quiet
+    if not cpu_fallback:
+        opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    asked = [(p.ort_name, p.ort_options()) for p in providers]
     try:
-        return ort.InferenceSession(
-            str(path), sess_options=opts, providers=["CPUExecutionProvider"]
-        )
+        return ort.InferenceSession(str(path), sess_options=opts, providers=asked)
     except Exception as exc:  # ORT raises its own exception types for bad files
+        text = str(exc)
+        if not cpu_fallback and "fallback to CPU EP has been explicitly disabled" in text:
+            raise _PartlyOnCpu(text.rsplit(":", 1)[-1].strip()) from None
         raise EngineError(f"model {name!r}: cannot load {path}: {exc}") from None
+
+
+def _use(session: ort.InferenceSession, plan: SessionPlan, fallback: str) -> ProviderUse:
+    return ProviderUse(
+        asked=tuple(p.name for p in plan.providers),
+        used=short_names(session.get_providers()),
+        file=str(plan.path),
+        fallback=fallback,
+    )
+
+
+def device_providers() -> DeviceProviders:
+    """This machine's ONNX Runtime: the installed build, its version and providers."""
+    from importlib import metadata
+
+    installed = [b for b in BUILDS if _installed(metadata, b)]
+    return DeviceProviders(
+        build="+".join(installed),
+        version=ort.__version__,
+        providers=short_names(ort.get_available_providers()),
+    )
+
+
+def _installed(metadata: Any, distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def available_providers() -> list[str]:
+    """The providers (ONNX Runtime's names) of this machine's ONNX Runtime build."""
+    return list(ort.get_available_providers())
 
 
 class OnnxEngine:
@@ -215,10 +311,12 @@ class OnnxEngine:
         *,
         threads: int = 1,
         pad_to: Sequence[int] = (),
+        plan: SessionPlan | None = None,
     ) -> None:
-        self._session = open_session(name, path, threads)
+        plan = plan or SessionPlan(path, (CPU,))
+        self._session, self.providers = open_planned(name, plan, threads)
         self.name = name
-        self.path = path
+        self.path = plan.path
         self._pad_to = tuple(sorted(pad_to))
         self._sig = session_signature(self._session)
         self._output_names = [o.name for o in self._sig.outputs]

@@ -11,10 +11,11 @@ from statistics import median
 import numpy as np
 
 from actors.decoder import DecoderEngine
-from actors.engine import Engine, OnnxEngine, Signature
+from actors.engine import Engine, OnnxEngine, Signature, available_providers
 from actors.scheduler import configured_batch_limit
 from edgefleet.config import MiB, ModelConfig
 from edgefleet.errors import EdgeFleetError, EngineError, ModelNotFound
+from edgefleet.providers import ProviderUnavailable, ProviderUse, plan_session
 
 Loader = Callable[[str, ModelConfig], Engine]
 Progress = Callable[[str], None]
@@ -23,16 +24,30 @@ SYNTHETIC_DIM = 16  # size given to dynamic non-batch axes when measuring
 
 
 def load_onnx(name: str, config: ModelConfig) -> Engine:
+    """``config``'s model as this device runs it: on the first of its providers that the
+    device's ONNX Runtime build has (ProviderUnavailable for a strict model whose first
+    provider it lacks), from that provider's variant of the file."""
+    plan = plan_session(
+        name,
+        config.path,
+        config.providers,
+        available_providers(),
+        strict=config.strict,
+        variants=config.variants,
+    )
     if config.kind == "decoder":
         return DecoderEngine(
             name,
-            config.path,
+            plan.path,
             threads=config.threads,
             max_context=config.generation.max_context,
             stop_ids=config.generation.stop_ids,
             prefill_chunk=config.generation.prefill_chunk,
+            plan=plan,
         )
-    return OnnxEngine(name, config.path, threads=config.threads, pad_to=config.batching.pad_to)
+    return OnnxEngine(
+        name, plan.path, threads=config.threads, pad_to=config.batching.pad_to, plan=plan
+    )
 
 
 @dataclass
@@ -51,6 +66,7 @@ class ModelInfo:
     max_context: int | None = None
     stop_ids: tuple[int, ...] = ()  # the config's, else the model's eos_token_id
     exact_grouping: bool = False  # outputs depend on how tokens are grouped into calls
+    providers: ProviderUse = ProviderUse()  # what its session runs on, as last loaded
 
     def max_call_s(self, rows: int, factor: float, floor_s: float) -> float:
         """How long one engine call of ``rows`` rows (a decoder: generations) may run:
@@ -76,7 +92,10 @@ class ModelManager:
         models: Mapping[str, ModelConfig],
         budget_mb: float,
         loader: Loader = load_onnx,
+        *,
+        node: str = "",
     ) -> None:
+        self._node = node  # named in load errors
         self._configs = dict(models)
         self._budget_mb = budget_mb
         self._loader = loader
@@ -158,11 +177,21 @@ class ModelManager:
         ):
             self.unload(next(iter(self._resident)))
         t0 = time.perf_counter()
-        engine = self._loader(name, config)
+        try:
+            engine = self._loader(name, config)
+        except ProviderUnavailable as exc:
+            raise ProviderUnavailable(
+                f"node {self._node}: {exc}",
+                model=exc.model,
+                provider=exc.provider,
+                node=self._node,
+            ) from None
         elapsed = time.perf_counter() - t0
         info = self._info.get(name)
         if info is None:
             info = self._info[name] = ModelInfo(name, config, engine.signature, need)
+        # A test's fake engine has no providers: it runs on no real device.
+        info.providers = getattr(engine, "providers", ProviderUse())
         info.loads += 1
         info.load_s = elapsed
         self._resident[name] = engine

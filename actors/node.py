@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from actors.decoder import Generation
-from actors.engine import RunAborted, check_inputs
+from actors.engine import RunAborted, check_inputs, device_providers
 from actors.executor import Call, EngineThread, Outputs, Waker
 from actors.generations import NodeGenerations
 from actors.metrics import NodeMetrics
@@ -101,7 +101,9 @@ class NodeRuntime:
         self._metrics = metrics or NodeMetrics(spec.fleet, spec.name, spec.priorities)
         self._trace = None if spec.trace_dir is None else NodeTrace(spec.trace_dir, spec.name)
         self._clock = clock or MonotonicClock()
-        self._models = ModelManager(spec.models, spec.memory_budget_mb, loader or load_onnx)
+        self._models = ModelManager(
+            spec.models, spec.memory_budget_mb, loader or load_onnx, node=spec.name
+        )
         self._sched = LocalScheduler.for_node(spec, self._clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
@@ -126,6 +128,7 @@ class NodeRuntime:
         self._switches: deque[tuple[str, asyncio.Future[None]]] = deque()
         self._state = NodeState.STARTING  # moved only by _move
         self._failure = ""  # why the node is out of service (failed, stuck)
+        self._device = device_providers()  # this device's ONNX Runtime build
         self._start_error: Exception | None = None
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -891,6 +894,7 @@ class NodeRuntime:
                 kind=i.config.kind,
                 load_ms=i.load_s * 1000 if i.loads else None,
                 exact_grouping=i.exact_grouping,
+                providers=i.providers,
             )
             for i in self._models.models()
         )
@@ -898,6 +902,7 @@ class NodeRuntime:
             name=self.spec.name,
             state=self._state,
             failure=self._failure,
+            device=self._device,
             queued=self._sched.queued_by_priority(),
             queued_bytes=self._sched.queued_bytes,
             running=None if running is None else running.status(now),

@@ -24,6 +24,7 @@ from edgefleet.priorities import (
     PRIORITY_RANGE,
     is_priority,
 )
+from edgefleet.providers import CPU, ProviderConfig, provider_name
 from policies.budget import Lifecycle
 from policies.ordering import QueueOrderName
 from policies.placement.registry import DEFAULT_SHED, PipelineParams, PlacementParams
@@ -112,7 +113,8 @@ class ModelConfig(_Strict):
 
     path: Path = Field(
         description="the ONNX file, relative to model_dir; it must resolve (symlinks "
-        "followed) inside model_dir"
+        "followed) inside model_dir. May be left out when `variants` gives the files: "
+        "then the cpu variant, else the first"
     )
     kind: Literal["tensor", "decoder"] = Field(
         "tensor",
@@ -122,6 +124,25 @@ class ModelConfig(_Strict):
     )
     generation: GenerationConfig = GenerationConfig()
     threads: int = Field(1, ge=1, le=64, description="ONNX Runtime intra-op threads")
+    providers: list[ProviderConfig] = Field(
+        default_factory=lambda: [CPU],
+        description="execution providers, best first: a name (cpu, cuda, tensorrt, "
+        "openvino, qnn, coreml, directml, ...) or {name: ..., options: {...}}. A node "
+        "uses those its device's ONNX Runtime build has; a pool's or node's `providers` "
+        "replaces this list on its devices",
+    )
+    strict: bool = Field(
+        False,
+        description="refuse to load (ProviderUnavailable) on a device whose ONNX Runtime "
+        "lacks the first provider, or where part of the graph would fall back to the CPU; "
+        "false: fall back, and say why in status",
+    )
+    variants: dict[str, Path] = Field(
+        default_factory=dict,
+        description="a file per provider, e.g. {openvino: detector-int8.onnx, cpu: "
+        "detector.onnx}: a device loads the file of the first provider it runs the model "
+        "on (`path` for a provider without one)",
+    )
     batching: BatchingConfig = BatchingConfig()
     dedup: Literal["supersede", "follow"] = Field(
         "supersede",
@@ -160,6 +181,27 @@ class ModelConfig(_Strict):
         "inputs give dynamic axes other than the batch axis a size of 16: set this for "
         "a model whose calls grow with such an axis (large images) past the floor",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_from_variants(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "path" not in data and data.get("variants"):
+            variants = data["variants"]
+            if isinstance(variants, Mapping):
+                cpu = [k for k in variants if str(k).lower() in ("cpu", CPU.ort_name.lower())]
+                data = {**data, "path": variants[(cpu or list(variants))[0]]}
+        return data
+
+    @field_validator("variants", mode="before")
+    @classmethod
+    def _variant_names(cls, v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {provider_name(str(k)): p for k, p in v.items()}
+        return v
+
+    def files(self) -> dict[str, Path]:
+        """Every file of the model: ``path`` under the name "", and each variant."""
+        return {"": self.path, **self.variants}
 
 
 class QueueConfig(_Strict):
@@ -339,13 +381,16 @@ class _NodeSettings(_Strict):
     kv_budget_mb: float | None = Field(
         None, gt=0, description="default: node_defaults.kv_budget_mb"
     )
-    order: QueueOrderName | None = Field(
-        None, description="default: node_defaults.order"
-    )
+    order: QueueOrderName | None = Field(None, description="default: node_defaults.order")
     starvation: StarvationConfig | None = Field(
         None, description="replaces node_defaults.starvation; default: node_defaults.starvation"
     )
     num_cpus: float | None = Field(None, ge=0, description="default: node_defaults.num_cpus")
+    providers: list[ProviderConfig] | None = Field(
+        None,
+        description="execution providers for every model on this device, replacing each "
+        "model's `providers`; default: the model's",
+    )
 
 
 class NodeConfig(_NodeSettings):
@@ -697,12 +742,18 @@ class FleetConfig(_Strict):
             served.update(p.models or self.models)
         return served
 
+    def _model_on(self, name: str, n: _NodeSettings) -> ModelConfig:
+        model = self.models[name]
+        if n.providers is None:
+            return model
+        return model.model_copy(update={"providers": list(n.providers)})
+
     def _spec(self, name: str, n: _NodeSettings, **where: Any) -> NodeSpec:
         d = self.node_defaults
         return NodeSpec(
             name=name,
             fleet=self.fleet.name,
-            models={m: self.models[m] for m in (n.models or list(self.models))},
+            models={m: self._model_on(m, n) for m in (n.models or list(self.models))},
             priorities=dict(self.priorities),
             queue=n.queue or d.queue,
             preemption=n.preemption or d.preemption,
@@ -747,13 +798,16 @@ def parse_config(
     models: dict[str, ModelConfig] = {}
     problems: list[str] = []
     for name, m in cfg.models.items():
-        path = (model_dir / m.path).resolve() if not m.path.is_absolute() else m.path.resolve()
-        if not path.is_relative_to(model_dir):
-            where = _where(lines or {}, f"models.{name}.path")
-            problems.append(
-                f"models.{name}.path{where}: {m.path} is outside the model directory {model_dir}"
-            )
-        models[name] = m.model_copy(update={"path": path})
+        resolved: dict[str, Path] = {}
+        for variant, file in m.files().items():
+            key = f"models.{name}.variants.{variant}" if variant else f"models.{name}.path"
+            path = (model_dir / file).resolve() if not file.is_absolute() else file.resolve()
+            if not path.is_relative_to(model_dir):
+                where = _where(lines or {}, key)
+                problems.append(f"{key}{where}: {file} is outside the model directory {model_dir}")
+            resolved[variant] = path
+        path = resolved.pop("")
+        models[name] = m.model_copy(update={"path": path, "variants": resolved})
     if problems:
         raise ConfigError("invalid fleet config:\n  " + "\n  ".join(problems))
     update: dict[str, Any] = {"models": models, "model_dir": model_dir}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgefleet.errors import EdgeFleetError
+from edgefleet.providers import DeviceProviders, ProviderUse
 
 # Seconds, for request latencies: 1 ms to 30 s.
 LATENCY_BUCKETS = (
@@ -122,6 +123,7 @@ class ModelStatus:
     # A dynamically quantized decoder: its output depends on how tokens are grouped into
     # engine calls, so it reuses no session or prefix KV and is never batch-decoded.
     exact_grouping: bool = False
+    providers: ProviderUse = ProviderUse()  # what its session runs on, and any fallback
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,7 @@ class NodeStatus:
     busy: dict[int, float] = field(default_factory=dict)  # priority -> share of engine time
     at: float = 0.0  # when the node made this report, on its own clock (orders its reports)
     failure: str = ""  # why a failed or stuck node is out of service
+    device: DeviceProviders = DeviceProviders()  # the device's ONNX Runtime build
 
     @property
     def queue_length(self) -> int:
