@@ -119,12 +119,7 @@ def _fleet(tmp_path: Path, body: str) -> Path:
 def test_an_unknown_provider_in_yaml_is_a_config_error_with_its_line(tmp_path):
     path = _fleet(
         tmp_path,
-        "models:\n"
-        "  det:\n"
-        "    path: det.onnx\n"
-        "    providers:\n"
-        "      - openvino\n"
-        "      - npu\n",
+        "models:\n  det:\n    path: det.onnx\n    providers:\n      - openvino\n      - npu\n",
     )
     with pytest.raises(ConfigError) as caught:
         load_config(path)
