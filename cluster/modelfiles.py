@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import keyword
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from edgefleet.config import FleetConfig, ModelConfig, missing_model_problem
 from edgefleet.errors import ConfigError, EdgeFleetError, InvalidInput, ModelNotFound
+from edgefleet.providers import CPU, ProviderUnavailable, plan_session
 
 if TYPE_CHECKING:
     from actors.engine import Signature
@@ -35,18 +36,28 @@ _ZIP_MAGIC = b"PK"  # an .npz is a zip archive of .npy files
 
 
 def model_signature(name: str, model: ModelConfig) -> Signature:
-    """Load ``model`` as a node would and return its inputs and outputs.
+    """Load ``model`` as a node would (each of its files, on the CPU provider: any
+    device can run that) and return its inputs and outputs.
 
     Raises ConfigError naming the model, its file and why a node could not load it:
     the file is missing, is not an ONNX model, or ONNX Runtime refuses it.
     """
+    signature = None
+    for path in model.files().values():
+        sig = _file_signature(name, model, path)
+        signature = signature or sig
+    assert signature is not None
+    return signature
+
+
+def _file_signature(name: str, model: ModelConfig, path: Path) -> Signature:
     from actors.models import load_onnx  # ONNX Runtime: only where models are read
 
-    path = model.path
     if not path.is_file():
         raise ConfigError(missing_model_problem(name, path))
+    on_cpu = model.model_copy(update={"path": path, "providers": [CPU], "variants": {}})
     try:
-        engine = load_onnx(name, model)
+        engine = load_onnx(name, on_cpu)
     except EdgeFleetError as exc:
         reason = _not_onnx(path)
         if reason is not None:
@@ -56,6 +67,41 @@ def model_signature(name: str, model: ModelConfig) -> Signature:
         return engine.signature
     finally:
         engine.close()
+
+
+def provider_problems(config: FleetConfig, available: Collection[str]) -> list[str]:
+    """Which nodes of ``config`` (``nodes:``, or the embedded default's) could not load
+    a strict model on a device whose ONNX Runtime build has ``available`` providers."""
+    problems = []
+    for spec in config.node_specs():
+        for name, model in spec.models.items():
+            try:
+                plan_session(name, model.path, model.providers, available, strict=model.strict)
+            except ProviderUnavailable as exc:
+                problems.append(f"node {spec.name}: {exc}")
+    return problems
+
+
+def provider_lines(model: ModelConfig, available: Collection[str]) -> list[str]:
+    """What a model asks for (providers, strict, variants) and what a device with
+    ``available`` providers would open it with."""
+    asked = ", ".join(p.describe() for p in model.providers)
+    lines = [f"  providers  {asked}{' (strict)' if model.strict else ''}"]
+    lines += [f"  variant    {p}: {path}" for p, path in model.variants.items()]
+    try:
+        plan = plan_session(
+            "",
+            model.path,
+            model.providers,
+            available,
+            strict=model.strict,
+            variants=model.variants,
+        )
+    except ProviderUnavailable as exc:
+        return [*lines, f"  this machine would not load it: no {exc.provider}"]
+    here = ", ".join(p.name for p in plan.providers)
+    fallback = f" (fell back: {plan.fallback})" if plan.fallback else ""
+    return [*lines, f"  this machine runs it on {here}, from {plan.path.name}{fallback}"]
 
 
 def model_problems(config: FleetConfig, names: Iterable[str] | None = None) -> list[str]:
@@ -101,6 +147,9 @@ def signature_lines(name: str, model: ModelConfig, sig: Signature) -> list[str]:
     """A model's inputs and outputs for a reader, and how to build its inputs."""
     width = max((len(s.name) for s in sig.inputs + sig.outputs), default=0)
     lines = [f"{name}  {model.path}"]
+    from actors.engine import available_providers
+
+    lines += provider_lines(model, available_providers())
     lines += [f"  input   {s.name:<{width}}  {s.describe()}" for s in sig.inputs]
     lines += [f"  output  {s.name:<{width}}  {s.describe()}" for s in sig.outputs]
     if model.kind == "decoder":

@@ -204,8 +204,8 @@ class ProviderUse:
         return self.used[0] if self.used else "cpu"
 
     def describe(self) -> str:
-        text = ">".join(self.used)
-        return f"{text} (fallback: {self.fallback})" if self.fallback else text
+        text = ", ".join(self.used)
+        return f"{text}; fell back: {self.fallback}" if self.fallback else text
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ def _add_status_and_down_parsers(sub: Subparsers) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from cluster.modelfiles import require_loadable_models
+    from actors.engine import available_providers
+    from cluster.modelfiles import provider_problems, require_loadable_models
     from edgefleet.config import load_config, missing_model_problem
     from edgefleet.modelgen import builtin_model
 
@@ -127,19 +128,27 @@ def cmd_validate(args: argparse.Namespace) -> int:
         )
     for name, path in later.items():
         say(f"  note: {missing_model_problem(name, path)}")
+    for problem in provider_problems(config, available_providers()):
+        say(f"  note: on this machine (where `up` without --address runs nodes): {problem}")
     return 0
 
 
-def _load_with_models(path: str) -> FleetConfig:
+def _load_with_models(path: str, *, here: bool = False) -> FleetConfig:
     """Load a fleet file; write the built-in models it names that are missing; check
-    every model loads as a node would load it."""
-    from cluster.modelfiles import require_loadable_models
+    every model loads as a node would load it, and, when its nodes run ``here`` (on
+    this machine), that this machine's ONNX Runtime has each strict model's provider."""
+    from actors.engine import available_providers
+    from cluster.modelfiles import provider_problems, require_loadable_models
     from edgefleet.config import load_config
+    from edgefleet.errors import ConfigError
     from edgefleet.modelgen import make_missing_models
 
     config = load_config(path)
     make_missing_models(config, say)
     require_loadable_models(config)
+    problems = provider_problems(config, available_providers()) if here else []
+    if problems:
+        raise ConfigError("nodes would not load their models here:\n  " + "\n  ".join(problems))
     return config
 
 
@@ -150,14 +159,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from cluster.deploy import deploy_nodes, deploy_router, start_local_ray, teardown
     from cluster.head import head_dir, start_head, stop_children, stop_head
 
-    config = _load_with_models(args.config)
+    # Inside a Ray job (`ray job submit ... -- edgefleet up ...`) Ray sets RAY_ADDRESS.
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    config = _load_with_models(args.config, here=not address)
     if args.start_timeout is not None:
         limits = config.ray.model_copy(update={"start_timeout_s": args.start_timeout})
         config = config.model_copy(update={"ray": limits})
     fleet = config.fleet.name
     specs = config.node_specs()
-    # Inside a Ray job (`ray job submit ... -- edgefleet up ...`) Ray sets RAY_ADDRESS.
-    address = args.address or os.environ.get("RAY_ADDRESS")
     token_auth = config.ray.auth == "token"
     nodes: dict[str, Any] = {}
     router = None

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cluster.metrics import Overview
-    from edgefleet.messages import FleetStatus, PoolStatus
+    from edgefleet.messages import FleetStatus, NodeStatus, PoolStatus
 
 POOL_STATES = ("serving", "starting", "failed", "left")  # cluster.membership.DeviceState
 
@@ -100,6 +100,7 @@ def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
         lines.append(f"{n.name:<{w}}{health:<9}{n.state:<10}{queued:<28}{running:<22}{models}")
         if n.failure:  # why a failed or stuck node is out of service
             lines.append(f"{'':<{w}}{n.state}: {n.failure}")
+        lines += [f"{'':<{w}}{line}" for line in provider_lines(n)]
         if n.name in status.unresponsive:
             silent = status.unresponsive[n.name]
             lines.append(f"{'':<{w}}unresponsive for {silent:.0f} s: callers send it nothing")
@@ -117,6 +118,18 @@ def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
     for pool in status.pools:
         lines += ["", *pool_lines(pool)]
     return "\n".join(lines)
+
+
+def provider_lines(node: NodeStatus) -> list[str]:
+    """What a node's device runs its models on, when it is not the plain CPU build's
+    CPU provider: the device's ONNX Runtime build and, per model, the providers its
+    session took and why it fell back (plain CPU nodes say nothing)."""
+    plain = all(m.providers.used[:1] == ("cpu",) and not m.providers.fallback for m in node.models)
+    if plain and set(node.device.providers) <= {"cpu", "azure"}:
+        return []
+    lines = [f"device: {node.device.describe()}"]
+    lines += [f"  {m.name} on {m.providers.describe()}" for m in node.models]
+    return lines
 
 
 def pool_lines(pool: PoolStatus) -> list[str]:

@@ -829,3 +829,37 @@ def test_counts_whose_delivery_reached_the_router_are_counted_once(fleet, monkey
         feed.stop()
     assert f.router.status_now().router["completed"] == 4
     assert f.dispatcher.counted()["completed"] == 4  # the caller's own, as ever
+
+
+def test_a_fast_and_a_slow_node_split_the_load_by_their_measured_speed():
+    # Devices that differ: each node's cost table is measured on its own device at
+    # warm-up, and placement prices a request on each node by that node's table.
+    costs = {"fast": 0.01, "slow": 0.05}
+    config = parse_config(
+        {
+            "fleet": {"name": "t"},
+            "models": {"m": {"path": "m.onnx", "memory_mb": 1}},
+            "nodes": [{"name": n} for n in costs],
+            "router": {"report_interval_s": 0.05},
+        },
+        Path("/nonexistent"),
+    )
+    f = LocalFleet(
+        config, lambda spec: NodeRuntime(spec, loader=FakeLoader(m={"cost_s": costs[spec.name]}))
+    )
+    try:
+        measured = {n: f.node(n).status().models[0].cost_ms[1] for n in costs}
+        assert measured["slow"] > 2 * measured["fast"], measured
+        served: Counter[str] = Counter()
+        for _ in range(20):  # waves of 6 at once: both nodes have work queued
+            futures = [f.dispatcher.submit(req(10)) for _ in range(6)]
+            for future in futures:
+                reply = future.result(60)
+                assert reply.error is None, reply.error
+                served[reply.node] += 1
+            f.refresh()
+        # By speed about 5:1; sleeps overshoot on a busy machine, which evens it out.
+        assert served["fast"] > 1.5 * served["slow"], served
+        assert sum(served.values()) == 120, served
+    finally:
+        f.close()
