@@ -114,6 +114,19 @@ NODE_LIFECYCLE = _gauge(
 MODEL_RESIDENT = _gauge(
     "edgefleet_model_resident", (*_NODE, "model"), "1 while the model is loaded on the node"
 )
+MODEL_PROVIDER = _gauge(
+    "edgefleet_model_provider",
+    (*_NODE, "model", "provider", "fallback"),
+    "1 for the execution provider the model's session runs on first (cpu, openvino, cuda, "
+    "...); fallback=yes when it is not the model's first choice, or part of its graph runs "
+    "on the CPU",
+)
+NODE_ONNXRUNTIME = _gauge(
+    "edgefleet_node_onnxruntime",
+    (*_NODE, "build", "version"),
+    "1 for the ONNX Runtime build (onnxruntime, onnxruntime-gpu, onnxruntime-openvino, ...) "
+    "and version of the node's device",
+)
 RSS_BYTES = _gauge("edgefleet_node_rss_bytes", _NODE, "Resident memory of the node's process")
 KV_BYTES = _gauge(
     "edgefleet_kv_cache_bytes",
@@ -266,6 +279,8 @@ NODE_METRICS = (
     NODE_STATE,
     NODE_LIFECYCLE,
     MODEL_RESIDENT,
+    MODEL_PROVIDER,
+    NODE_ONNXRUNTIME,
     RSS_BYTES,
     KV_BYTES,
     ADMITTED,
@@ -636,6 +651,12 @@ class NodeMetrics(Recorder):
             self.emit(NODE_STATE, 1 if s == status.state else 0, state=str(s))
         for m in status.models:
             self.emit(MODEL_RESIDENT, 1 if m.loaded else 0, model=m.name)
+            fallback = "yes" if m.providers.fallback else "no"
+            self.emit(
+                MODEL_PROVIDER, 1, model=m.name, provider=m.providers.runs_on, fallback=fallback
+            )
+        device = status.device
+        self.emit(NODE_ONNXRUNTIME, 1, build=device.build or "unknown", version=device.version)
         self.emit(RSS_BYTES, status.rss_mb * 1024 * 1024)
 
     def summary(self) -> MetricsSummary:

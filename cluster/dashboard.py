@@ -297,6 +297,21 @@ def node_panels() -> list[dict[str, Any]]:
             [Query(current(m.RSS_BYTES, "node", where), "{{node}}")],
             unit="bytes",
         ),
+        timeseries(
+            "Execution providers",
+            [
+                Query(
+                    f"{current(m.MODEL_PROVIDER, 'node, model, provider, fallback', where)} == 1",
+                    "{{model}} on {{provider}} (fallback: {{fallback}})",
+                ),
+                Query(
+                    f"{current(m.NODE_ONNXRUNTIME, 'node, build, version', where)} == 1",
+                    "{{build}} {{version}}",
+                ),
+            ],
+            description="What each model's session runs on, and the device's ONNX Runtime "
+            "build; `edgefleet status` says why a model fell back.",
+        ),
     ]
 
 

@@ -248,3 +248,42 @@ def test_a_node_loads_the_variant_of_the_provider_it_runs_on(models_dir, tmp_pat
     )
     (model,) = _start(spec).status().models
     assert model.providers.file == str(tmp_path / "classifier-cpu.onnx")
+
+
+# ------------------------------------------------------------------------ commands
+
+
+def _strict_fleet(tmp_path: Path, models_dir: Path, strict: bool) -> Path:
+    shutil.copy(models_dir / "classifier.onnx", tmp_path / "classifier.onnx")
+    model = {"path": "classifier.onnx", "providers": ["cuda", "cpu"], "strict": strict}
+    body = {"models": {"classifier": model}, "nodes": [{"name": "jetson-1"}]}
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def test_models_show_says_what_a_model_asks_for_and_what_this_machine_runs(
+    tmp_path, models_dir, capsys
+):
+    from cluster.cli import main
+
+    assert main(["models", "show", str(_strict_fleet(tmp_path, models_dir, False))]) == 0
+    out = capsys.readouterr().out
+    assert "providers  cuda, cpu\n" in out
+    assert "this machine runs it on cpu, from classifier.onnx (fell back: cuda not in" in out
+
+
+def test_validate_and_up_name_a_node_whose_machine_lacks_a_strict_models_provider(
+    tmp_path, models_dir, capsys
+):
+    from cluster.cli import main
+
+    path = str(_strict_fleet(tmp_path, models_dir, True))
+    assert main(["validate", path]) == 0  # the devices of a real cluster may have it
+    out = capsys.readouterr().out
+    assert "note: on this machine (where `up` without --address runs nodes): node jetson-1: " in out
+    assert "model 'classifier' is strict and needs provider cuda" in out
+    assert main(["up", path]) == 2  # an embedded cluster runs its nodes here: refused...
+    said = capsys.readouterr()
+    assert "node jetson-1: model 'classifier' is strict and needs provider cuda" in said.err
+    assert "starting an embedded Ray cluster" not in said.out  # ...before starting anything
