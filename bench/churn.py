@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import os
 import random
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -31,7 +32,7 @@ from typing import Any
 import ray
 
 from actors.trace import read_traces
-from bench.common import Section, Target, fmt, log, percentile
+from bench.common import Section, Target, fmt, log, percentile, utc_now, write_report
 from cluster.client import FleetClient
 from cluster.head import start_head, stop_head
 from cluster.names import NAMESPACE
@@ -292,18 +293,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="churn time (default 5)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, metavar="FILE", help="also write the report here")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="also write the section into this report (bench/RESULTS.md: its section replaced)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="churn-models-") as tmp:
         make_classifier(Path(tmp) / "classifier.onnx")
-        began = time.monotonic()
+        began, started = time.monotonic(), utc_now()
         figures = soak(Path(tmp), args.minutes * 60, args.seed)
     result = section(figures)
     result.seconds = time.monotonic() - began
-    text = result.markdown() + "\n"
-    print(text, end="")
+    print(result.markdown())
     if args.out is not None:
-        args.out.write_text(text)
+        shown = " ".join(argv if argv is not None else sys.argv[1:])
+        run = f"`python -m bench.churn {shown}`, {started}, {result.seconds:.0f} s"
+        write_report(args.out, [result], run)
     return 0 if result.passed else 1
 
 

@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import queue
+import re
 import sys
 import tempfile
 import threading
@@ -170,6 +171,65 @@ class Part(Section):
     """A titled part of a section."""
 
     level: int = 3
+
+
+REPORT_TITLE = "# edgefleet benchmark results"
+_ROW = re.compile(r"^\| (?P<title>.+?) \| (?P<result>.+?) \| (?P<run>.+) \|$")
+
+
+def verdict(section: Section) -> str:
+    if section.error:
+        return "did not run (error)"
+    targets = section.all_targets
+    missed = [t.label for t in targets if not t.passed]
+    if not targets:
+        return "no targets"
+    if not missed:
+        return f"PASS ({len(targets)}/{len(targets)} targets met)"
+    return f"MISS ({len(targets) - len(missed)}/{len(targets)} met; missed: {'; '.join(missed)})"
+
+
+def report_header(facts: EnvFacts) -> list[str]:
+    """The lines under the report's title."""
+    return [
+        f"- Machine: {facts.line()}",
+        "- Reproduce: from the source checkout, with the project installed (`pip install "
+        "-e .`), run `python -m bench.run --out bench/RESULTS.md`; add `--quick` for a smoke "
+        "run, `--only NAME` for one scenario (its section is replaced, the others kept). "
+        "Models are generated and calibrated to this machine at the start of each run; Ray "
+        "runs embedded on 127.0.0.1.",
+        "",
+        "Every figure is a ratio of measurements taken side by side in one run: the machine "
+        "is small and shared, so absolute numbers drift between runs.",
+    ]
+
+
+def write_report(path: Path, sections: Sequence[Section], run: str) -> str:
+    """The benchmark report at ``path`` with ``sections`` written in: each replaces the
+    section of its title (or comes after the others), and its row of the scenario
+    table says its verdict and ``run`` (the command and when). Sections of other runs
+    are kept as they were. Returns the text."""
+    header = report_header(EnvFacts.collect())
+    rows: dict[str, tuple[str, str]] = {}
+    kept: dict[str, str] = {}
+    if path.is_file() and path.read_text().startswith(REPORT_TITLE):
+        text = path.read_text()
+        head, *parts = re.split(r"(?m)^(?=## )", text)
+        for line in head.splitlines():
+            if (m := _ROW.match(line)) and m["title"] not in ("scenario", "---"):
+                rows[m["title"]] = (m["result"], m["run"])
+        for part in parts:
+            kept[part.splitlines()[0][3:].strip()] = part.rstrip("\n")
+    for s in sections:
+        rows[s.title] = (verdict(s), run)
+        kept[s.title] = s.markdown().rstrip("\n")
+    table = ["| scenario | result | run |", "| --- | --- | --- |"]
+    table += [f"| {t} | {rows[t][0]} | {rows[t][1]} |" for t in kept if t in rows]
+    text = "\n".join([REPORT_TITLE, "", *header, "", *table, ""]) + "\n"
+    text += "\n\n".join(kept.values()) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return text
 
 
 def timed(build: Callable[[], Section]) -> Section:

@@ -2,8 +2,9 @@
 
     python -m bench.run [--quick] [--only NAME ...] [--out PATH]
 
-Progress goes to stderr, the report to stdout (and to ``--out``; the project keeps
-the last full run as ``bench/RESULTS.md``). Exit status: 0 when every scenario ran
+Progress goes to stderr, the report to stdout and to ``--out``: in a report already
+there, each section of this run replaces the one of its title and the others are
+kept (the project keeps its figures in ``bench/RESULTS.md``). Exit status: 0 when every scenario ran
 (a missed target is reported, not an error), 1 when a scenario failed to run.
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 from bench import (
     batching_window,
+    devices,
     fleet,
     generation,
     membership,
@@ -35,6 +38,7 @@ from bench.common import (
     model_dir,
     timed,
     utc_now,
+    write_report,
 )
 
 SCENARIOS = {  # name -> (run, title)
@@ -46,6 +50,7 @@ SCENARIOS = {  # name -> (run, title)
     "generation": (generation.run, generation.TITLE),
     "simulation": (simulation.run, simulation.TITLE),
     "membership": (membership.run, membership.TITLE),
+    "devices": (devices.run, devices.TITLE),
 }
 
 
@@ -91,18 +96,6 @@ def _run_one(name: str, ctx: RunContext) -> Section:
     return section
 
 
-def _verdict(section: Section) -> str:
-    if section.error:
-        return "did not run (error)"
-    targets = section.all_targets
-    missed = [t.label for t in targets if not t.passed]
-    if not targets:
-        return "no targets"
-    if not missed:
-        return f"PASS ({len(targets)}/{len(targets)} targets met)"
-    return f"MISS ({len(targets) - len(missed)}/{len(targets)} met; missed: {'; '.join(missed)})"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     chosen = [name for name in SCENARIOS if name in set(args.only or SCENARIOS)]
@@ -112,35 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         sections = [_run_one(name, RunContext(args.quick, models)) for name in chosen]
     seconds = time.perf_counter() - t0
     shown = " ".join(argv if argv is not None else sys.argv[1:])
-    mode = "quick (smoke run; figures are rough)" if args.quick else "full"
-    report = [
-        "# edgefleet benchmark results",
-        "",
-        f"- Date: {started}",
-        f"- Machine: {facts.line()}",
-        f"- Mode: {mode}; total run time {seconds:.0f} s; CPU during the run: "
-        f"{cpu_since(cpu).describe()}",
-        "- Reproduce: from the source checkout, with the project installed (`pip install "
-        "-e .`), run `python -m bench.run --out bench/RESULTS.md`; add `--quick` for a smoke "
-        "run, `--only NAME` for one scenario. Models are generated and calibrated to this "
-        "machine at the start of each run; Ray runs embedded on 127.0.0.1.",
-        f"- This report: `python -m bench.run{' ' + shown if shown else ''}`",
-        "",
-        "Every figure is a ratio of measurements taken side by side in this run: the "
-        "machine is small and shared, so absolute numbers drift between runs.",
-        "",
-        "| scenario | result |",
-        "| --- | --- |",
-        *(f"| {s.title} | {_verdict(s)} |" for s in sections),
-        "",
-        "\n\n".join(s.markdown() for s in sections),
-    ]
-    text = "\n".join(report) + "\n"
-    print(text, end="")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        log(f"report written to {args.out}")
+    mode = " (quick: a smoke run, figures are rough)" if args.quick else ""
+    run = (
+        f"`python -m bench.run{' ' + shown if shown else ''}`{mode}, {started}, "
+        f"{seconds:.0f} s; other processes {cpu_since(cpu).foreign_cores:.2f} cores"
+    )
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-")) / "RESULTS.md"
+    print(write_report(out, sections, run), end="")
+    log(f"report written to {out}")
     log(f"finished in {seconds:.0f} s")
     return 1 if any(s.error for s in sections) else 0
 

@@ -13,7 +13,9 @@ parents are followed too).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +27,7 @@ from cluster.head import LOOPBACK, _free_port, _gone, processes_naming
 from edgefleet.errors import FleetStartError
 
 OBJECT_STORE_BYTES = 100 * 1024 * 1024
+_SOURCE = Path(__file__).resolve().parents[1]  # the checkout another Python imports from
 
 
 def start_raylet(
@@ -67,6 +70,59 @@ def start_raylet(
     except Exception as exc:
         kill_raylet(directory)
         raise FleetStartError(f"a raylet did not join {address}: {exc}") from exc
+
+
+_WITH_PYTHON = """
+import json, sys
+from pathlib import Path
+from cluster.raylet import start_raylet
+a = json.loads(sys.argv[1])
+start_raylet(a["address"], Path(a["directory"]), resources=a["resources"], labels=a["labels"],
+             num_cpus=a["num_cpus"], token_auth=a["token_auth"])
+"""
+
+
+def start_raylet_with(
+    python: Path,
+    address: str,
+    directory: Path,
+    *,
+    labels: Mapping[str, str],
+    resources: Mapping[str, float] | None = None,
+    num_cpus: int = 1,
+    token_auth: bool = True,
+    timeout_s: float = 180.0,
+) -> None:
+    """:func:`start_raylet` run by another Python (another virtual environment, with
+    edgefleet and the same Ray installed): the raylet's workers run that Python, so the
+    node actors placed there import its packages (its ONNX Runtime build: a device of
+    another kind on this machine). FleetStartError when it does not join."""
+    args = {
+        "address": address,
+        "directory": str(directory),
+        "resources": dict(resources or {}),
+        "labels": dict(labels),
+        "num_cpus": num_cpus,
+        "token_auth": token_auth,
+    }
+    env = dict(os.environ, RAY_AUTH_MODE="token" if token_auth else "disabled")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_SOURCE), env.get("PYTHONPATH")]))
+    try:
+        done = subprocess.run(
+            [str(python), "-c", _WITH_PYTHON, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        kill_raylet(directory)
+        raise FleetStartError(
+            f"a raylet of {python} did not join {address} in {timeout_s:g} s"
+        ) from None
+    if done.returncode != 0:
+        kill_raylet(directory)
+        said = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise FleetStartError(f"a raylet of {python} did not join {address}: {said[0]}")
 
 
 def raylet_processes(directory: Path) -> list[psutil.Process]:

@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 from cluster.client import FleetClient
 from cluster.deploy import LOOPBACK, NAMESPACE, pin_loopback, use_auth_mode
-from cluster.raylet import kill_raylet
+from cluster.raylet import kill_raylet, start_raylet_with
 from edgefleet.config import parse_config
 from edgefleet.modelgen import random_inputs
 from tests.integration.test_pools_cluster import free_port, wait_until
@@ -34,16 +34,6 @@ OPENVINO_PYTHON = Path(
 JOIN_S = 180.0  # a raylet started and joined on a busy machine
 ANSWER_S = 120.0
 TOLERANCE = 1e-4  # measured: within 5e-7 of the CPU provider's outputs
-
-# Started with the device's Python: its raylet's workers run that Python, so node actors
-# placed there import its ONNX Runtime build.
-RAYLET = """
-import sys
-from pathlib import Path
-from cluster.raylet import start_raylet
-start_raylet(sys.argv[1], Path(sys.argv[2]), resources={}, labels={"accel": "openvino"},
-             num_cpus=1, token_auth=False)
-"""
 
 
 def _openvino_build() -> str | None:
@@ -83,13 +73,13 @@ def mixed_fleet(models_dir):
     )
     device_dir = Path(tempfile.mkdtemp(prefix="ov-", dir="/tmp"))  # short: Unix sockets
     try:
-        env = dict(os.environ, PYTHONPATH=str(REPO), RAY_AUTH_MODE="disabled")
-        subprocess.run(
-            [str(OPENVINO_PYTHON), "-c", RAYLET, cluster.address, str(device_dir)],
-            cwd=REPO,
-            env=env,
-            check=True,
-            timeout=JOIN_S,
+        start_raylet_with(
+            OPENVINO_PYTHON,
+            cluster.address,
+            device_dir,
+            labels={"accel": "openvino"},
+            token_auth=False,
+            timeout_s=JOIN_S,
         )
         cluster.connect(namespace=NAMESPACE)
         wait_until("the OpenVINO raylet is alive", lambda: len(_alive()) == 2, JOIN_S)

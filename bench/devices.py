@@ -1,0 +1,237 @@
+"""Devices that differ: the OpenVINO provider against the CPU provider, and a fleet of a
+fast and a slow node.
+
+Both use a second Python environment with ``onnxruntime-openvino`` in place of
+``onnxruntime`` (``.ci/run`` makes ``.venv-openvino``; ``EDGEFLEET_OPENVINO_PYTHON``
+names another). (a) In that Python one process opens each model twice through the
+node's own session code (``actors.engine.open_planned``), on OpenVINO and on the same
+build's CPU provider, and times the two interleaved: the median of N calls each, at 1
+and 8 rows. (b) A Ray head on this Python's CPU build and a raylet of the OpenVINO
+Python; a fleet of two nodes serving ``heavy``: ``cpu-0`` on the head, ``ov-0``
+(``providers: [openvino]``) on the raylet. Each node measures its own costs at warm-up;
+requests come in waves sent at once, and each node's share of them is set against its
+share by speed (the inverse of its measured cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from bench.common import RunContext, Section, Target, fmt, log
+from sim.report import md_table
+
+REPO = Path(__file__).resolve().parents[1]
+TITLE = "Devices that differ: OpenVINO against the CPU provider, and a fast and a slow node"
+OPENVINO_PYTHON = Path(
+    os.environ.get("EDGEFLEET_OPENVINO_PYTHON", REPO / ".venv-openvino" / "bin" / "python")
+)
+PROBED = ("detector", "classifier", "heavy")
+WAVE = 8  # requests sent at once: enough to queue on the faster node
+ANSWER_S = 300.0
+
+
+def probe(models: Path, calls: int) -> list[dict[str, Any]]:
+    """In the OpenVINO Python: each model on OpenVINO and on the CPU provider, timed
+    interleaved (milliseconds per call, the median)."""
+    from actors.engine import open_planned
+    from edgefleet.modelgen import random_inputs
+    from edgefleet.providers import ProviderConfig, SessionPlan
+
+    rows_out = []
+    for model in PROBED:
+        path = models / f"{model}.onnx"
+        sessions = {}
+        for name in ("openvino", "cpu"):
+            plan = SessionPlan(path, (ProviderConfig(name=name),))
+            session, use = open_planned(model, plan, 1)
+            sessions[name] = (session, use.used[0])
+        for rows in (1, 8):
+            feed = random_inputs(model, rows)
+            times: dict[str, list[float]] = {n: [] for n in sessions}
+            for _ in range(calls if model != "heavy" else max(3, calls // 20)):
+                for name, (session, _) in sessions.items():
+                    began = time.perf_counter()
+                    session.run(None, feed)
+                    times[name].append((time.perf_counter() - began) * 1000)
+            rows_out.append(
+                {
+                    "model": model,
+                    "rows": rows,
+                    **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
+                    "ran_on": {n: used for n, (_, used) in sessions.items()},
+                }
+            )
+    return rows_out
+
+
+def provider_times(models: Path, calls: int) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [str(OPENVINO_PYTHON), "-m", "bench.devices", "--probe", str(models), str(calls)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=ANSWER_S,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the OpenVINO probe failed: {done.stderr.strip()[-1500:]}")
+    result: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def split(models: Path, waves: int) -> tuple[Counter[str], dict[str, float], dict[str, str]]:
+    """The two-node fleet: requests served per node, each node's measured ms per call,
+    and what each node's session runs on."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from cluster.client import FleetClient
+    from cluster.deploy import (
+        LOOPBACK,
+        NAMESPACE,
+        init_loopback_ray,
+        pin_loopback,
+        use_auth_mode,
+    )
+    from cluster.head import _free_port
+    from cluster.raylet import kill_raylet, start_raylet_with
+    from edgefleet.config import parse_config
+    from edgefleet.modelgen import random_inputs
+
+    embedded = ray.is_initialized()  # bench.run's: this scenario runs its own cluster
+    if embedded:
+        ray.shutdown()
+    pin_loopback()
+    use_auth_mode(token=True)  # as bench.run's embedded Ray: Ray caches the mode
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"head": 1},
+            "labels": {"accel": "cpu"},
+            "node_ip_address": LOOPBACK,
+            "include_dashboard": False,
+            "dashboard_agent_listen_port": _free_port(),
+        },
+    )
+    device_dir = Path(tempfile.mkdtemp(prefix="ov-", dir="/tmp"))  # short: Unix sockets
+    try:
+        start_raylet_with(
+            OPENVINO_PYTHON, cluster.address, device_dir, labels={"accel": "openvino"}
+        )
+        cluster.connect(namespace=NAMESPACE)
+        config = parse_config(
+            {
+                "fleet": {"name": "devices"},
+                "models": {"heavy": {"path": "heavy.onnx"}},
+                "nodes": [
+                    {"name": "cpu-0", "labels": {"accel": "cpu"}},
+                    {"name": "ov-0", "labels": {"accel": "openvino"}, "providers": ["openvino"]},
+                ],
+                "router": {"resources": {"head": 0.5}},
+            },
+            models,
+        )
+        client = FleetClient.local(config, progress=log)
+        try:
+            served: Counter[str] = Counter()
+            inputs = random_inputs("heavy", 1)
+            for _ in range(waves):
+                futures = [client.submit("heavy", inputs, timeout_s=ANSWER_S) for _ in range(WAVE)]
+                for future in futures:
+                    reply = future.result(ANSWER_S + 30)
+                    if reply.error is not None:
+                        raise reply.error
+                    served[reply.node] += 1
+            nodes = client.status().nodes
+            cost = {n.name: n.models[0].cost_ms[1] for n in nodes}
+            ran_on = {n.name: n.models[0].providers.runs_on for n in nodes}
+            return served, cost, ran_on
+        finally:
+            client.close()
+    finally:
+        ray.shutdown()
+        kill_raylet(device_dir)
+        cluster.shutdown()
+        if embedded:
+            init_loopback_ray(num_cpus=2)
+
+
+def run(ctx: RunContext) -> Section:
+    if not OPENVINO_PYTHON.is_file():
+        return Section(
+            TITLE,
+            (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip(),
+            notes=[f"Not run: no {OPENVINO_PYTHON} (`.ci/run` makes it)."],
+        )
+    from edgefleet.modelgen import make_all
+
+    make_all(ctx.models.directory)
+    times = provider_times(ctx.models.directory, ctx.count(200, 20))
+    table = [
+        [
+            t["model"],
+            t["rows"],
+            fmt(t["openvino_ms"], 3),
+            fmt(t["cpu_ms"], 3),
+            fmt(t["openvino_ms"] / t["cpu_ms"], 2),
+            t["ran_on"]["openvino"],
+        ]
+        for t in times
+    ]
+    served, cost, ran_on = split(ctx.models.directory, ctx.count(12, 3))
+    total = sum(served.values())
+    speed = {n: 1.0 / c for n, c in cost.items()}
+    fast = max(speed, key=lambda n: speed[n])
+    fleet = sum(speed.values())
+    fleet_rows = [
+        [n, ran_on[n], fmt(cost[n], 1), f"{served[n] / total:.0%}", f"{speed[n] / fleet:.0%}"]
+        for n in sorted(cost)
+    ]
+    return Section(
+        TITLE,
+        (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip(),
+        tables=[
+            md_table(
+                ["model", "rows", "OpenVINO ms", "CPU ms", "OpenVINO / CPU", "session ran on"],
+                table,
+            ),
+            md_table(
+                ["node", "runs on", "measured ms per call", "share served", "share by speed"],
+                fleet_rows,
+            ),
+        ],
+        targets=[
+            Target(
+                f"share of requests the faster node ({fast}) served",
+                served[fast] / total,
+                ">=",
+                0.5,
+            )
+        ],  # fmt: skip
+        notes=[
+            f"{total} requests in waves of {WAVE}. A ratio above 1 means OpenVINO is slower "
+            "here: this machine's CPU is not Intel's, and these models are small.",
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.devices")
+    parser.add_argument("--probe", nargs=2, metavar=("MODELS", "CALLS"), required=True)
+    args = parser.parse_args(argv)
+    print(json.dumps(probe(Path(args.probe[0]), int(args.probe[1]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
