@@ -40,6 +40,7 @@ from edgefleet.clock import Clock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.labels import Selector, device_name
 from edgefleet.messages import DeviceStatus, NodeState, NodeStatus, PoolStatus
+from edgefleet.providers import missing_strict_provider
 
 if TYPE_CHECKING:
     from cluster.metrics import RouterMetrics
@@ -413,6 +414,10 @@ class Membership:
         member.spec = spec
         member.joined_at = target.row.started_at
         member.left_at = None
+        lacking = missing_strict_provider(spec.models, target.row.labels)
+        if lacking:  # known from the device's labels: no actor to start and see fail
+            self._failed(member, spec, lacking)
+            return
         member.task = asyncio.create_task(
             self._bring_up(member, spec, retry), name=f"join-{member.name}"
         )

@@ -137,6 +137,38 @@ class ProviderUnavailable(EngineError):
         self.node = node
 
 
+PROVIDERS_LABEL = "edgefleet.io/providers"
+"""The Ray node label of a device's providers, short names joined by dots
+(``openvino.cpu``): ``edgefleet join`` sets it from the device's ONNX Runtime build."""
+
+
+def providers_label(short: Sequence[str]) -> str:
+    return ".".join(n for n in short if n in PROVIDERS)
+
+
+def missing_strict_provider(
+    models: Mapping[str, Any], labels: Mapping[str, str]
+) -> ProviderUnavailable | None:
+    """Why a device whose Ray node carries ``labels`` cannot load one of ``models``
+    (name -> ModelConfig): a strict model whose first provider its
+    :data:`PROVIDERS_LABEL` lacks. None when none does, or when the label is not there
+    (the node then finds out when it loads the model)."""
+    if PROVIDERS_LABEL not in labels:
+        return None
+    has = set(labels[PROVIDERS_LABEL].split("."))
+    for name, model in models.items():
+        first = model.providers[0].name if model.providers else CPU.name
+        if model.strict and first not in has:
+            return ProviderUnavailable(
+                f"model {name!r} is strict and needs provider {first}, which this device's "
+                f"ONNX Runtime build lacks (its {PROVIDERS_LABEL} label: "
+                f"{labels[PROVIDERS_LABEL] or 'none'})",
+                model=name,
+                provider=first,
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class SessionPlan:
     """How a device opens a model's session: the file, and the providers it asks

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from cluster.cli.common import RawHelpFormatter, Subparsers, err, say
 from cluster.device import DEVICE_LABEL
 from edgefleet.errors import InvalidInput
+from edgefleet.providers import PROVIDERS_LABEL
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -168,7 +169,16 @@ def _device_labels(args: argparse.Namespace) -> dict[str, str]:
             raise InvalidInput(
                 f"the host name cannot name the device ({exc}); pass --device NAME"
             ) from None
-    return {**labels, DEVICE_LABEL: name}
+    return {**labels, DEVICE_LABEL: name, PROVIDERS_LABEL: _providers()}
+
+
+def _providers() -> str:
+    """This device's execution providers (its ONNX Runtime build's), as the fleet's
+    router reads them before it starts a strict model here."""
+    from actors.engine import device_providers
+    from edgefleet.providers import providers_label
+
+    return providers_label(device_providers().providers)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import pytest
 
 from cluster.device import DEVICE_LABEL
 from cluster.head import _free_port, start_head, stop_head
+from edgefleet.providers import PROVIDERS_LABEL
 from tests.integration.test_cli import EDGEFLEET, Running, edgefleet
 
 pytestmark = pytest.mark.integration
@@ -337,6 +338,7 @@ def test_join_brings_the_device_back_after_its_raylet_dies_and_sigterm_leaves_no
         attempt, first = _wait("the device's node ALIVE", up, context=seen)
         joined_s = time.monotonic() - began
         assert first["labels"]["zone"] == "lab" and first["resources"]["cam"] == 1, first
+        assert first["labels"][PROVIDERS_LABEL] == "cpu", first  # this machine's build
 
         attempt.raylet.send_signal(signal.SIGKILL)
         killed = time.monotonic()

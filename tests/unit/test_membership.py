@@ -21,15 +21,16 @@ from edgefleet.clock import FakeClock
 from edgefleet.config import NodeSpec, parse_config
 from edgefleet.labels import DEVICE_LABEL, device_name, parse_selector
 from edgefleet.messages import ModelStatus, NodeState, NodeStatus, Reply
+from edgefleet.providers import PROVIDERS_LABEL
 from edgefleet.request import InferRequest
 from tests.fakes import x
 
 
-def config(**router: Any) -> Any:
+def config(model: dict[str, Any] | None = None, **router: Any) -> Any:
     return parse_config(
         {
             "fleet": {"name": "t"},
-            "models": {"m": {"path": "m.onnx", "warmup": False, "memory_mb": 1}},
+            "models": {"m": {"path": "m.onnx", "warmup": False, "memory_mb": 1, **(model or {})}},
             "nodes": [{"name": "fixed"}],
             "pools": [{"name": "cams", "selector": {"device": "camera"}, "queue": {"capacity": 4}}],
             "router": {"membership": {"retry_s": 1.0, "retry_max_s": 8.0}, **router},
@@ -118,12 +119,14 @@ class FakeActors:
 class Scene:
     """A router with a pool, on a fake table, fake actors, a fake clock and wall clock."""
 
-    def __init__(self, actors: FakeActors | None = None, table: FakeTable | None = None) -> None:
+    def __init__(
+        self, actors: FakeActors | None = None, table: FakeTable | None = None, cfg: Any = None
+    ) -> None:
         self.table = table or FakeTable()
         self.actors = actors or FakeActors()
         self.clock = FakeClock()
         self.sink = MemorySink()
-        self.cfg = config()
+        self.cfg = cfg or config()
         metrics = RouterMetrics("t", sink=self.sink)
         self.router = Router(
             self.cfg,
@@ -466,3 +469,23 @@ def test_the_watch_cost_bench_measures_each_pass_on_real_node_infos():
     assert cost.nodes == 200 and cost.churned == 5
     assert cost.join_ms > 0 and cost.steady_ms > 0 and cost.churn_ms > 0 and cost.parse_ms > 0
     assert cost.share(cost.steady_ms) == cost.steady_ms / 1000.0 / cost.interval_s
+
+
+def test_a_device_whose_label_lacks_a_strict_models_provider_fails_without_an_actor():
+    # `edgefleet join` labels a device with its ONNX Runtime build's providers.
+    scene = Scene(cfg=config({"providers": ["openvino", "cpu"], "strict": True}))
+    scene.table.rows = [
+        row("a1", "cam-1", **{PROVIDERS_LABEL: "cpu"}),
+        row("b1", "cam-2", **{PROVIDERS_LABEL: "openvino.cpu"}),
+        row("c1", "cam-3"),  # no label: its node finds out when it loads the model
+    ]
+    run(scene.step())
+    assert scene.states() == {
+        "cams/cam-1": "failed",
+        "cams/cam-2": "serving",
+        "cams/cam-3": "serving",
+    }
+    assert sorted(scene.actors.created) == ["t/node/cams/cam-2@b1", "t/node/cams/cam-3@c1"]
+    (failed,) = [d for d in scene.pool().devices if d.state == "failed"]
+    assert "model 'm' is strict and needs provider openvino" in failed.reason
+    assert f"its {PROVIDERS_LABEL} label: cpu" in failed.reason
