@@ -287,3 +287,20 @@ def test_validate_and_up_name_a_node_whose_machine_lacks_a_strict_models_provide
     said = capsys.readouterr()
     assert "node jetson-1: model 'classifier' is strict and needs provider cuda" in said.err
     assert "starting an embedded Ray cluster" not in said.out  # ...before starting anything
+
+
+def test_a_decoder_opens_on_its_providers_too(models_dir):
+    from actors.decoder import DecoderEngine
+    from actors.models import load_onnx
+
+    config = parse_config(
+        {"models": {"lm": {"path": "tiny_lm.onnx", "kind": "decoder", "providers": ["cuda"]}}},
+        models_dir,
+    )
+    engine = load_onnx("lm", config.models["lm"])
+    try:
+        assert isinstance(engine, DecoderEngine)
+        assert engine.providers.used == ("cpu",)
+        assert "cuda not in this ONNX Runtime build" in engine.providers.fallback
+    finally:
+        engine.close()
