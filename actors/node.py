@@ -858,6 +858,7 @@ class NodeRuntime:
                 queue_s=queue_s,
                 service_s=service_s if plan is not None else 0.0,
                 batch_size=len(plan.requests) if plan is not None else 0,
+                call_rows=plan.rows if plan is not None else 0,
                 handoff_s=call.handoff_s if call is not None else 0.0,
                 abort_s=call.abort_s if call is not None else 0.0,
             )

@@ -35,6 +35,8 @@ One line, one request (keys in this order; numbers are JSON numbers)::
                     node answered
     batch           requests in the call that served it (``Reply.batch_size``; 0 when
                     no call did); null for a generation, and when no node answered
+    call_rows       rows in that call (``Reply.call_rows``): the call's size, by which
+                    the simulator draws engine times; null as batch is
     handoff_ms      the last part of queue_ms: from the node's engine being ready for
                     that call (the call before it ended, or it was planned) to its
                     start (``Reply.handoff_s``); null as service_ms is
@@ -48,10 +50,10 @@ For example::
     {"at": 1767268800.123, "id": "9f3c...", "model": "classifier", "priority": 10,
      "rows": 1, "deadline_s": 0.2, "key": null, "session": null, "prompt_tokens": 0,
      "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0012, "node": "edge-0",
-     "service_ms": 0.731, "queue_ms": 0.052, "batch": 1, "handoff_ms": 0.041,
-     "abort_ms": 0.0}
+     "service_ms": 0.731, "queue_ms": 0.052, "batch": 1, "call_rows": 1,
+     "handoff_ms": 0.041, "abort_ms": 0.0}
 
-Readers take lines without the last five keys too (their figures then unknown): the
+Readers take lines without the last six keys too (their figures then unknown): the
 simulator replays such files, and draws engine times only from lines that have them
 (``sim.workload.read_engine_times``).
 
@@ -118,7 +120,7 @@ def call_line(
     else:
         key, session, prompt_tokens, max_new_tokens = request.key, None, 0, 0
     deadline_s = _deadline_s(request.deadline_unix, at)
-    service_ms, queue_ms, batch, handoff_ms, abort_ms = node_figures(answer)
+    service_ms, queue_ms, batch, call_rows, handoff_ms, abort_ms = node_figures(answer)
     return (
         f'{{"at": {float(at)!r}, "id": {_text(request.id)}, "model": {_text(request.model)}, '
         f'"priority": {int(request.priority)}, "rows": {int(rows)}, '
@@ -129,26 +131,28 @@ def call_line(
         f'"node": {_text(node)}, "service_ms": {_maybe_number(service_ms)}, '
         f'"queue_ms": {_maybe_number(queue_ms)}, '
         f'"batch": {"null" if batch is None else int(batch)}, '
+        f'"call_rows": {"null" if call_rows is None else int(call_rows)}, '
         f'"handoff_ms": {_maybe_number(handoff_ms)}, "abort_ms": {_maybe_number(abort_ms)}}}\n'
     )
 
 
 def node_figures(
     answer: Reply | GenerationResult | None,
-) -> tuple[float | None, float | None, int | None, float | None, float | None]:
-    """``service_ms``, ``queue_ms``, ``batch``, ``handoff_ms`` and ``abort_ms`` of a
-    request's line: what the node that gave the final ``answer`` measured (ms rounded to
-    the µs); None for a figure the answer does not carry, and for all five when no node
-    answered."""
+) -> tuple[float | None, float | None, int | None, int | None, float | None, float | None]:
+    """``service_ms``, ``queue_ms``, ``batch``, ``call_rows``, ``handoff_ms`` and
+    ``abort_ms`` of a request's line: what the node that gave the final ``answer``
+    measured (ms rounded to the µs); None for a figure the answer does not carry, and
+    for all six when no node answered."""
     if answer is None or not answer.node:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     queue_ms = round(float(answer.queue_s) * 1000, 3)
     if isinstance(answer, GenerationResult):
-        return None, queue_ms, None, None, None
+        return None, queue_ms, None, None, None, None
     return (
         round(float(answer.service_s) * 1000, 3),
         queue_ms,
         int(answer.batch_size),
+        int(answer.call_rows),
         round(float(answer.handoff_s) * 1000, 3),
         round(float(answer.abort_s) * 1000, 3),
     )

@@ -61,6 +61,9 @@ class Reply:
     queue_s: float = 0.0  # arrival to engine start
     service_s: float = 0.0  # engine time of the call that served it
     batch_size: int = 0  # requests in that call
+    # Rows in that call, on the batch axis: the call's size, which its engine time
+    # follows (the record and the simulator price calls by it).
+    call_rows: int = 0
     # the last part of queue_s: the engine ready for that call (the one before it ended,
     # or it was planned) to its start, the node's bookkeeping and thread hand-over
     handoff_s: float = 0.0

@@ -662,6 +662,7 @@ class SimNode:
                         queue_s=queue_s + handoff_s,
                         service_s=service_s,
                         batch_size=len(plan.requests) if plan is not None else 0,
+                        call_rows=plan.rows if plan is not None else 0,
                         handoff_s=handoff_s,
                     ),
                     outside_s,

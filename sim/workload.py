@@ -1031,7 +1031,8 @@ def read_trace(path: str | Path) -> list[Arrival]:
 
 def read_engine_times(path: str | Path) -> EngineTimes:
     """Engine time of the calls a call record's completed inferences ran in, by model and
-    batch size (``service_ms`` and ``batch`` of each line, see ``cluster/record.py``),
+    the call's size in rows (``service_ms`` and ``call_rows`` of each line, see
+    ``cluster/record.py``; a line without ``call_rows``: ``batch``, its requests),
     each with when it started (``at`` plus ``queue_ms``, seconds after the record's first
     arrival), in that order; a call of ``n`` requests appears once for each of them.
     Each also has the time its request spent outside its node (``latency_s`` less
@@ -1057,7 +1058,7 @@ def read_engine_times(path: str | Path) -> EngineTimes:
             if problem is not None:
                 raise ConfigError(f"{file}:{number}: {problem}")
             first = min(first, obj["at"])
-            service, batch = obj.get("service_ms"), obj.get("batch")
+            service, batch = obj.get("service_ms"), obj.get("call_rows") or obj.get("batch")
             if (
                 obj.get("outcome") == "completed"
                 and obj.get("prompt_tokens", 0) == 0
@@ -1108,6 +1109,7 @@ _ENGINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "service_ms": _MS,
     "queue_ms": _MS,
     "batch": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
+    "call_rows": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
     "handoff_ms": _MS,
     "abort_ms": _MS,
     "outcome": (lambda v: isinstance(v, str), "a string"),

@@ -3,10 +3,12 @@ back by the simulator's ``read_trace``. Dispatchers over scripted node handles (
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import logging
 import os
+import random
 import re
 import socket
 import time
@@ -17,18 +19,21 @@ from typing import Any
 import pytest
 
 import cluster.record
+from actors.node import NodeRuntime
 from cluster.dispatch import Dispatcher, FutureCalls
+from cluster.record import call_line
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.errors import Rejected
 from edgefleet.messages import GenerationResult, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
+from sim.run import recorded_costs
 from sim.workload import Arrival, read_engine_times, read_trace
-from tests.fakes import x
+from tests.fakes import FakeLoader, fake_spec, x
 
 REFUSED = "refused"  # every node refuses this id
 SPILLED = "spilled"  # the first node asked refuses this id; the next takes it
-# what a scripted node says it measured: queued, engine time, requests in the call
-QUEUE_S, SERVICE_S, BATCH, HANDOFF_S, ABORT_S = 0.0015, 0.00425, 2, 0.0002, 0.0007
+# what a scripted node says it measured: queued, engine time, requests and rows in the call
+QUEUE_S, SERVICE_S, BATCH, CALL_ROWS, HANDOFF_S, ABORT_S = 0.0015, 0.00425, 2, 5, 0.0002, 0.0007
 
 
 class ScriptedNode(FutureCalls):
@@ -53,6 +58,7 @@ class ScriptedNode(FutureCalls):
             queue_s=QUEUE_S,
             service_s=SERVICE_S,
             batch_size=BATCH,
+            call_rows=CALL_ROWS,
             handoff_s=HANDOFF_S,
             abort_s=ABORT_S,
         )
@@ -154,6 +160,7 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
         "service_ms",
         "queue_ms",
         "batch",
+        "call_rows",
         "handoff_ms",
         "abort_ms",
     ]
@@ -184,12 +191,13 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
     assert (got["unknown"]["outcome"], got["unknown"]["node"]) == ("modelnotfound", "")
 
     # the figures the answering node measured, in ms; null where none answered
-    figures = ("service_ms", "queue_ms", "batch", "handoff_ms", "abort_ms")
+    figures = ("service_ms", "queue_ms", "batch", "call_rows", "handoff_ms", "abort_ms")
     for rid in ("timed", "plain", SPILLED):
-        assert tuple(got[rid][k] for k in figures) == (4.25, 1.5, BATCH, 0.2, 0.7), rid
-    assert tuple(chat[k] for k in figures) == (None, 1.5, None, None, None)  # its queue
+        want = (4.25, 1.5, BATCH, CALL_ROWS, 0.2, 0.7)
+        assert tuple(got[rid][k] for k in figures) == want, rid
+    assert tuple(chat[k] for k in figures) == (None, 1.5, None, None, None, None)  # its queue
     for rid in (REFUSED, "unknown", "left"):  # no node answered; the caller walked away
-        assert tuple(got[rid][k] for k in figures) == (None,) * 5, rid
+        assert tuple(got[rid][k] for k in figures) == (None,) * 6, rid
 
 
 def test_the_record_reads_back_as_the_arrivals_sent(tmp_path):
@@ -339,3 +347,46 @@ def test_a_request_that_cannot_be_recorded_costs_its_own_line_only(tmp_path, cap
     assert d._record is not None and d._record.skipped == 2
     warnings = [r.getMessage() for r in caplog.records if r.name == "cluster.record"]
     assert len(warnings) == 1 and "cannot be recorded" in warnings[0]
+
+
+def test_a_call_of_multi_row_requests_is_priced_by_its_rows_not_its_requests(tmp_path):
+    # A node that batches two 2-row requests runs a 4-row call; the simulator must draw
+    # a 4-row call's engine time from it, and a lone 2-row request's from 2-row calls.
+    node = NodeRuntime(
+        fake_spec({"m": {"batching": {"window_ms": 1000, "max_batch_size": 8}}}),
+        loader=FakeLoader(m={"cost_s": 0.001}),
+    )
+
+    async def serve() -> list[Reply]:
+        await node.start()
+        together = [node.infer(InferRequest(model="m", inputs=x(1.0, rows=2))) for _ in range(2)]
+        replies = list(await asyncio.gather(*together))
+        replies.append(await node.infer(InferRequest(model="m", inputs=x(2.0, rows=2))))
+        return replies
+
+    replies = asyncio.run(asyncio.wait_for(serve(), 30))
+    sizes = [(r.batch_size, r.call_rows) for r in replies]
+    assert sizes[:2] == [(2, 4), (2, 4)] and sizes[2][1] in (2, 4), sizes
+    path = tmp_path / "calls.jsonl"
+    path.write_text(
+        "".join(
+            call_line(
+                InferRequest(model="m", inputs=x(1.0, rows=2), id=r.request_id),
+                at=1767268800.0 + i,
+                rows=2,
+                outcome="completed",
+                latency_s=0.01,
+                node="fake-0",
+                answer=r,
+            )
+            for i, r in enumerate(replies)
+        )
+    )
+    times = read_engine_times(path)["m"]
+    assert sorted(times) == sorted({rows for _, rows in sizes})  # by rows: 4 (and 2)
+    costs = recorded_costs({"m": times})["m"]
+    rng = random.Random(0)
+    recorded = [round(r.service_s * 1000, 3) for r in replies if r.call_rows == 4]
+    for _ in range(5):
+        drawn = costs.draw(4, rng).seconds * 1000
+        assert min(abs(drawn - ms) for ms in recorded) < 1e-6, (drawn, recorded)
