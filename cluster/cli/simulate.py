@@ -46,6 +46,37 @@ def add_parser(sub: Subparsers) -> None:
     )
     simulate.set_defaults(func=cmd_simulate)
 
+    from sim.plan import TARGET_HELP
+
+    plan = sub.add_parser(
+        "plan",
+        help="the fewest nodes that meet latency and completion targets for a workload, "
+        "found in simulation",
+        epilog="example:\n  edgefleet plan configs/local.yaml --workload configs/sim/steady.yaml "
+        "--target 'foreground.p99<=50ms,offline.completed>=0.99'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("config", help="fleet YAML: the nodes (repeated in turn), models, placement")
+    plan.add_argument(
+        "--workload",
+        required=True,
+        help="workload YAML; its traffic is held fixed (a rate_per_node at the config's size)",
+    )
+    plan.add_argument("--target", required=True, help=TARGET_HELP)
+    plan.add_argument(
+        "--max-nodes", type=int, default=1024, help="largest fleet tried (default: %(default)s)"
+    )
+    plan.add_argument(
+        "--requests", type=int, help="arrivals per simulation (default: the workload's)"
+    )
+    plan.add_argument("--costs", metavar="PATH", help="as for simulate --costs")
+    plan.add_argument(
+        "--out",
+        default="plan-report",
+        help="folder for plan.md and plan.png (default: %(default)s)",
+    )
+    plan.set_defaults(func=cmd_plan)
+
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
@@ -110,6 +141,43 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             )
     say(f"report: {report}")
     return 130 if any(r.interrupted for r in results) else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from edgefleet.config import load_config
+    from edgefleet.errors import InvalidInput
+    from sim.plan import parse_targets, plan, plot
+    from sim.run import workload_costs
+    from sim.workload import load_workload
+
+    if args.max_nodes < 1:
+        raise InvalidInput(f"--max-nodes is {args.max_nodes}; give 1 or more")
+    config = load_config(args.config)
+    workload = load_workload(args.workload)
+    targets = parse_targets(args.target, list(config.priorities))
+    costs = workload_costs(workload, args.costs) if args.costs is not None else None
+
+    def tried(trial: Any) -> None:
+        shown = ", ".join(
+            f"{t.text.split('<')[0].split('>')[0]} {t.show(v)}"
+            for t, v in zip(targets, trial.values, strict=True)
+        )
+        err(f"{trial.nodes:>5} node(s): {shown}: {'all met' if trial.passed else 'missed'}")
+
+    result = plan(
+        config, workload, targets, max_nodes=args.max_nodes, requests=args.requests,
+        costs=costs, tried=tried,
+    )  # fmt: skip
+    out = Path(args.out)
+    lines = result.lines()
+    chart = plot(result, out / "plan.png")
+    title = f"# Capacity plan: {args.config}, workload {args.workload}"
+    (out / "plan.md").write_text("\n".join([title, "", *lines, "", f"![curve]({chart.name})", ""]))
+    say("\n".join(lines))
+    say(f"report: {out / 'plan.md'} and {chart}")
+    return 0 if result.answer is not None else 1
 
 
 def _ms(value: float | None) -> str:
