@@ -157,7 +157,9 @@ def _on_running_fleet(
     from cluster.deploy import find_fleet, node_handles
 
     name = args.fleet or config.fleet.name
-    connect(args.address, name)  # FleetNotRunning at once when nothing answers
+    # FleetNotRunning at once when nothing answers; CONFIG says how its cluster
+    # authenticates (a cluster Ray finds by itself is spoken to that way, as `up` does)
+    connect(args.address, name, token_auth=config.ray.auth == "token")
     router, deployed = find_fleet(name)  # bounded: FleetNotRunning past CONTROL_TIMEOUT_S
     plan = _plan(args, config, deployed, workload)
     plan.build_inputs(deployed)
@@ -336,6 +338,7 @@ class _Tally:
         self.answers: list[Answer] = []
         self.errors = 0
         self.samples: list[tuple[float, int, int]] = []  # (s into the run, queued, in flight)
+        self.sent = 0  # requests sent, once sending has ended
 
     def add(self, answer: Answer) -> None:
         self.answers.append(answer)
@@ -455,6 +458,7 @@ def _drive(client: FleetClient, plan: _Plan, tally: _Tally) -> str | None:
                 traffic.run(driver.stop(DRAIN_S, drain=True), DRAIN_S + CONTROL_TIMEOUT_S)
             raise
         finally:
+            tally.sent = driver.counts.submitted
             bar.close()
             sampler.stop()
 
@@ -520,9 +524,12 @@ def _result(
             recorder.counter(name, counters[name])
     for name, n in sorted(failed.items()):
         recorder.counter(f"failed: {name}", n)
-    unanswered = len(plan.arrivals) - len(answers)
-    if unanswered and interrupted:
-        recorder.counter("not sent or not answered (interrupted)", unanswered)
+    if interrupted:  # what the report leaves out
+        sent = tally.sent
+        if len(plan.arrivals) > sent:
+            recorder.counter("not sent (interrupted)", len(plan.arrivals) - sent)
+        if sent > len(answers):
+            recorder.counter("sent, not answered (interrupted)", sent - len(answers))
     return RunResult(
         "live",
         recorder,
