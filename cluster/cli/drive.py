@@ -428,39 +428,42 @@ def _drive(client: FleetClient, plan: _Plan, tally: _Tally) -> str | None:
     )
     bar = tqdm(total=total, unit="req", desc="driving", file=sys.stderr, leave=False)
     sampler = _Sampler(client, lambda: driver.in_flight, tally)
-    with LoopThread("edgefleet-drive") as traffic:
-        try:
-            traffic.run(driver.start(), CONTROL_TIMEOUT_S)
-            sampler.start()
-            start = time.monotonic()
-            give_up = start + last_due + REQUEST_TIMEOUT_S + FINISH_MARGIN_S
-            done = traffic.spawn(driver.wait())
-            while not done.done() and time.monotonic() < give_up:
-                _show(bar, tally, driver.counts.submitted)
-                time.sleep(0.1)
+    traffic: LoopThread | None = None
+    try:
+        traffic = LoopThread("edgefleet-drive")
+        traffic.run(driver.start(), CONTROL_TIMEOUT_S)
+        sampler.start()
+        give_up = time.monotonic() + last_due + REQUEST_TIMEOUT_S + FINISH_MARGIN_S
+        done = traffic.spawn(driver.wait())
+        while not done.done() and time.monotonic() < give_up:
             _show(bar, tally, driver.counts.submitted)
-            if not done.done():  # every request is bounded: only a stuck driver gets here
-                traffic.run(driver.stop(DRAIN_S), CONTROL_TIMEOUT_S)
-                late = REQUEST_TIMEOUT_S + FINISH_MARGIN_S
-                return f"answers still out {late:g} s after the last arrival"
-            try:
-                done.result()
-            except TrafficError as exc:
-                return str(exc)
-            return None
-        except KeyboardInterrupt:
-            bar.close()
-            err(
-                f"interrupted: stopped sending; waiting up to {DRAIN_S:g} s for the "
-                f"{driver.in_flight} answers still out"
-            )
+            time.sleep(0.1)
+        _show(bar, tally, driver.counts.submitted)
+        if not done.done():  # every request is bounded: only a stuck driver gets here
+            traffic.run(driver.stop(DRAIN_S), CONTROL_TIMEOUT_S)
+            late = REQUEST_TIMEOUT_S + FINISH_MARGIN_S
+            return f"answers still out {late:g} s after the last arrival"
+        try:
+            done.result()
+        except TrafficError as exc:
+            return str(exc)
+        return None
+    except KeyboardInterrupt:
+        bar.close()
+        err(
+            f"interrupted: stopped sending; waiting up to {DRAIN_S:g} s for the "
+            f"{driver.in_flight} answers still out"
+        )
+        if traffic is not None:
             with contextlib.suppress(KeyboardInterrupt, TrafficError):  # again: report now
                 traffic.run(driver.stop(DRAIN_S, drain=True), DRAIN_S + CONTROL_TIMEOUT_S)
-            raise
-        finally:
-            tally.sent = driver.counts.submitted
-            bar.close()
-            sampler.stop()
+        raise
+    finally:
+        tally.sent = driver.counts.submitted
+        bar.close()
+        sampler.stop()
+        if traffic is not None:
+            traffic.close()
 
 
 def _show(bar: Any, tally: _Tally, sent: int) -> None:
