@@ -403,9 +403,14 @@ def _drive_and_close(
             _bound_the_stop()
         client.close()  # its call record is written out here
     if record is not None:
+        same = "".join(
+            f" --{name} {value}"
+            for name, value in (("requests", args.requests), ("seed", args.seed))
+            if value is not None
+        )
         err(
             f"call record: {record} (`edgefleet simulate {args.config} --workload "
-            f"{args.workload} --costs {record}` replays its engine times)"
+            f"{args.workload}{same} --costs {record}` replays its engine times)"
         )
     if interrupted:
         return 130
@@ -533,6 +538,10 @@ def _result(
             recorder.counter("not sent (interrupted)", len(plan.arrivals) - sent)
         if sent > len(answers):
             recorder.counter("sent, not answered (interrupted)", sent - len(answers))
+    if answers:  # the run: from the traffic's start to its last answer
+        first = answers[0]
+        assert first.arrival is not None and first.due is not None
+        elapsed_s = max(a.done for a in answers) - (first.due - first.arrival.at)
     return RunResult(
         "live",
         recorder,

@@ -168,7 +168,8 @@ def test_the_report_has_each_class_every_outcome_and_the_errors_by_type():
     assert counts["not sent (interrupted)"] == 1
     assert result.recorder.busy_s == pytest.approx([0.002, 0.002])
     text = report_markdown([result], title="Live fleet", description=["a run"])
-    assert "Drove a live fleet for 1.0 s; 5 answers." in text
+    assert result.simulated_s == pytest.approx(0.45)  # the start to the last answer
+    assert f"Drove a live fleet for {result.simulated_s:.1f} s; 5 answers." in text
     assert "| foreground " in text and "| failed: TimedOut " in text
     assert "Interrupted: results so far" in text and "simulated" not in text
     assert "![" not in text  # printed: no plots
