@@ -268,6 +268,7 @@ class RunResult:
     wall_s: float  # wall time the run took
     events: int  # simulator events processed
     interrupted: bool = False
+    live: bool = False  # a live fleet's run (`edgefleet drive`): its time is wall time
 
     def class_name(self, priority: int) -> str:
         """The class name of ``priority`` (the number itself when no class has it)."""
@@ -508,18 +509,25 @@ def compare_table(results: Sequence[RunResult]) -> str:
 def _run_section(result: RunResult) -> list[str]:
     rec = result.recorder
     lines = [f"## Run: {result.label}", ""]
+    clock = "" if result.live else " of simulated time"
     if result.interrupted:
         lines += [
-            f"**Interrupted: results so far** (stopped at {result.simulated_s:.1f} s of "
-            "simulated time; the figures cover the answers recorded by then).",
+            f"**Interrupted: results so far** (stopped at {result.simulated_s:.1f} s"
+            f"{clock}; the figures cover the answers recorded by then).",
             "",
         ]
     speed = result.simulated_s / result.wall_s if result.wall_s > 0 else math.nan
     speed_text = "-" if math.isnan(speed) else f"{speed:,.1f}x" if speed < 10 else f"{speed:,.0f}x"
+    if result.live:
+        ran = f"Drove a live fleet for {result.simulated_s:.1f} s; {rec.answers} answers."
+    else:
+        ran = (
+            f"Simulated {result.simulated_s:.1f} s in {result.wall_s:.1f} s of wall time "
+            f"({speed_text} real time); {result.events} "
+            f"events, {_fmt_rate(result.events_per_s)} events/s; {rec.answers} answers."
+        )
     lines += [
-        f"Simulated {result.simulated_s:.1f} s in {result.wall_s:.1f} s of wall time "
-        f"({speed_text} real time); {result.events} "
-        f"events, {_fmt_rate(result.events_per_s)} events/s; {rec.answers} answers.",
+        ran,
         "",
         "**Latency of completed requests by priority class** (arrival to answer):",
         "",
@@ -560,7 +568,8 @@ def _run_section(result: RunResult) -> list[str]:
     util = result.utilisation()
     fractions = result.busy_fractions()
     lines += [
-        f"**Node utilisation** (engine busy time over simulated time, {len(rec.nodes)} nodes):",
+        f"**Node utilisation** (engine busy time over "
+        f"{'the run' if result.live else 'simulated time'}, {len(rec.nodes)} nodes):",
         "",
         md_table(
             ["mean", "p50", "p99", "max"],
@@ -637,6 +646,21 @@ def write_report(
     over time) for one run or several side by side; return the path of the Markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    text = report_markdown(results, title=title, description=description, plots=out)
+    path = out / "report.md"
+    path.write_text(text)
+    return path
+
+
+def report_markdown(
+    results: Sequence[RunResult],
+    *,
+    title: str,
+    description: Sequence[str] = (),
+    plots: Path | None = None,
+) -> str:
+    """The Markdown of :func:`write_report`; with ``plots`` (a folder) its PNG plots are
+    drawn there and linked, without them the text has the tables alone (to print)."""
     lines = [f"# {title}", ""]
     if description:
         lines += [f"- {line}" for line in description] + [""]
@@ -659,30 +683,34 @@ def write_report(
                 "lowest p99, rejected and evicted; most completed.",
                 "",
             ]
-        _plot_latency_cdf(results, out / LATENCY_PNG)
-        _plot_queue(results, out / QUEUE_PNG)
-        lines += [
-            "## Plots",
-            "",
-            f"![Latency CDF of completed requests by priority class]({LATENCY_PNG})",
-            "",
-            f"![Requests queued on nodes and in flight over simulated time]({QUEUE_PNG})",
-            "",
-        ]
-        if any(r.churned() for r in results):
-            _plot_capacity(results, out / CAPACITY_PNG)
-            lines += [f"![Devices serving over simulated time]({CAPACITY_PNG})", ""]
-        lines += [
-            f"Latency lines are drawn at about {CDF_POINTS} quantiles each. A run with "
-            f"more than {SERIES_POINTS} queue samples is drawn with the largest value of "
-            "each stretch of time.",
-            "",
-        ]
+        if plots is not None:
+            lines += _plots(results, plots)
         for result in results:
             lines += _run_section(result)
-    path = out / "report.md"
-    path.write_text("\n".join(lines).rstrip("\n") + "\n")
-    return path
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _plots(results: Sequence[RunResult], out: Path) -> list[str]:
+    """Draw the report's plots in ``out``; the lines of its section linking them."""
+    _plot_latency_cdf(results, out / LATENCY_PNG)
+    _plot_queue(results, out / QUEUE_PNG)
+    lines = [
+        "## Plots",
+        "",
+        f"![Latency CDF of completed requests by priority class]({LATENCY_PNG})",
+        "",
+        f"![Requests queued on nodes and in flight over simulated time]({QUEUE_PNG})",
+        "",
+    ]
+    if any(r.churned() for r in results):
+        _plot_capacity(results, out / CAPACITY_PNG)
+        lines += [f"![Devices serving over simulated time]({CAPACITY_PNG})", ""]
+    return lines + [
+        f"Latency lines are drawn at about {CDF_POINTS} quantiles each. A run with "
+        f"more than {SERIES_POINTS} queue samples is drawn with the largest value of "
+        "each stretch of time.",
+        "",
+    ]
 
 
 # ---------------------------------------------------------------------------- plots

@@ -10,12 +10,12 @@ import argparse
 import os
 import textwrap
 
-from cluster.cli import dashboard, demo, device, inference, lifecycle, models, simulate
+from cluster.cli import dashboard, demo, device, drive, inference, lifecycle, models, simulate
 from cluster.cli.common import Parser, RawHelpFormatter, err
 from cluster.cli.interrupts import exit_on_stuck_interrupt
 from edgefleet.errors import EdgeFleetError
 
-RAY_COMMANDS = ("up", "down", "status", "infer", "generate")  # they start or join a Ray
+RAY_COMMANDS = ("up", "down", "status", "infer", "generate", "drive")  # they start or join a Ray
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,12 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
               edgefleet models show configs/local.yaml  # every model's inputs and outputs
               edgefleet validate configs/local.yaml   # check a fleet file
               edgefleet dashboard export fleet.json   # the Grafana dashboard
+              edgefleet drive configs/local.yaml --workload configs/sim/steady.yaml  # live
               edgefleet join 10.0.0.1:6379 --labels zone=dock  # on a device: join the cluster
             """
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for group in (models, lifecycle, device, inference, demo, dashboard, simulate):  # help's order
+    groups = (models, lifecycle, device, inference, demo, dashboard, simulate, drive)
+    for group in groups:  # help's order
         group.add_parser(sub)
     return parser
 
