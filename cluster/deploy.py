@@ -16,7 +16,7 @@ import ray
 from ray._private import ray_constants
 from ray.actor import ActorHandle
 
-from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth
+from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth, token_auth_at
 from cluster.names import NAMESPACE, PROBE_GROUP, actor_name, node_actor_prefix, router_name
 from cluster.nodes import max_concurrency
 from edgefleet.config import FleetConfig
@@ -70,6 +70,8 @@ def connect_ray(address: str | None, fleet: str, *, token_auth: bool = False) ->
         address = recorded if recorded is not None else _discover(fleet)
     if address == recorded:
         token_auth = token_auth or recorded_token_auth(fleet)
+    elif found:  # another fleet's head, maybe: speak its authentication
+        token_auth = token_auth or token_auth_at(address)
     if not reachable(address):
         if address == recorded:
             raise FleetNotRunning(

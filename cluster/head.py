@@ -57,6 +57,16 @@ def recorded_token_auth(fleet: str) -> bool:
     return bool(_recorded(fleet).get("token_auth", True))
 
 
+def token_auth_at(address: str) -> bool:
+    """Whether a head ``up --detach`` started (for any fleet) at ``address`` runs with
+    token authentication: a cluster Ray's discovery finds may be another fleet's head."""
+    for state in Path(tempfile.gettempdir()).glob("edgefleet-*/edgefleet.json"):
+        fleet = state.parent.name.removeprefix("edgefleet-")
+        if recorded_address(fleet) == address and recorded_token_auth(fleet):
+            return True
+    return False
+
+
 def reachable(address: str, timeout_s: float = 2.0) -> bool:
     """Whether anything accepts a TCP connection at a Ray address (``host:port``, maybe
     with a scheme such as ``ray://``): a quick answer before Ray's own connect, which

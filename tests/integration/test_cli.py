@@ -243,6 +243,11 @@ def test_up_detach_status_client_down(tmp_path):
         data = json.loads(status.stdout)
         assert sorted(n["name"] for n in data["nodes"]) == ["edge-0", "edge-1"]
         assert all(n["healthy"] for n in data["nodes"])
+        # Another fleet's name: Ray's discovery finds this (token-authenticated) head,
+        # which has no such fleet; said at once, not a connection traceback.
+        other = edgefleet("status", "--fleet", f"{fleet}-other")
+        assert other.returncode == 2, other.stderr[-3000:]
+        assert f"no fleet '{fleet}-other' is running on this Ray cluster" in other.stderr
 
         client = subprocess.run(
             [sys.executable, "-c", CLIENT.format(fleet=fleet)],
