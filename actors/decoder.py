@@ -57,6 +57,10 @@ WARMUP_TOKENS = 32
 # DynamicQuantizeLinear (what quantize_dynamic and Optimum's quantizer put before each
 # MatMulInteger) and ONNX Runtime's DynamicQuantizeMatMul / DynamicQuantizeLSTM.
 DYNAMIC_QUANTIZE = b"DynamicQuantize"
+# ONNX Runtime's int4/int8 weight-only MatMul: with accuracy_level >= 2 it quantizes or
+# converts the activations per call (level 4: int8 with a scale from each call's data).
+MATMUL_NBITS = b"MatMulNBits"
+NBITS_GROUPING_LEVEL = 2
 
 
 @dataclass(frozen=True)
@@ -672,12 +676,42 @@ def _ignore(token: int) -> None:
 
 def dynamically_quantized(path: Path) -> bool:
     """True when the model at ``path`` quantizes activations with a scale computed from
-    each call's data (see DYNAMIC_QUANTIZE). An op type is stored as plain text in the
-    ONNX file, so a byte search finds it in the graph, its subgraphs and functions
-    without parsing anything: onnx.load would read every embedded weight into memory
-    (load_external_data=False skips only external files, which hold no ops)."""
+    each call's data: a DynamicQuantize op (see DYNAMIC_QUANTIZE), or a MatMulNBits
+    whose ``accuracy_level`` is 2 or more (its activations are converted to fp16, bf16
+    or int8 at run time, per call: the int4 default of ONNX Runtime GenAI's builder is
+    4). An op type is stored as plain text in the ONNX file, so a byte search finds it
+    in the graph, its subgraphs and functions without parsing anything: onnx.load would
+    read every embedded weight into memory (load_external_data=False skips only
+    external files, which hold no ops). Only a file that holds a MatMulNBits is parsed,
+    for its attributes."""
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return data.find(DYNAMIC_QUANTIZE) >= 0
+        if data.find(DYNAMIC_QUANTIZE) >= 0:
+            return True
+        if data.find(MATMUL_NBITS) < 0:
+            return False
+    return _nbits_accuracy(path) >= NBITS_GROUPING_LEVEL
+
+
+def _nbits_accuracy(path: Path) -> int:
+    """The highest ``accuracy_level`` of the model's MatMulNBits ops (0: unset)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    graphs = [model.graph]
+    level = 0
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            for attr in node.attribute:
+                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
+                    level = max(level, attr.i)
+                graphs += [attr.g] if attr.HasField("g") else []
+                graphs += list(attr.graphs)
+    for function in model.functions:
+        for node in function.node:
+            if node.op_type == "MatMulNBits":
+                level = max([level, *(a.i for a in node.attribute if a.name == "accuracy_level")])
+    return level
 
 
 def _metadata(session: ort.InferenceSession, path: Path) -> dict[str, Any]:
