@@ -4,6 +4,7 @@ instances), else in this process (the ``cli`` fixture), checking exit codes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -25,13 +26,17 @@ EDGEFLEET = Path(sys.executable).parent / "edgefleet"  # the console script
 pytestmark = pytest.mark.integration
 
 
-def edgefleet(*args: str, cwd: Path = REPO, timeout: float = 240) -> subprocess.CompletedProcess:
+def edgefleet(
+    *args: str, cwd: Path = REPO, timeout: float = 240, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """The console script run as a user runs it; ``env``: more environment for it."""
     return subprocess.run(
         [str(EDGEFLEET), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -86,6 +91,12 @@ class Running:
             with self._more:
                 into.append(chunk)
                 self._more.notify_all()
+        # The end of its output: a waiter learns at once that the process exited (not
+        # after its whole timeout, when what it waits for never came).
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        with self._more:
+            self._more.notify_all()
 
     @property
     def out(self) -> str:

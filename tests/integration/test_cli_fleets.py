@@ -47,6 +47,14 @@ def _assert_plain(stderr: str) -> None:
     assert "Traceback" not in stderr and "\x1b[" not in stderr, stderr[-3000:]
 
 
+def no_ray_here() -> dict[str, str]:
+    """Environment for a command that should find no fleet: Ray's discovery ends at an
+    address where nothing listens, not at whichever Ray runs on this machine meanwhile
+    (another test's, which may be stopping: connecting to it can take minutes). Where
+    the command finds a record of the fleet, it still uses that."""
+    return {"RAY_ADDRESS": f"127.0.0.1:{_free_port()}"}
+
+
 def _write_config(path: Path, fleet: str, extra: str = "") -> Path:
     path.write_text(
         f"fleet: {{name: {fleet}}}\n"
@@ -98,7 +106,7 @@ def test_commands_for_a_fleet_that_is_not_running_answer_at_once(tmp_path, cli):
         assert down.returncode == 0, down.stderr[-3000:]
         assert "was gone; cleaned up" in down.stdout and str(head_dir(stale)) in down.stdout
         assert not head_dir(stale).exists() and took < ANSWER_S
-        again = edgefleet("down", "--fleet", stale)
+        again = edgefleet("down", "--fleet", stale, env=no_ray_here())
         assert again.returncode == 2 and "nothing to stop" in again.stderr
     finally:
         shutil.rmtree(head_dir(stale), ignore_errors=True)
@@ -126,7 +134,7 @@ def test_down_cleans_up_after_a_head_that_died(tmp_path, cli):
     assert "was gone; cleaned up" in down.stdout, down.stdout
     assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
     assert took < ANSWER_S, took
-    again = edgefleet("down", "--fleet", fleet)
+    again = edgefleet("down", "--fleet", fleet, env=no_ray_here())
     assert again.returncode == 2 and "nothing to stop" in again.stderr
 
 
@@ -146,7 +154,7 @@ def test_a_failed_up_says_why_in_one_line_and_stops_what_it_started(tmp_path):
         assert line.startswith("error: node edge-") and "could not start: model " in line, line
         assert "more than the node's memory budget" in line, line
         _assert_plain(up.stderr)
-        down = edgefleet("down", "--fleet", fleet)
+        down = edgefleet("down", "--fleet", fleet, env=no_ray_here())
         assert down.returncode == 2 and "nothing to stop" in down.stderr, down.stderr[-3000:]
         assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
 
@@ -157,7 +165,7 @@ def test_a_failed_up_says_why_in_one_line_and_stops_what_it_started(tmp_path):
         _assert_plain(bad.stderr)
         assert _fleet_processes(str(head_dir(fleet))) == [] and not head_dir(fleet).exists()
     finally:
-        edgefleet("down", "--fleet", fleet)
+        edgefleet("down", "--fleet", fleet, env=no_ray_here())
 
 
 def test_up_says_which_nodes_wait_for_what_and_gives_up(tmp_path):

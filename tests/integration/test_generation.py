@@ -45,6 +45,42 @@ def lm_fleet(make_fleet, **node_defaults):
     )
 
 
+@pytest.fixture(scope="module")
+def _module_lm_fleet(_shared_ray, models_dir, slow_lm):
+    """One fleet for the tests that take the default settings (a fleet deployed is a
+    few seconds on a busy machine), on the session's Ray."""
+    import ray
+
+    from cluster.client import FleetClient
+    from cluster.deploy import init_loopback_ray
+    from edgefleet.config import parse_config
+
+    if not ray.is_initialized():
+        init_loopback_ray(num_cpus=4)  # as the session's ``ray_session`` starts it
+    config = parse_config(
+        {
+            "fleet": {"name": "generation"},
+            "local": {"nodes": 1},
+            "models": {"lm": {"path": "slow_lm.onnx", "kind": "decoder"}},
+        },
+        models_dir,
+    )
+    with FleetClient.local(config) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+def lm(_module_lm_fleet):
+    """The module's fleet of one node with default settings, as a fresh one starts: in
+    the foreground, nothing running or paused (a test that passed left it so)."""
+    fleet = _module_lm_fleet
+    node = node_status(fleet)
+    if node.lifecycle != "foreground":
+        fleet.set_lifecycle(node.name, "foreground")
+    wait_for(lambda: (lambda n: n.running is None and not n.paused)(node_status(fleet)), 60)
+    return fleet
+
+
 def start_stream(fleet, results, name, **kw):
     """Consume a generation on a thread; record its tokens and result."""
 
@@ -71,10 +107,8 @@ def node_status(fleet):
     return node
 
 
-def test_paused_and_resumed_generation_is_identical_and_urgent_work_streams_first(
-    make_fleet, slow_lm
-):
-    fleet = lm_fleet(make_fleet)
+def test_paused_and_resumed_generation_is_identical_and_urgent_work_streams_first(lm, slow_lm):
+    fleet = lm
     expected = reference(slow_lm, PROMPT, 300)
     bg = fleet.generate("lm", PROMPT, max_new_tokens=300, priority="background")
     first = next(bg)  # the background generation is running
@@ -110,8 +144,8 @@ def test_trimmed_then_reprefilled_generation_is_identical(make_fleet, slow_lm):
     assert bg.result.fed_tokens > len(PROMPT) + 200 - 1
 
 
-def test_cancel_of_a_paused_generation_frees_its_kv(make_fleet, slow_lm):
-    fleet = lm_fleet(make_fleet)
+def test_cancel_of_a_paused_generation_frees_its_kv(lm, slow_lm):
+    fleet = lm
     results: dict = {}
     bg = fleet.generate("lm", PROMPT, max_new_tokens=400, priority="background")
     next(bg)
@@ -128,8 +162,8 @@ def test_cancel_of_a_paused_generation_frees_its_kv(make_fleet, slow_lm):
     assert results["fg"][1].finish_reason == "length"
 
 
-def test_governor_cuts_background_budget_on_event_and_restores_it(make_fleet, slow_lm):
-    fleet = lm_fleet(make_fleet)
+def test_governor_cuts_background_budget_on_event_and_restores_it(lm, slow_lm):
+    fleet = lm
     node = node_status(fleet).name
     assert node_status(fleet).lifecycle == "foreground"
     fleet.set_lifecycle(node, "background")
@@ -151,8 +185,8 @@ def test_governor_cuts_background_budget_on_event_and_restores_it(make_fleet, sl
         fleet.set_lifecycle(node, "asleep")
 
 
-def test_session_turns_reuse_kv_and_match_a_fresh_prefill(make_fleet, slow_lm):
-    fleet = lm_fleet(make_fleet)
+def test_session_turns_reuse_kv_and_match_a_fresh_prefill(lm, slow_lm):
+    fleet = lm
     turn1 = fleet.generate("lm", PROMPT, max_new_tokens=12, session="chat-1")
     out1 = turn1.collect()
     prompt2 = (*PROMPT, *out1, 5, 6, 7)
@@ -169,8 +203,8 @@ def test_session_turns_reuse_kv_and_match_a_fresh_prefill(make_fleet, slow_lm):
     assert b.result.reused_tokens == SYSTEM
 
 
-def test_bad_generation_requests_get_typed_errors_and_harm_nothing(make_fleet, slow_lm):
-    fleet = lm_fleet(make_fleet)
+def test_bad_generation_requests_get_typed_errors_and_harm_nothing(lm, slow_lm):
+    fleet = lm
     with pytest.raises(InvalidInput, match="does not fit the context"):
         fleet.generate("lm", [1] * 600, max_new_tokens=4).collect()
     with pytest.raises(InvalidInput, match="outside the vocabulary"):
