@@ -23,7 +23,7 @@ from cluster.deploy import LOOPBACK, NAMESPACE, pin_loopback, use_auth_mode
 from cluster.raylet import kill_raylet, start_raylet_with
 from edgefleet.config import parse_config
 from edgefleet.modelgen import random_inputs
-from tests.integration.test_pools_cluster import free_port, wait_until
+from tests.integration.test_fleet_cluster import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
