@@ -716,8 +716,9 @@ def _nbits_accuracy(path: Path) -> int:
 
 def _metadata(session: ort.InferenceSession, path: Path) -> dict[str, Any]:
     """Model facts from the ONNX metadata, else from a config.json beside the model
-    (where Optimum exports write it)."""
-    meta: dict[str, Any] = {}
+    (where Optimum exports write it), else from a genai_config.json (ONNX Runtime
+    GenAI's builder writes one; see :func:`genai_facts`)."""
+    meta: dict[str, Any] = dict(genai_facts(path))
     config = path.parent / "config.json"
     if config.is_file():
         with contextlib.suppress(OSError, ValueError):
@@ -728,6 +729,60 @@ def _metadata(session: ort.InferenceSession, path: Path) -> dict[str, Any]:
         except ValueError:
             meta[key] = value
     return meta
+
+
+GENAI_CONFIG = "genai_config.json"
+# What edgefleet reads of genai_config.json's "model" section, as the Optimum
+# config.json keys the decoder knows: (key in "model" or in "model.decoder", its name).
+_GENAI_KEYS = (
+    ("context_length", "max_position_embeddings"),
+    ("eos_token_id", "eos_token_id"),
+    ("pad_token_id", "pad_token_id"),
+    ("vocab_size", "vocab_size"),
+    ("decoder.num_hidden_layers", "num_hidden_layers"),
+    ("decoder.num_attention_heads", "num_attention_heads"),
+    ("decoder.num_key_value_heads", "num_key_value_heads"),
+    ("decoder.head_size", "head_dim"),
+    ("decoder.hidden_size", "hidden_size"),
+)
+# The tensor names edgefleet runs a decoder by, as genai_config.json names them.
+_GENAI_NAMES = {
+    "inputs.input_ids": "input_ids",
+    "inputs.attention_mask": "attention_mask",
+    "inputs.position_ids": "position_ids",
+    "inputs.past_key_names": "past_key_values.%d.key",
+    "inputs.past_value_names": "past_key_values.%d.value",
+    "outputs.logits": "logits",
+    "outputs.present_key_names": "present.%d.key",
+    "outputs.present_value_names": "present.%d.value",
+}
+
+
+def genai_facts(path: Path) -> dict[str, Any]:
+    """What the genai_config.json beside ``path`` says of the model (context length,
+    end-of-sequence and pad ids, layers, heads, head size), under the config.json names
+    the decoder reads; {} without one. EngineError when it names the model's tensors
+    otherwise than edgefleet runs them (``past_key_values.%d.key``, ...)."""
+    file = path.parent / GENAI_CONFIG
+    if not file.is_file():
+        return {}
+    try:
+        model = json.loads(file.read_text()).get("model", {})
+    except (OSError, ValueError, AttributeError) as exc:
+        raise EngineError(f"{file}: not a readable genai_config.json ({exc})") from None
+    decoder = model.get("decoder", {}) if isinstance(model, dict) else {}
+    named = {f"{k}.{n}": v for k in ("inputs", "outputs") for n, v in decoder.get(k, {}).items()}
+    other = {k: v for k, v in named.items() if k in _GENAI_NAMES and v != _GENAI_NAMES[k]}
+    if other:
+        said = ", ".join(f"{k}={v!r} (edgefleet: {_GENAI_NAMES[k]!r})" for k, v in other.items())
+        raise EngineError(f"{file} names the model's tensors otherwise: {said}")
+    facts = {}
+    for key, name in _GENAI_KEYS:
+        section, _, field = key.rpartition(".")
+        value = (decoder if section else model).get(field)
+        if value is not None:
+            facts[name] = value
+    return facts
 
 
 def _eos_ids(path: Path, meta: Mapping[str, Any]) -> tuple[int, ...]:

@@ -154,7 +154,12 @@ def signature_lines(name: str, model: ModelConfig, sig: Signature) -> list[str]:
     lines += [f"  output  {s.name:<{width}}  {s.describe()}" for s in sig.outputs]
     if model.kind == "decoder":
         lines.append(f"  a decoder: `edgefleet generate {name} --prompt-ids ...` feeds it")
-        from actors.decoder import dynamically_quantized
+        from actors.decoder import GENAI_CONFIG, dynamically_quantized, genai_facts
+
+        facts = genai_facts(model.path)
+        if facts:
+            read = ", ".join(f"{k} {v}" for k, v in facts.items())
+            lines.append(f"  read from {GENAI_CONFIG}: {read}")
 
         if dynamically_quantized(model.path):
             lines.append(
