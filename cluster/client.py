@@ -33,6 +33,7 @@ from cluster.deploy import (
 from cluster.dispatch import Dispatcher, FleetView, NodeGone, NodeReport
 from cluster.names import NAMESPACE, actor_name, node_actor_name
 from cluster.nodes import RayNode
+from cluster.text import Tokenizer, tokenizer_for
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import InvalidInput, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
@@ -348,7 +349,7 @@ class FleetClient:
     def generate(
         self,
         model: str,
-        prompt_ids: Iterable[int],
+        prompt: str | Iterable[int],
         *,
         max_new_tokens: int = 64,
         priority: str | int = "foreground",
@@ -364,8 +365,12 @@ class FleetClient:
         timeout_s: float | None = None,
     ) -> TokenStream:
         """Generate with a decoder model; iterate the result for token ids as they
-        are produced. Afterwards ``finish_reason`` is ``stop``, ``length``, ``budget``
-        or ``cancelled``; a request that never ran raises its typed error instead.
+        are produced (or its :meth:`TokenStream.texts` for text). Afterwards
+        ``finish_reason`` is ``stop``, ``length``, ``budget`` or ``cancelled``; a
+        request that never ran raises its typed error instead.
+
+        ``prompt`` is token ids, or text where the model's folder has a
+        ``tokenizer.json`` (read here, in the caller: see :mod:`cluster.text`).
 
         ``session`` lets follow-up turns of a chat reuse the KV of earlier ones on the
         node that holds it; ``prefix_len`` marks a shared system prompt. ``deadline_s``
@@ -375,9 +380,11 @@ class FleetClient:
         ``at_most_once=True`` ends it NodeLost.
         """
         self._check_model(model)
+        if isinstance(prompt, str):
+            prompt = self.tokenizer(model).encode(prompt)
         request = GenerateRequest(
             model=model,
-            prompt_ids=token_ids(prompt_ids, "prompt_ids"),
+            prompt_ids=token_ids(prompt, "prompt"),
             max_new_tokens=max_new_tokens,
             priority=resolve_priority(priority, self.config.priorities),
             id=check_text(request_id, "request_id") or new_request_id(),
@@ -390,7 +397,14 @@ class FleetClient:
             deadline_unix=InferRequest.deadline_from_timeout(deadline_s),
             at_most_once=bool(at_most_once),
         )
-        return TokenStream(request.id, self._dispatcher.stream(request, _timeout(timeout_s)))
+        stream = self._dispatcher.stream(request, _timeout(timeout_s))
+        return TokenStream(request.id, stream, lambda: self.tokenizer(model))
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        """The tokenizer of ``model`` (its folder's ``tokenizer.json``); InvalidInput
+        saying it takes token ids when it has none."""
+        self._check_model(model)
+        return tokenizer_for(model, self.config.models[model].path)
 
     # -------------------------------------------------------------------- control
 
@@ -487,12 +501,33 @@ class TokenStream(Iterator[int]):
     dropping it) before the end cancels the generation.
     """
 
-    def __init__(self, request_id: str, items: Iterator[TokenChunk | GenerationResult]) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        items: Iterator[TokenChunk | GenerationResult],
+        tokenizer: Callable[[], Tokenizer] | None = None,
+    ) -> None:
         self.request_id = request_id
         self.tokens: list[int] = []
         self.result: GenerationResult | None = None
         self._items = items
         self._ready: deque[int] = deque()
+        self._tokenizer = tokenizer
+
+    def texts(self) -> Iterator[str]:
+        """The generation as text, in pieces as its tokens come: each piece whole
+        characters (a character split over tokens comes with its last token).
+        InvalidInput when the model has no tokenizer."""
+        if self._tokenizer is None:
+            raise InvalidInput("this stream has no tokenizer: iterate it for token ids")
+        decoder = self._tokenizer().decoder()
+        for token in self:
+            piece = decoder.push((token,))
+            if piece:
+                yield piece
+        rest = decoder.finish()
+        if rest:
+            yield rest
 
     def __next__(self) -> int:
         while not self._ready:

@@ -688,6 +688,30 @@ class ModelSpec:
 HEAVY_LAYERS = 1500
 
 
+_TOKENIZER_TEXT = (
+    "a heron stood by the river at dawn",
+    "the camera on the dock saw two boats",
+    "café crème brûlée, déjà vu",
+    "日本語のテキストと絵文字",
+    "edge devices serve models to the fleet",
+)
+
+
+def make_tokenizer(path: PathLike, *, vocab: int = 512) -> Path:
+    """A byte-level BPE ``tokenizer.json`` (the Hugging Face ``tokenizers`` format)
+    trained on a few fixed lines of English, French and Japanese, at most ``vocab``
+    tokens (the tiny LM's by default): multi-byte characters span several tokens."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(
+        list(_TOKENIZER_TEXT) * 4, vocab_size=vocab, min_frequency=1, show_progress=False
+    )
+    path = Path(path)
+    tokenizer.save(str(path))
+    return path
+
+
 def make_heavy(path: PathLike, *, seed: int = DEFAULT_SEED) -> Path:
     """The slow model made deep enough to cost a few milliseconds per call on a CPU
     core (about 5 ms at batch 1 on the reference machine): background work that keeps

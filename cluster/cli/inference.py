@@ -55,17 +55,24 @@ def _add_generate_parser(sub: Subparsers) -> None:
     generate = sub.add_parser(
         "generate",
         help="stream a generation from a decoder model on a running fleet",
-        epilog="example: edgefleet generate tiny_lm --prompt-ids 5 17 42 --max-new-tokens 32 "
-        "--priority background",
+        epilog="examples:\n  edgefleet generate tiny_lm --prompt-ids 5 17 42 --max-new-tokens 32 "
+        "--priority background\n  edgefleet generate phi --prompt 'Describe the scene:'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     generate.add_argument("model", metavar="MODEL")
-    generate.add_argument(
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
         "--prompt-ids",
         type=int,
         nargs="+",
-        required=True,
         metavar="ID",
         help="the prompt as token ids of the model's vocabulary",
+    )
+    prompt.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="the prompt as text, for a model with a tokenizer.json beside its file: the "
+        "answer prints as text",
     )
     generate.add_argument(
         "--max-new-tokens", type=int, default=64, help="stop after this many new tokens"
@@ -127,9 +134,10 @@ def cmd_infer(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     with fleet_client(args) as client:
+        text = args.prompt is not None
         stream = client.generate(
             args.model,
-            args.prompt_ids,
+            args.prompt if text else args.prompt_ids,
             max_new_tokens=args.max_new_tokens,
             priority=args.priority,
             session=args.session,
@@ -139,8 +147,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         try:
-            for token in stream:
-                print(token, end=" ", flush=True)
+            if text:
+                for piece in stream.texts():
+                    print(piece, end="", flush=True)
+            else:
+                for token in stream:
+                    print(token, end=" ", flush=True)
         finally:
             print(flush=True)
             stream.close()  # before the end (Ctrl-C): cancels the generation on its node

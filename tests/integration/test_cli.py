@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgefleet.modelgen import random_inputs
+from cluster.text import TOKENIZER_FILE, tokenizer_for
+from edgefleet.modelgen import make_tokenizer, random_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 EDGEFLEET = Path(sys.executable).parent / "edgefleet"  # the console script
@@ -232,6 +233,7 @@ def test_up_detach_status_client_down(tmp_path):
     )
     made = edgefleet("models", "make", str(tmp_path / "models"), "--only", "classifier", "tiny_lm")
     assert made.returncode == 0, made.stderr
+    make_tokenizer(tmp_path / "models" / TOKENIZER_FILE)
     try:
         up = edgefleet("up", str(config), "--detach")
         assert up.returncode == 0, up.stderr[-3000:]
@@ -270,12 +272,22 @@ def test_up_detach_status_client_down(tmp_path):
         assert client.returncode == 0, client.stderr[-3000:]
         assert "logits (1, 10)" in client.stdout
 
+        # The same prompt as token ids, then as text (tokenized by the caller with the
+        # tokenizer.json beside the model): greedy, so the text is those ids decoded.
+        tokenizer = tokenizer_for("tiny_lm", tmp_path / "models" / "tiny_lm.onnx")
+        ids = [str(i) for i in tokenizer.encode("a heron by the dock")]
         gen = edgefleet(
-            "generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", "5", "17", "42",
+            "generate", "tiny_lm", "--fleet", fleet, "--prompt-ids", *ids,
             "--max-new-tokens", "6", "--priority", "background",
         )  # fmt: skip
         assert gen.returncode == 0, gen.stderr[-3000:]
         assert len(gen.stdout.split()) == 6 and "finish: length (6 tokens" in gen.stderr
+        text = edgefleet(
+            "generate", "tiny_lm", "--fleet", fleet, "--prompt", "a heron by the dock",
+            "--max-new-tokens", "6",
+        )  # fmt: skip
+        assert text.returncode == 0, text.stderr[-3000:]
+        assert text.stdout.rstrip("\n") == tokenizer.decode(int(t) for t in gen.stdout.split())
 
         np.savez(tmp_path / "frame.npz", **random_inputs("classifier"))
         infer = edgefleet(

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from actors.decoder import DecoderEngine, Generation
+from cluster.text import TOKENIZER_FILE
 from edgefleet.errors import InvalidInput
-from edgefleet.modelgen import make_tiny_lm
+from edgefleet.modelgen import make_tiny_lm, make_tokenizer
 from edgefleet.request import GenerateRequest
 
 pytestmark = pytest.mark.integration
@@ -218,3 +219,14 @@ def test_bad_generation_requests_get_typed_errors_and_harm_nothing(lm, slow_lm):
     )
     assert len(stream.collect()) == 3 and stream.finish_reason == "stop"
     assert node_status(fleet).state == "serving"
+
+
+def test_text_in_and_out_through_the_client(lm, slow_lm):
+    # A tokenizer.json beside the model: the caller tokenizes the prompt and decodes the
+    # stream; the node still generates token ids, exactly as for those ids.
+    make_tokenizer(slow_lm.parent / TOKENIZER_FILE)
+    tokenizer = lm.tokenizer("lm")
+    stream = lm.generate("lm", "the heron saw déjà vu", max_new_tokens=16)
+    text = "".join(stream.texts())
+    assert stream.tokens == reference(slow_lm, tokenizer.encode("the heron saw déjà vu"), 16)
+    assert text == tokenizer.decode(stream.tokens)
