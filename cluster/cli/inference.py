@@ -57,7 +57,7 @@ def _add_generate_parser(sub: Subparsers) -> None:
         help="stream a generation from a decoder model on a running fleet",
         epilog="examples:\n  edgefleet generate tiny_lm --prompt-ids 5 17 42 --max-new-tokens 32 "
         "--priority background\n  edgefleet generate phi --prompt 'Describe the scene:'",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawHelpFormatter,
     )
     generate.add_argument("model", metavar="MODEL")
     prompt = generate.add_mutually_exclusive_group(required=True)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from cluster.cli.common import Subparsers, err, say
+from cluster.cli.common import RawHelpFormatter, Subparsers, err, say
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -19,7 +19,7 @@ def add_parser(sub: Subparsers) -> None:
         "--nodes 1000\n"
         "  edgefleet simulate configs/local.yaml --workload configs/sim/bursts.yaml "
         "--compare expected_completion,power_of_two,round_robin",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawHelpFormatter,
     )
     simulate.add_argument("config", help="fleet YAML: the nodes, models and placement")
     simulate.add_argument("--workload", required=True, help="workload YAML (see configs/sim/)")
@@ -54,7 +54,7 @@ def add_parser(sub: Subparsers) -> None:
         "found in simulation",
         epilog="example:\n  edgefleet plan configs/local.yaml --workload configs/sim/steady.yaml "
         "--target 'foreground.p99<=50ms,offline.completed>=0.99'",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=RawHelpFormatter,
     )
     plan.add_argument("config", help="fleet YAML: the nodes (repeated in turn), models, placement")
     plan.add_argument(
@@ -62,7 +62,7 @@ def add_parser(sub: Subparsers) -> None:
         required=True,
         help="workload YAML; its traffic is held fixed (a rate_per_node at the config's size)",
     )
-    plan.add_argument("--target", required=True, help=TARGET_HELP)
+    plan.add_argument("--target", required=True, help=TARGET_HELP.replace("%", "%%"))
     plan.add_argument(
         "--max-nodes", type=int, default=1024, help="largest fleet tried (default: %(default)s)"
     )

@@ -79,7 +79,7 @@ def wait_until(what: str, check: Callable[[], Any], timeout_s: float) -> Any:
 def ray_cluster(models_dir):
     """The module's Ray head (no raylet of its own for the fleets' nodes), connected."""
     pin_loopback()
-    use_auth_mode(token=False)
+    use_auth_mode(token=True)  # as the session's Ray: one process cannot switch modes
     if ray.is_initialized():
         ray.shutdown()  # this module runs its own cluster; others restart the shared one
     calibrate_slow(models_dir / "slow25.onnx", 25.0)

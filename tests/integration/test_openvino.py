@@ -57,7 +57,7 @@ def mixed_fleet(models_dir):
     if why is not None:
         pytest.skip(why)
     pin_loopback()
-    use_auth_mode(token=False)
+    use_auth_mode(token=True)  # as the session's Ray: one process cannot switch modes
     if ray.is_initialized():
         ray.shutdown()  # this module runs its own cluster; others restart the shared one
     cluster = Cluster(
@@ -78,7 +78,7 @@ def mixed_fleet(models_dir):
             cluster.address,
             device_dir,
             labels={"accel": "openvino"},
-            token_auth=False,
+            token_auth=True,
             timeout_s=JOIN_S,
         )
         cluster.connect(namespace=NAMESPACE)
