@@ -21,13 +21,19 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from bench.common import RunContext, Section, Target, fmt, log
+from cluster.client import FleetClient
+from cluster.deploy import init_loopback_ray
+from cluster.raylet import head_and_device
+from edgefleet.config import parse_config
+from edgefleet.modelgen import random_inputs
 from sim.report import md_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,79 +97,44 @@ def provider_times(models: Path, calls: int) -> list[dict[str, Any]]:
 def split(models: Path, waves: int) -> tuple[Counter[str], dict[str, float], dict[str, str]]:
     """The two-node fleet: requests served per node, each node's measured ms per call,
     and what each node's session runs on."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from cluster.client import FleetClient
-    from cluster.deploy import (
-        LOOPBACK,
-        NAMESPACE,
-        init_loopback_ray,
-        pin_loopback,
-        use_auth_mode,
-    )
-    from cluster.head import _free_port
-    from cluster.raylet import kill_raylet, start_raylet_with
-    from edgefleet.config import parse_config
-    from edgefleet.modelgen import random_inputs
-
     embedded = ray.is_initialized()  # bench.run's: this scenario runs its own cluster
-    if embedded:
-        ray.shutdown()
-    pin_loopback()
-    use_auth_mode(token=True)  # as bench.run's embedded Ray: Ray caches the mode
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "resources": {"head": 1},
-            "labels": {"accel": "cpu"},
-            "node_ip_address": LOOPBACK,
-            "include_dashboard": False,
-            "dashboard_agent_listen_port": _free_port(),
-        },
-    )
-    device_dir = Path(tempfile.mkdtemp(prefix="ov-", dir="/tmp"))  # short: Unix sockets
     try:
-        start_raylet_with(
-            OPENVINO_PYTHON, cluster.address, device_dir, labels={"accel": "openvino"}
-        )
-        cluster.connect(namespace=NAMESPACE)
-        config = parse_config(
-            {
-                "fleet": {"name": "devices"},
-                "models": {"heavy": {"path": "heavy.onnx"}},
-                "nodes": [
-                    {"name": "cpu-0", "labels": {"accel": "cpu"}},
-                    {"name": "ov-0", "labels": {"accel": "openvino"}, "providers": ["openvino"]},
-                ],
-                "router": {"resources": {"head": 0.5}},
-            },
-            models,
-        )
-        client = FleetClient.local(config, progress=log)
-        try:
-            served: Counter[str] = Counter()
-            inputs = random_inputs("heavy", 1)
-            for _ in range(waves):
-                futures = [client.submit("heavy", inputs, timeout_s=ANSWER_S) for _ in range(WAVE)]
-                for future in futures:
-                    reply = future.result(ANSWER_S + 30)
-                    if reply.error is not None:
-                        raise reply.error
-                    served[reply.node] += 1
-            nodes = client.status().nodes
-            cost = {n.name: n.models[0].cost_ms[1] for n in nodes}
-            ran_on = {n.name: n.models[0].providers.runs_on for n in nodes}
-            return served, cost, ran_on
-        finally:
-            client.close()
+        with head_and_device(
+            OPENVINO_PYTHON, head_labels={"accel": "cpu"}, device_labels={"accel": "openvino"}
+        ):
+            return _serve(models, waves)
     finally:
-        ray.shutdown()
-        kill_raylet(device_dir)
-        cluster.shutdown()
         if embedded:
             init_loopback_ray(num_cpus=2)
+
+
+def _serve(models: Path, waves: int) -> tuple[Counter[str], dict[str, float], dict[str, str]]:
+    config = parse_config(
+        {
+            "fleet": {"name": "devices"},
+            "models": {"heavy": {"path": "heavy.onnx"}},
+            "nodes": [
+                {"name": "cpu-0", "labels": {"accel": "cpu"}},
+                {"name": "ov-0", "labels": {"accel": "openvino"}, "providers": ["openvino"]},
+            ],
+            "router": {"resources": {"head": 0.5}},
+        },
+        models,
+    )
+    served: Counter[str] = Counter()
+    inputs = random_inputs("heavy", 1)
+    with FleetClient.local(config, progress=log) as client:
+        for _ in range(waves):
+            futures = [client.submit("heavy", inputs, timeout_s=ANSWER_S) for _ in range(WAVE)]
+            for future in futures:
+                reply = future.result(ANSWER_S + 30)
+                if reply.error is not None:
+                    raise reply.error
+                served[reply.node] += 1
+        nodes = client.status().nodes
+    cost = {n.name: n.models[0].cost_ms[1] for n in nodes}
+    ran_on = {n.name: n.models[0].providers.runs_on for n in nodes}
+    return served, cost, ran_on
 
 
 def run(ctx: RunContext) -> Section:

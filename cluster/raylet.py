@@ -15,10 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -123,6 +126,53 @@ def start_raylet_with(
         kill_raylet(directory)
         said = done.stderr.strip().splitlines()[-1:] or ["no output"]
         raise FleetStartError(f"a raylet of {python} did not join {address}: {said[0]}")
+
+
+@contextlib.contextmanager
+def head_and_device(
+    python: Path, *, head_labels: Mapping[str, str], device_labels: Mapping[str, str]
+) -> Iterator[Any]:
+    """A Ray head on loopback (2 CPUs, resource ``head``, ``head_labels``) and one
+    device joined to it whose raylet runs ``python`` (see :func:`start_raylet_with`),
+    this process connected to the head (in the fleet's namespace); both stopped at the
+    end. The Ray this process ran before, if any, is shut down first. Token
+    authentication, as the project's embedded Ray speaks it: one process cannot switch
+    Ray's authentication mode."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from cluster.names import NAMESPACE
+
+    if ray.is_initialized():
+        ray.shutdown()
+    pin_loopback()
+    use_auth_mode(token=True)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"head": 1},
+            "labels": dict(head_labels),
+            "node_ip_address": LOOPBACK,
+            "include_dashboard": False,
+            "dashboard_agent_listen_port": _free_port(),
+        },
+    )
+    device_dir = Path(tempfile.mkdtemp(prefix="dev-", dir="/tmp"))  # short: Unix sockets
+    try:
+        start_raylet_with(python, cluster.address, device_dir, labels=device_labels)
+        cluster.connect(namespace=NAMESPACE)
+        deadline = time.monotonic() + 60
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            if time.monotonic() > deadline:
+                raise FleetStartError(f"the raylet of {python} did not show ALIVE in 60 s")
+            time.sleep(0.2)
+        yield cluster
+    finally:
+        ray.shutdown()
+        kill_raylet(device_dir)
+        cluster.shutdown()
+        shutil.rmtree(device_dir, ignore_errors=True)
 
 
 def raylet_processes(directory: Path) -> list[psutil.Process]:

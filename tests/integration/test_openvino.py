@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from cluster.client import FleetClient
-from cluster.deploy import LOOPBACK, NAMESPACE, pin_loopback, use_auth_mode
-from cluster.raylet import kill_raylet, start_raylet_with
+from cluster.raylet import head_and_device
 from edgefleet.config import parse_config
 from edgefleet.modelgen import random_inputs
-from tests.integration.test_fleet_cluster import free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,33 +51,9 @@ def mixed_fleet(models_dir):
     why = _openvino_build()
     if why is not None:
         pytest.skip(why)
-    pin_loopback()
-    use_auth_mode(token=True)  # as the session's Ray: one process cannot switch modes
-    if ray.is_initialized():
-        ray.shutdown()  # this module runs its own cluster; others restart the shared one
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 2,
-            "resources": {"head": 1},
-            "labels": {"accel": "cpu"},
-            "node_ip_address": LOOPBACK,
-            "include_dashboard": False,
-            "dashboard_agent_listen_port": free_port(),
-        },
-    )
-    device_dir = Path(tempfile.mkdtemp(prefix="ov-", dir="/tmp"))  # short: Unix sockets
-    try:
-        start_raylet_with(
-            OPENVINO_PYTHON,
-            cluster.address,
-            device_dir,
-            labels={"accel": "openvino"},
-            token_auth=True,
-            timeout_s=JOIN_S,
-        )
-        cluster.connect(namespace=NAMESPACE)
-        wait_until("the OpenVINO raylet is alive", lambda: len(_alive()) == 2, JOIN_S)
+    with head_and_device(
+        OPENVINO_PYTHON, head_labels={"accel": "cpu"}, device_labels={"accel": "openvino"}
+    ):
         config = parse_config(
             {
                 "fleet": {"name": "mixed"},
@@ -104,14 +75,6 @@ def mixed_fleet(models_dir):
             yield client
         finally:
             client.close()
-    finally:
-        ray.shutdown()
-        kill_raylet(device_dir)
-        cluster.shutdown()
-
-
-def _alive() -> list[dict]:
-    return [n for n in ray.nodes() if n["Alive"]]
 
 
 def test_a_node_on_an_openvino_device_runs_its_model_on_openvino(mixed_fleet):

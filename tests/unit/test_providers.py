@@ -14,7 +14,14 @@ import yaml
 
 from actors.engine import device_providers
 from actors.node import NodeRuntime
-from edgefleet.config import NodeSpec, PreemptionConfig, QueueConfig, load_config, parse_config
+from edgefleet.config import (
+    FleetConfig,
+    NodeSpec,
+    PreemptionConfig,
+    QueueConfig,
+    load_config,
+    parse_config,
+)
 from edgefleet.errors import ConfigError, EngineError
 from edgefleet.providers import (
     CPU,
@@ -171,8 +178,12 @@ def _spec(models_dir: Path, **model: object) -> NodeSpec:
     config = parse_config(
         {"models": {"classifier": {"path": "classifier.onnx", **model}}}, models_dir
     )
+    return _node("edge-7", config)
+
+
+def _node(name: str, config: FleetConfig) -> NodeSpec:
     return NodeSpec(
-        name="edge-7",
+        name=name,
         models=dict(config.models),
         priorities=dict(config.priorities),
         queue=QueueConfig(),
@@ -238,15 +249,7 @@ def test_a_node_loads_the_variant_of_the_provider_it_runs_on(models_dir, tmp_pat
         },
         tmp_path,
     )
-    spec = NodeSpec(
-        name="edge-8",
-        models=dict(config.models),
-        priorities=dict(config.priorities),
-        queue=QueueConfig(),
-        preemption=PreemptionConfig(),
-        memory_budget_mb=1024,
-    )
-    (model,) = _start(spec).status().models
+    (model,) = _start(_node("edge-8", config)).status().models
     assert model.providers.file == str(tmp_path / "classifier-cpu.onnx")
 
 
