@@ -220,7 +220,7 @@ def open_planned(
         raise ModelNotFound(f"model {name!r}: file {path} does not exist")
     accelerated = [p for p in plan.providers if p.name != CPU.name]
     fallback = plan.fallback
-    if accelerated and plan.providers[0] != CPU:
+    if accelerated and plan.providers[0].name != CPU.name:
         try:
             session = _session(name, path, threads, accelerated, cpu_fallback=False)
             return session, _use(session, plan, fallback)
