@@ -20,6 +20,7 @@ from pathlib import Path
 from bench import (
     batching_window,
     devices,
+    fidelity,
     fleet,
     generation,
     membership,
@@ -51,6 +52,7 @@ SCENARIOS = {  # name -> (run, title)
     "simulation": (simulation.run, simulation.TITLE),
     "membership": (membership.run, membership.TITLE),
     "devices": (devices.run, devices.TITLE),
+    "fidelity": (fidelity.run, fidelity.TITLE),
 }
 
 
