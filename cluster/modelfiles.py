@@ -42,11 +42,9 @@ def model_signature(name: str, model: ModelConfig) -> Signature:
     Raises ConfigError naming the model, its file and why a node could not load it:
     the file is missing, is not an ONNX model, or ONNX Runtime refuses it.
     """
-    signature = None
-    for path in model.files().values():
-        sig = _file_signature(name, model, path)
-        signature = signature or sig
-    assert signature is not None
+    signature = _file_signature(name, model, model.path)
+    for path in sorted(set(model.variants.values()) - {model.path}):  # `path` may be one
+        _file_signature(name, model, path)
     return signature
 
 

@@ -202,7 +202,7 @@ def _plan(
     """The arrivals `simulate` would generate for CONFIG (``config``), resolved against
     the fleet to drive (``fleet``); ConfigError on one line when the workload asks for a
     model or priority class the fleet does not have."""
-    served = _served(fleet)
+    served = sorted(fleet.served_models())
     _one_line(workload.check, fleet.priorities, served, served)
     for i, c in enumerate(workload.mix or []):
         if fleet.models[c.model].kind == "decoder":
@@ -229,13 +229,6 @@ def _plan(
             "drive sends inferences only"
         )
     return _Plan(arrivals, dict(fleet.priorities), nodes, seed)
-
-
-def _served(config: FleetConfig) -> list[str]:
-    """The models some node of ``config`` serves (its ``nodes:`` and pools)."""
-    specs = config.node_specs()
-    specs += [config.member_spec(p.name, "DEVICE", "") for p in config.pools]
-    return sorted({m for s in specs for m in s.models})
 
 
 def _live_only(workload: Workload) -> None:
