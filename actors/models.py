@@ -13,11 +13,15 @@ import numpy as np
 from actors.decoder import DecoderEngine
 from actors.engine import Engine, OnnxEngine, Signature, available_providers
 from actors.scheduler import configured_batch_limit
+from edgefleet.artifacts import ModelArtifact
 from edgefleet.config import MiB, ModelConfig
 from edgefleet.errors import EdgeFleetError, EngineError, ModelNotFound
 from edgefleet.providers import ProviderUnavailable, ProviderUse, plan_session
 
 Loader = Callable[[str, ModelConfig], Engine]
+# Where a model's files are on this device: its config, or one reading them elsewhere
+# (from the node's model cache: actors/cache.py), and the artifact it loads if any.
+Resolver = Callable[[str, ModelConfig], tuple[ModelConfig, ModelArtifact | None]]
 Progress = Callable[[str], None]
 
 SYNTHETIC_DIM = 16  # size given to dynamic non-batch axes when measuring
@@ -67,6 +71,7 @@ class ModelInfo:
     stop_ids: tuple[int, ...] = ()  # the config's, else the model's eos_token_id
     exact_grouping: bool = False  # outputs depend on how tokens are grouped into calls
     providers: ProviderUse = ProviderUse()  # what its session runs on, as last loaded
+    artifact: ModelArtifact | None = None  # the files it was loaded from, as published
 
     def max_call_s(self, rows: int, factor: float, floor_s: float) -> float:
         """How long one engine call of ``rows`` rows (a decoder: generations) may run:
@@ -94,8 +99,10 @@ class ModelManager:
         loader: Loader = load_onnx,
         *,
         node: str = "",
+        resolve: Resolver | None = None,
     ) -> None:
         self._node = node  # named in load errors
+        self._resolve = resolve
         self._configs = dict(models)
         self._budget_mb = budget_mb
         self._loader = loader
@@ -164,6 +171,9 @@ class ModelManager:
         if config is None:
             self.info(name)  # raises ModelNotFound with the list of known models
             raise AssertionError("unreachable")
+        artifact = None
+        if self._resolve is not None:
+            config, artifact = self._resolve(name, config)
         need = config.memory_mb or _estimate_mb(config)
         if need > self._budget_mb:
             raise EngineError(
@@ -192,6 +202,7 @@ class ModelManager:
             info = self._info[name] = ModelInfo(name, config, engine.signature, need)
         # A test's fake engine has no providers: it runs on no real device.
         info.providers = getattr(engine, "providers", ProviderUse())
+        info.artifact = artifact
         info.loads += 1
         info.load_s = elapsed
         self._resident[name] = engine

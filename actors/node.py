@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from actors.cache import ArtifactError, ModelCache, StoreSource, in_tree
 from actors.decoder import Generation
 from actors.engine import RunAborted, check_inputs, device_providers
 from actors.executor import Call, EngineThread, Outputs, Waker
@@ -39,8 +40,9 @@ from actors.models import Loader, ModelManager, load_onnx
 from actors.replies import RecentReplies
 from actors.scheduler import LocalScheduler, Outcome, Plan, rules_for
 from actors.trace import NodeTrace
+from edgefleet.artifacts import ModelArtifact
 from edgefleet.clock import Clock, MonotonicClock
-from edgefleet.config import NodeSpec
+from edgefleet.config import MiB, ModelConfig, NodeSpec
 from edgefleet.errors import (
     Cancelled,
     EdgeFleetError,
@@ -101,9 +103,15 @@ class NodeRuntime:
         self._metrics = metrics or NodeMetrics(spec.fleet, spec.name, spec.priorities)
         self._trace = None if spec.trace_dir is None else NodeTrace(spec.trace_dir, spec.name)
         self._clock = clock or MonotonicClock()
+        self._fetched: Counter[str] = Counter()  # bytes fetched into the cache, by model
         self._models = ModelManager(
-            spec.models, spec.memory_budget_mb, loader or load_onnx, node=spec.name
+            spec.models,
+            spec.memory_budget_mb,
+            loader or load_onnx,
+            node=spec.name,
+            resolve=self._from_cache if spec.artifacts else None,
         )
+        self._cache: ModelCache | None = None  # opened at the first fetch
         self._sched = LocalScheduler.for_node(spec, self._clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
@@ -183,6 +191,30 @@ class NodeRuntime:
         if to not in NODE_MOVES[self._state]:
             raise IllegalTransition(f"node {self.spec.name}: {self._state.name} -> {to.name}")
         self._state = to
+
+    def _from_cache(self, name: str, config: ModelConfig) -> tuple[ModelConfig, ModelArtifact]:
+        """``name``'s config loading from this device's model cache, its files fetched
+        from the fleet's store first where the cache lacks them (engine thread)."""
+        artifact = self.spec.artifacts[name]
+        if self._cache is None:
+            limit = int(self.spec.model_cache_mb * MiB)
+            self._cache = ModelCache(self.spec.model_cache, limit)
+        source = StoreSource.named(self.spec.store) if self.spec.store else None
+        if source is None:
+            raise ArtifactError(f"model {name!r}: the node was given no store to fetch from")
+        keep = [a.digest for a in self.spec.artifacts.values()]
+        done = self._cache.ensure(artifact, source, keep)
+        if done.bytes_fetched:
+            self._fetched[name] += done.bytes_fetched
+            log.info(
+                "node %s: fetched %d file(s) of %s, %.1f MiB, into %s",
+                self.spec.name,
+                done.files_fetched,
+                artifact.describe(),
+                done.bytes_fetched / MiB,
+                self._cache.root,
+            )
+        return in_tree(config, artifact, done.tree), artifact
 
     def _supervised(self, what: str) -> Callable[[asyncio.Task[None]], None]:
         """Supervision of a task that ends only when the node stops (the serve loop,
@@ -896,6 +928,9 @@ class NodeRuntime:
                 load_ms=i.load_s * 1000 if i.loads else None,
                 exact_grouping=i.exact_grouping,
                 providers=i.providers,
+                version=i.artifact.version if i.artifact else "",
+                digest=i.artifact.digest if i.artifact else "",
+                fetched_bytes=self._fetched.get(i.name, 0),
             )
             for i in self._models.models()
         )

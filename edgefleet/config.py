@@ -13,8 +13,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from edgefleet.artifacts import ModelArtifact
 from edgefleet.errors import ConfigError, ModelNotFound
 from edgefleet.labels import Selector, parse_selector
 from edgefleet.priorities import (
@@ -32,6 +41,12 @@ from policies.starvation import ClassBound, StarvationParams
 
 MiB = 1024 * 1024
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"  # fleets, nodes and pools
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"  # no '@': `model@version` names one
+MODEL_CACHE_HELP = (
+    "where a node keeps the model files it fetched, on its own device (an absolute path "
+    "or one starting with ~); default: edgefleet/models under the device's user cache "
+    "folder ($XDG_CACHE_HOME, else ~/.cache)"
+)
 
 
 class _Strict(BaseModel):
@@ -121,6 +136,12 @@ class ModelConfig(_Strict):
         description="'tensor': infer() with named arrays; 'decoder': a causal language "
         "model in the Optimum layout (input_ids, attention_mask, past_key_values.*), "
         "used with generate()",
+    )
+    version: str | None = Field(
+        None,
+        pattern=VERSION_PATTERN,
+        description="the version nodes report and callers may pin (`model@version`); "
+        "default: the first 12 hex digits of the sha256 of the model's files",
     )
     generation: GenerationConfig = GenerationConfig()
     threads: int = Field(1, ge=1, le=64, description="ONNX Runtime intra-op threads")
@@ -360,6 +381,24 @@ class NodeDefaults(_Strict):
         "each, a file per node process: see actors/trace.py) into this folder; relative "
         "to the YAML file's folder; default: no trace",
     )
+    model_cache: Path | None = Field(None, description=MODEL_CACHE_HELP)
+    model_cache_mb: float = Field(
+        8192,
+        gt=0,
+        description="the most a node's model cache holds; past it the files of the models "
+        "no node on the device used for longest are removed",
+    )
+
+    @field_validator("model_cache")
+    @classmethod
+    def _device_path(cls, v: Path | None) -> Path | None:
+        return _device_path(v)
+
+
+def _device_path(v: Path | None) -> Path | None:
+    if v is not None and not (v.is_absolute() or str(v).startswith("~")):
+        raise ValueError(f"{v} is relative: give an absolute path, or one starting with ~")
+    return v
 
 
 class _NodeSettings(_Strict):
@@ -391,6 +430,12 @@ class _NodeSettings(_Strict):
         description="execution providers for every model on this device, replacing each "
         "model's `providers`; default: the model's",
     )
+    model_cache: Path | None = Field(None, description="default: node_defaults.model_cache")
+
+    @field_validator("model_cache")
+    @classmethod
+    def _device_path(cls, v: Path | None) -> Path | None:
+        return _device_path(v)
 
 
 class NodeConfig(_NodeSettings):
@@ -603,6 +648,12 @@ class NodeSpec(_Strict):
     call_timeout_factor: float = 10.0  # see NodeDefaults
     call_timeout_floor_s: float = 5.0
     stuck_after_s: float = 10.0
+    # The models' files as the deploy published them, fetched from the fleet's store
+    # (an actor of that name) into model_cache; none: loaded from their paths.
+    artifacts: dict[str, ModelArtifact] = Field(default_factory=dict)
+    store: str | None = None
+    model_cache: Path | None = None  # None: the device's default (see NodeDefaults)
+    model_cache_mb: float = 8192
 
 
 class FleetConfig(_Strict):
@@ -633,6 +684,22 @@ class FleetConfig(_Strict):
     )
     router: RouterConfig = RouterConfig()
     ray: RayClusterConfig = RayClusterConfig()
+    # What the deploy published (cluster/store.py): not written in the file.
+    _artifacts: dict[str, ModelArtifact] = PrivateAttr(default_factory=dict)
+    _store: str | None = PrivateAttr(None)
+
+    @property
+    def artifacts(self) -> dict[str, ModelArtifact]:
+        """Each served model's files as the deploy published them (empty before)."""
+        return dict(self._artifacts)
+
+    def with_artifacts(self, artifacts: Mapping[str, ModelArtifact], store: str) -> FleetConfig:
+        """This config with its models published to the store actor named ``store``:
+        its nodes load them from their caches."""
+        copy = self.model_copy()
+        copy._artifacts = dict(artifacts)
+        copy._store = store
+        return copy
 
     def with_placement(self, **placement: Any) -> FleetConfig:
         """This config placing with other ``router.placement`` settings (a new
@@ -750,10 +817,11 @@ class FleetConfig(_Strict):
 
     def _spec(self, name: str, n: _NodeSettings, **where: Any) -> NodeSpec:
         d = self.node_defaults
+        models = n.models or list(self.models)
         return NodeSpec(
             name=name,
             fleet=self.fleet.name,
-            models={m: self._model_on(m, n) for m in (n.models or list(self.models))},
+            models={m: self._model_on(m, n) for m in models},
             priorities=dict(self.priorities),
             queue=n.queue or d.queue,
             preemption=n.preemption or d.preemption,
@@ -768,6 +836,10 @@ class FleetConfig(_Strict):
             call_timeout_factor=d.call_timeout_factor,
             call_timeout_floor_s=d.call_timeout_floor_s,
             stuck_after_s=d.stuck_after_s,
+            artifacts={m: self._artifacts[m] for m in models if m in self._artifacts},
+            store=self._store,
+            model_cache=n.model_cache or d.model_cache,
+            model_cache_mb=d.model_cache_mb,
             **where,
         )
 

@@ -127,6 +127,9 @@ class ModelStatus:
     # engine calls, so it reuses no session or prefix KV and is never batch-decoded.
     exact_grouping: bool = False
     providers: ProviderUse = ProviderUse()  # what its session runs on, and any fallback
+    version: str = ""  # of the files it loads (see edgefleet/artifacts.py); "" unpublished
+    digest: str = ""  # the sha256 of its files' listing
+    fetched_bytes: int = 0  # fetched from the fleet's store into this device's cache
 
 
 @dataclass(frozen=True)
