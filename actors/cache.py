@@ -253,16 +253,22 @@ class StoreSource:
             ) from None
 
     def chunks(self, sha256: str, size: int) -> Iterator[bytes]:
-        import ray
-
+        # A future, not ray.get: the node is an asyncio actor, and this runs on its
+        # engine thread, where blocking is what is meant.
         pending: deque[Any] = deque()
-        for offset in range(0, size, self._chunk):
-            read = self._store.read.options(concurrency_group=READ_GROUP)
-            pending.append(read.remote(sha256, offset, self._chunk))
-            if len(pending) > 1:
-                yield ray.get(pending.popleft(), timeout=CHUNK_TIMEOUT_S)
-        while pending:
-            yield ray.get(pending.popleft(), timeout=CHUNK_TIMEOUT_S)
+        try:
+            for offset in range(0, size, self._chunk):
+                read = self._store.read.options(concurrency_group=READ_GROUP)
+                pending.append(read.remote(sha256, offset, self._chunk).future())
+                if len(pending) > 1:
+                    yield pending.popleft().result(timeout=CHUNK_TIMEOUT_S)
+            while pending:
+                yield pending.popleft().result(timeout=CHUNK_TIMEOUT_S)
+        except Exception as exc:  # a store that died or did not answer in time
+            why = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            raise ArtifactError(
+                f"fetching {sha256[:12]} from the fleet's model store failed ({why})"
+            ) from None
 
 
 def in_tree(config: ModelConfig, artifact: ModelArtifact, tree: Path) -> ModelConfig:

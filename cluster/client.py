@@ -33,6 +33,7 @@ from cluster.deploy import (
 from cluster.dispatch import Dispatcher, FleetView, NodeGone, NodeReport
 from cluster.names import NAMESPACE, actor_name, node_actor_name
 from cluster.nodes import RayNode
+from cluster.store import publish
 from cluster.text import Tokenizer, tokenizer_for
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import InvalidInput, NodeLost, TimedOut
@@ -117,6 +118,7 @@ class FleetClient:
         nodes: dict[str, ActorHandle] = {}
         router: ActorHandle | None = None
         try:
+            cfg = publish(cfg, progress)
             nodes = deploy_nodes(cfg, progress)
             router = deploy_router(cfg)
             if progress:

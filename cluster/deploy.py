@@ -19,6 +19,7 @@ from ray.actor import ActorHandle
 from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth, token_auth_at
 from cluster.names import NAMESPACE, PROBE_GROUP, actor_name, node_actor_prefix, router_name
 from cluster.nodes import max_concurrency
+from cluster.store import stop_store
 from edgefleet.config import FleetConfig
 from edgefleet.errors import FleetNotRunning, FleetStartError
 from edgefleet.messages import PoolStatus
@@ -365,6 +366,8 @@ def teardown(
         with contextlib.suppress(Exception):  # a router that does not answer is killed
             ray.get(router.stop.remote(), timeout=min(timeout_s, CONTROL_TIMEOUT_S))
         ray.kill(router, no_restart=True)
+    if fleet is not None:
+        stop_store(fleet)
     handles = dict(handles)
     if fleet is not None:
         handles.update(pool_member_handles(fleet, exclude=handles))

@@ -7,9 +7,9 @@ then every node fetches from the store what its own cache lacks
 a node's cache is not sent again.
 
 The store is one actor per fleet, named ``FLEET/store``, on the deployer's machine
-(the head, for ``up``), keeping the files on its disk under
-``<its model cache>/store/<fleet>``: a restarted store serves them again, and so does
-one restarted with the head. It answers chunk reads of ``CHUNK_BYTES``; a node keeps
+(the head, for ``up``), keeping the files on its disk under ``edgefleet/store/<fleet>``
+in the user's cache folder: a restarted store serves them again, and so does one
+restarted with the head. It answers chunk reads of ``CHUNK_BYTES``; a node keeps
 one read in flight ahead of the one it writes, so neither side holds a whole model in
 memory. Why a store actor and not Ray's object store: docs/architecture.md.
 """
@@ -47,9 +47,8 @@ def store_name(fleet: str) -> str:
 class ModelStore:
     """The store actor (see the module's docstring)."""
 
-    def __init__(self, fleet: str, cache: str | None) -> None:
-        root = Path(cache).expanduser() if cache else default_cache_dir()
-        self.root = root / "store" / fleet
+    def __init__(self, fleet: str) -> None:
+        self.root = default_cache_dir().parent / "store" / fleet
         self._blobs = self.root / "blobs"
         self._tmp = self.root / "tmp"
         for d in (self._blobs, self._tmp):
@@ -111,7 +110,6 @@ def artifact_from(data: Mapping[str, Any]) -> ModelArtifact:
 def start_store(config: FleetConfig) -> ActorHandle:
     """The fleet's store actor: the one running, else a new one on this machine."""
     name = store_name(config.fleet.name)
-    cache = config.node_defaults.model_cache
     here = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(concurrency_groups={READ_GROUP: READ_THREADS})(ModelStore)
@@ -124,7 +122,7 @@ def start_store(config: FleetConfig) -> ActorHandle:
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
         )
-        .remote(config.fleet.name, None if cache is None else str(cache))
+        .remote(config.fleet.name)
     )
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +16,16 @@ import pytest
 from edgefleet.modelgen import make_all
 
 _fleet_ids = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Model caches (nodes' and stores') under a folder of this test process, not the
+    user's: every Ray process and command the tests start inherits it."""
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="edgefleet-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.get("XDG_CACHE_HOME", ""), ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -158,6 +158,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from cluster.client import FleetClient
     from cluster.deploy import deploy_nodes, deploy_router, start_local_ray, teardown
     from cluster.head import head_dir, start_head, stop_children, stop_head
+    from cluster.store import publish
 
     # Inside a Ray job (`ray job submit ... -- edgefleet up ...`) Ray sets RAY_ADDRESS.
     address = args.address or os.environ.get("RAY_ADDRESS")
@@ -196,6 +197,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             say("starting an embedded Ray cluster on 127.0.0.1")
             with StopAtOnce():
                 start_local_ray(config, log_to_driver=False)
+        config = publish(config, say)
         nodes = deploy_nodes(config, say, detached=args.detach)
         router = deploy_router(config, say)
         pools = f", pool(s) {', '.join(p.name for p in config.pools)}" if config.pools else ""

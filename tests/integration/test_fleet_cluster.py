@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -35,6 +36,7 @@ from cluster.deploy import (
     use_auth_mode,
 )
 from cluster.names import node_actor_name
+from edgefleet.artifacts import sha256_file
 from edgefleet.config import parse_config
 from edgefleet.errors import Rejected
 from edgefleet.labels import DEVICE_LABEL
@@ -426,12 +428,16 @@ def camera(cluster: Cluster, device: str) -> Any:
 
 
 @pytest.fixture(scope="class")
-def pool_fleet(ray_cluster, models_dir):
+def pool_fleet(ray_cluster, models_dir, tmp_path_factory):
     cluster = ray_cluster
+    # The deployer's own copy of the model, and the devices' cache: a test removes both.
+    deployer = tmp_path_factory.mktemp("deployer")
+    shutil.copy(models_dir / "slow10.onnx", deployer / "slow10.onnx")
     config = parse_config(
         {
             "fleet": {"name": "pools"},
             "models": {"slow10": {"path": "slow10.onnx"}},
+            "node_defaults": {"model_cache": str(deployer / "cache")},
             "pools": [
                 {"name": "cams", "selector": {"device": "camera"}, "queue": {"capacity": 16}}
             ],
@@ -442,7 +448,7 @@ def pool_fleet(ray_cluster, models_dir):
                 "membership": {"interval_s": 0.5},
             },
         },
-        models_dir,
+        deployer,
     )
     said: list[str] = []
     raylets: dict[str, Any] = {}
@@ -554,10 +560,23 @@ class TestPool:
         assert {r.node for r in replies} >= {"cams/cam-0", "cams/cam-2"}
         assert "cams/cam-1" not in client._dispatcher.healthy()
 
+        # Meanwhile the deployer's model file goes, and so does the device's cache: the
+        # node the device gets when it comes back fetches the model from the store.
+        artifact = client.config.artifacts["slow10"]
+        model = client.config.models["slow10"]
+        cache = client.config.node_defaults.model_cache
+        assert sha256_file(model.path) == artifact.files[0].sha256
+        model.path.unlink()
+        shutil.rmtree(cache)
+
         # The device starts Ray again: a new Ray node under the same device name.
         raylets["cam-1"] = camera(cluster, "cam-1")
         back = wait_until("cam-1 serves again", lambda: serving(client, set(DEVICES)), JOIN_S)
         assert back["cam-1"].ray_node == raylets["cam-1"].node_id and back["cam-1"].joins == 2
+        (loaded,) = client.status().node("cams/cam-1").models
+        assert (loaded.version, loaded.fetched_bytes) == (artifact.version, artifact.size)
+        cached = cache / "trees" / artifact.digest / "slow10.onnx"
+        assert sha256_file(cached) == artifact.files[0].sha256
         wait_until(
             "a request lands on cam-1 again",
             lambda: any(
