@@ -272,6 +272,10 @@ def test_a_chat_answers_its_second_turn_from_the_first_turns_kv(chat_lm, slow_lm
     assert chat.last.tokens == reference(slow_lm, more, 12)
     assert chat.last.result.reused_tokens >= len(ids)  # the session's KV: only what is new
     assert second == fleet.tokenizer("lm").decode(chat.last.tokens)
+    kept = list(chat.messages)
+    with pytest.raises(InvalidInput, match="does not fit the context"):
+        chat.send("x" * 2000)
+    assert chat.messages == kept  # a turn that failed is not part of the conversation
     # The same conversation as messages to generate: the same answer.
     assert "".join(fleet.generate("lm", chat.messages[:4], max_new_tokens=12).texts()) == second
     # Another chat with the same system message starts from its shared KV.
