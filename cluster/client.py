@@ -10,9 +10,9 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -34,14 +34,21 @@ from cluster.dispatch import Dispatcher, FleetView, NodeGone, NodeReport
 from cluster.names import NAMESPACE, actor_name, node_actor_name
 from cluster.nodes import RayNode
 from cluster.store import publish
-from cluster.text import Tokenizer, tokenizer_for
+from cluster.text import (
+    ChatTemplate,
+    Message,
+    Tokenizer,
+    chat_template_for,
+    is_conversation,
+    tokenizer_for,
+)
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import InvalidInput, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.priorities import resolve_priority
 from edgefleet.request import GenerateRequest, InferRequest, check_text, new_request_id, token_ids
 
-__all__ = ["FleetClient", "FleetStatus", "TokenStream"]
+__all__ = ["Chat", "FleetClient", "FleetStatus", "TokenStream"]
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +358,7 @@ class FleetClient:
     def generate(
         self,
         model: str,
-        prompt: str | Iterable[int],
+        prompt: str | Iterable[int] | Sequence[Message],
         *,
         max_new_tokens: int = 64,
         priority: str | int = "foreground",
@@ -372,7 +379,10 @@ class FleetClient:
         request that never ran raises its typed error instead.
 
         ``prompt`` is token ids, or text where the model's folder has a
-        ``tokenizer.json`` (read here, in the caller: see :mod:`cluster.text`).
+        ``tokenizer.json`` (read here, in the caller: see :mod:`cluster.text`), or a
+        conversation, ``[{"role": "system" | "user" | "assistant", "content": text}]``,
+        where its ``tokenizer_config.json`` has a chat template too: rendered with it,
+        ready for the assistant's answer (:meth:`chat` keeps a conversation going).
 
         ``session`` lets follow-up turns of a chat reuse the KV of earlier ones on the
         node that holds it; ``prefix_len`` marks a shared system prompt. ``deadline_s``
@@ -382,11 +392,18 @@ class FleetClient:
         ``at_most_once=True`` ends it NodeLost.
         """
         self._check_model(model)
+        ids: Iterable[int]
         if isinstance(prompt, str):
-            prompt = self.tokenizer(model).encode(prompt)
+            ids = self.tokenizer(model).encode(prompt)
+        elif is_conversation(prompt):
+            tokenizer = self.tokenizer(model)  # none: the model takes token ids, says so
+            text = self.chat_template(model).render(prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = cast(Iterable[int], prompt)  # checked as ids just below
         request = GenerateRequest(
             model=model,
-            prompt_ids=token_ids(prompt, "prompt"),
+            prompt_ids=token_ids(ids, "prompt"),
             max_new_tokens=max_new_tokens,
             priority=resolve_priority(priority, self.config.priorities),
             id=check_text(request_id, "request_id") or new_request_id(),
@@ -407,6 +424,37 @@ class FleetClient:
         saying it takes token ids when it has none."""
         self._check_model(model)
         return tokenizer_for(model, self.config.models[model].path)
+
+    def chat_template(self, model: str) -> ChatTemplate:
+        """The chat template of ``model`` (its folder's ``tokenizer_config.json``);
+        InvalidInput saying it has none."""
+        self._check_model(model)
+        return chat_template_for(model, self.config.models[model].path)
+
+    def chat(
+        self,
+        model: str,
+        *,
+        system: str | None = None,
+        session: str | None = None,
+        **options: Any,
+    ) -> Chat:
+        """A conversation with ``model``: :meth:`Chat.send` a user's text, get the
+        answer; each turn is the whole conversation rendered with the model's chat
+        template, under one ``session`` (a new one by default), so the node holding it
+        prefills only what is new. ``system``: the system message, the turns' shared
+        prefix. ``options``: :meth:`generate`'s (``max_new_tokens``, ``priority``,
+        ``temperature``...), for every turn. InvalidInput at once for a model without
+        a tokenizer or a chat template."""
+        self.tokenizer(model)
+        self.chat_template(model)
+        unknown = sorted(set(options) - CHAT_OPTIONS)
+        if unknown:
+            raise InvalidInput(
+                f"chat takes no {', '.join(unknown)}; it takes {', '.join(sorted(CHAT_OPTIONS))}"
+            )
+        name = check_text(session, "session") or f"chat-{new_request_id()}"
+        return Chat(self, model, name, system, options)
 
     # -------------------------------------------------------------------- control
 
@@ -566,6 +614,82 @@ class TokenStream(Iterator[int]):
     @property
     def node(self) -> str | None:
         return self.result.node if self.result is not None else None
+
+
+CHAT_OPTIONS = frozenset(
+    {"max_new_tokens", "priority", "temperature", "top_k", "seed", "stop_ids", "deadline_s",
+     "timeout_s", "at_most_once"}
+)  # fmt: skip
+
+
+class Chat:
+    """A conversation with a chat model (:meth:`FleetClient.chat`): the messages so
+    far, and the session their KV is kept under on the node that answered last.
+
+    Each turn sends the whole conversation, rendered with the model's chat template:
+    the node reuses the KV its session has of the start they share (the earlier turns,
+    as far as the answer's text tokenizes to the ids the model generated), and any
+    other node can take the turn from scratch. A system message's tokens are the
+    turns' ``prefix_len``: kept when a paused cache is trimmed, and shared by chats
+    that start alike. A turn that fails or is stopped midway is not kept.
+    """
+
+    def __init__(
+        self,
+        client: FleetClient,
+        model: str,
+        session: str,
+        system: str | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        self.model = model
+        self.session = session
+        self.messages: list[dict[str, str]] = []
+        self.last: TokenStream | None = None  # the latest turn's: its result, tokens
+        self._client = client
+        self._options = dict(options)
+        self._prefix: tuple[int, ...] = ()
+        if system is not None:
+            if not isinstance(system, str):
+                raise InvalidInput(f"system must be text, got {system!r:.80}")
+            self.messages.append({"role": "system", "content": system})
+            try:  # the system message alone, as the template starts every turn with it
+                self._prefix = self._ids(add_generation_prompt=False)
+            except InvalidInput:  # a template that wants a user turn too: no shared prefix
+                self._prefix = ()
+
+    def send(self, text: str) -> str:
+        """The answer to the user's ``text``, whole (the conversation keeps both)."""
+        return "".join(self.stream(text))
+
+    def stream(self, text: str) -> Generator[str, None, None]:
+        """The answer to the user's ``text`` as it comes, in pieces of whole
+        characters; the conversation keeps both once the answer is whole."""
+        if not isinstance(text, str):
+            raise InvalidInput(f"a chat turn is text, got {text!r:.80}")
+        turn = {"role": "user", "content": text}
+        ids = self._ids([turn])
+        shared = len(self._prefix) if ids[: len(self._prefix)] == self._prefix else 0
+        stream = self.last = self._client.generate(
+            self.model, ids, session=self.session, prefix_len=shared, **self._options
+        )
+        pieces = []
+        try:
+            for piece in stream.texts():
+                pieces.append(piece)
+                yield piece
+        finally:
+            stream.close()  # stopped before the end: cancels the generation on its node
+        self.messages += [turn, {"role": "assistant", "content": "".join(pieces)}]
+
+    def _ids(
+        self, more: Sequence[Message] = (), *, add_generation_prompt: bool = True
+    ) -> tuple[int, ...]:
+        client, model = self._client, self.model
+        text = client.chat_template(model).render(
+            [*self.messages, *more], add_generation_prompt=add_generation_prompt
+        )
+        return client.tokenizer(model).encode(text, add_special_tokens=False)
 
 
 class _ViewFeed:

@@ -697,18 +697,48 @@ _TOKENIZER_TEXT = (
 )
 
 
-def make_tokenizer(path: PathLike, *, vocab: int = 512) -> Path:
+# A ChatML template as Qwen's models ship it, less their default system prompt and tools.
+CHAT_TEMPLATE = """\
+{%- for message in messages %}
+    {%- if message.role not in ('system', 'user', 'assistant') %}
+        {{- raise_exception('unknown role ' + message.role) }}
+    {%- elif message.role == 'system' and not loop.first %}
+        {{- raise_exception('the system message must come first') }}
+    {%- endif %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def make_tokenizer(path: PathLike, *, vocab: int = 512, chat: bool = False) -> Path:
     """A byte-level BPE ``tokenizer.json`` (the Hugging Face ``tokenizers`` format)
     trained on a few fixed lines of English, French and Japanese, at most ``vocab``
-    tokens (the tiny LM's by default): multi-byte characters span several tokens."""
+    tokens (the tiny LM's by default): multi-byte characters span several tokens.
+
+    ``chat``: a chat model's, as Qwen's folders have it: ``<|im_start|>`` and
+    ``<|im_end|>`` are special tokens, and a ``tokenizer_config.json`` beside it has
+    :data:`CHAT_TEMPLATE` and ``<|im_end|>`` as its ``eos_token``."""
+    import json
+
     from tokenizers import ByteLevelBPETokenizer
 
     tokenizer = ByteLevelBPETokenizer()
     tokenizer.train_from_iterator(
-        list(_TOKENIZER_TEXT) * 4, vocab_size=vocab, min_frequency=1, show_progress=False
+        list(_TOKENIZER_TEXT) * 4,
+        vocab_size=vocab,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=list(CHAT_TOKENS) if chat else [],
     )
     path = Path(path)
     tokenizer.save(str(path))
+    if chat:
+        config = {"chat_template": CHAT_TEMPLATE, "bos_token": None, "eos_token": CHAT_TOKENS[1]}
+        (path.parent / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

@@ -145,6 +145,20 @@ def test_infer_and_generate_check_an_integer_priority_before_connecting(tmp_path
         assert "unknown priority class" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--chat", "--prompt-ids", "1", "2"], "--chat takes text"),
+        ([], "give the prompt: --prompt-ids, --prompt, or --chat"),
+        (["--prompt", "hi", "--system", "be brief"], "--system is the system message of a --chat"),
+    ],
+)
+def test_generate_checks_its_prompt_options_before_connecting(args, says, cli):
+    result = cli("generate", "tiny_lm", "--fleet", NO_FLEET, *args)
+    assert result.returncode == 2 and says in result.stderr, result.stderr
+    assert NO_FLEET not in result.stderr  # no fleet was looked for
+
+
 # ----------------------------------------------------------------------------- help
 
 
@@ -152,7 +166,10 @@ HELP = [  # command, what its --help must say
     (["infer"], ["--priority PRIORITY class name or 0-10 (default: foreground)",
                  "--fleet FLEET fleet name (default: local)", "np.savez(", "models show"]),
     (["generate"], ["(default: foreground)", "stop after this many new tokens (default: 64)",
-                    "the prompt as token ids", "0 = greedy (default: 0.0)"]),
+                    "the prompt as token ids", "0 = greedy (default: 0.0)",
+                    "render the prompt as a user's message with the model's chat template",
+                    "--system TEXT with --chat: the system message (default: none)",
+                    "edgefleet generate phi --chat"]),
     (["up"], ["seconds between status lines (default: 2.0)", "fleet.name"]),
     (["status"], ["seconds between refreshes (default: 2.0)", "(default: local)"]),
     (["dashboard", "check"], ["'.*' checks every fleet (default: local)"]),

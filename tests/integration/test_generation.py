@@ -4,6 +4,7 @@ sessions, and clear errors."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from actors.decoder import DecoderEngine, Generation
-from cluster.text import TOKENIZER_FILE
+from cluster.text import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from edgefleet.errors import InvalidInput
 from edgefleet.modelgen import make_tiny_lm, make_tokenizer
 from edgefleet.request import GenerateRequest
@@ -230,3 +231,87 @@ def test_text_in_and_out_through_the_client(lm, slow_lm):
     text = "".join(stream.texts())
     assert stream.tokens == reference(slow_lm, tokenizer.encode("the heron saw déjà vu"), 16)
     assert text == tokenizer.decode(stream.tokens)
+
+
+@pytest.fixture
+def chat_lm(lm, slow_lm):
+    """The module's fleet, its decoder's folder with a chat model's tokenizer and
+    template (ChatML, as Qwen's); the template is gone afterwards."""
+    make_tokenizer(slow_lm.parent / TOKENIZER_FILE, chat=True)
+    yield lm
+    (slow_lm.parent / TOKENIZER_CONFIG_FILE).unlink(missing_ok=True)
+
+
+SYSTEM_MESSAGE = {"role": "system", "content": "Answer briefly."}
+
+
+def chat_ids(fleet, messages):
+    """The prompt ids of a conversation, rendered and tokenized as the client does."""
+    text = fleet.chat_template("lm").render(messages)
+    return fleet.tokenizer("lm").encode(text, add_special_tokens=False)
+
+
+def test_a_chat_answers_its_second_turn_from_the_first_turns_kv(chat_lm, slow_lm):
+    fleet = chat_lm
+    chat = fleet.chat("lm", system=SYSTEM_MESSAGE["content"], max_new_tokens=12)
+    first = chat.send("a heron by the dock?")
+    asked = [SYSTEM_MESSAGE, {"role": "user", "content": "a heron by the dock?"}]
+    ids = chat_ids(fleet, asked)  # greedy: the answer to exactly the rendered conversation
+    assert chat.last.tokens == reference(slow_lm, ids, 12)
+    assert first == fleet.tokenizer("lm").decode(chat.last.tokens)
+
+    second = chat.send("and the boats?")
+    assert chat.messages == [
+        *asked,
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "and the boats?"},
+        {"role": "assistant", "content": second},
+    ]
+    more = chat_ids(fleet, chat.messages[:4])
+    assert more[: len(ids)] == ids  # the second turn's prompt starts with the first's
+    assert chat.last.tokens == reference(slow_lm, more, 12)
+    assert chat.last.result.reused_tokens >= len(ids)  # the session's KV: only what is new
+    assert second == fleet.tokenizer("lm").decode(chat.last.tokens)
+    kept = list(chat.messages)
+    with pytest.raises(InvalidInput, match="does not fit the context"):
+        chat.send("x" * 2000)
+    assert chat.messages == kept  # a turn that failed is not part of the conversation
+    # The same conversation as messages to generate: the same answer.
+    assert "".join(fleet.generate("lm", chat.messages[:4], max_new_tokens=12).texts()) == second
+    # Another chat with the same system message starts from its shared KV.
+    other = fleet.chat("lm", system=SYSTEM_MESSAGE["content"], max_new_tokens=2)
+    other.send("hello")
+    system_ids = fleet.tokenizer("lm").encode(
+        fleet.chat_template("lm").render([SYSTEM_MESSAGE], add_generation_prompt=False),
+        add_special_tokens=False,
+    )
+    assert other.last.result.reused_tokens == len(system_ids) > 0
+
+    with pytest.raises(InvalidInput, match="chat takes no bogus"):
+        fleet.chat("lm", bogus=1)
+    with pytest.raises(InvalidInput, match="refuses this conversation: unknown role tool"):
+        fleet.generate("lm", [{"role": "tool", "content": "42"}])
+    (slow_lm.parent / TOKENIZER_CONFIG_FILE).unlink()
+    with pytest.raises(InvalidInput, match="model 'lm' has no chat template"):
+        fleet.generate("lm", asked)
+    with pytest.raises(InvalidInput, match="model 'lm' has no chat template"):
+        fleet.chat("lm")
+
+
+def test_generate_chat_on_the_command_line(chat_lm, cli_on_ray, monkeypatch):
+    fleet = chat_lm
+    options = ("--fleet", "generation", "--system", SYSTEM_MESSAGE["content"])
+    one = cli_on_ray(
+        "generate", "lm", "--chat", "--prompt", "a heron by the dock?", "--max-new-tokens", "12",
+        *options,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    chat = fleet.chat("lm", system=SYSTEM_MESSAGE["content"], max_new_tokens=12)
+    first = chat.send("a heron by the dock?")
+    assert one.stdout == first + "\n" and "finish: " in one.stderr
+    # No --prompt: a conversation from standard input, a turn a line (blank ones skipped).
+    monkeypatch.setattr("sys.stdin", io.StringIO("a heron by the dock?\n\nand the boats?\n"))
+    talk = cli_on_ray("generate", "lm", "--chat", "--max-new-tokens", "12", *options)
+    assert talk.returncode == 0, talk.stderr[-3000:]
+    assert talk.stdout == f"{first}\n{chat.send('and the boats?')}\n"
+    assert talk.stderr.count("finish: ") == 2
