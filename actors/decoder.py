@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -291,7 +291,7 @@ class DecoderEngine:
         # attends with GroupQueryAttention (it reads a row's past from column 0 whatever
         # the mask says), "left" where each row's position_ids say where it stands,
         # None when a padded row cannot be told its positions (see batchable_decode).
-        self.batch_layout: str | None = (
+        self.batch_layout: Literal["left", "right"] | None = (
             "right" if group_query_attention(path) else "left" if self._has_positions else None
         )
         self._cache_branch = "use_cache_branch" in inputs
