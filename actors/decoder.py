@@ -619,10 +619,11 @@ class _Batch:
     + 1`` columns only, in the order decoding the row alone does; rotary positions are
     ``seqlens_k[b] - S + 1 ...``. ``present_key`` is as wide as the mask. So a row
     padded on the right, its mask 1 over its own columns and the new token, computes
-    what it computes alone (its cache comes back bit-identical in tests), while a row
-    padded on the left would attend to the padding and lose its last keys. The op
-    takes one token per row when rows have a past (``S`` > 1 only for batch 1): a
-    prefill stays a call of its own, as it is here."""
+    what it computes alone (on ONNX Runtime 1.32's CPU provider its cache comes back
+    bit-identical to decoding alone, and so do its tokens), while a row padded on the
+    left would attend to the padding and lose its last keys. The op takes one token
+    per row when rows have a past (``S`` > 1 only for batch 1): a prefill stays a call
+    of its own, as it is here."""
 
     def __init__(self, gens: Sequence[Generation], *, right: bool = False) -> None:
         caches: list[KVCache] = []
