@@ -21,11 +21,14 @@ are rebuilt by replaying the generation's own calls (``Generation.aligned``), an
 cache built by another request's calls (a session or shared prefix) is not reused.
 
 Generations of one model can also decode together (``advance_batch``): one call per
-token feeds every row its last token, caches left-padded to a shared length, so the
-weights are read once for all of them. Logits match decoding alone to float rounding
-(the padding changes the order of a few sums), so tokens are those made alone unless
-two candidates tie that closely. A generation leaves the group, with its own cache, at
-the token where it ends.
+token feeds every row its last token, caches padded to a shared length, so the weights
+are read once for all of them. A graph with ``position_ids`` takes the caches padded on
+the left, each row with its own positions. A graph without them that attends with ONNX
+Runtime's ``GroupQueryAttention`` (ONNX Runtime GenAI's builds: Phi-3, Llama, Qwen)
+takes them padded on the right, as that op requires (see ``_Batch``). Logits match
+decoding alone to float rounding (the padding changes the order of a few sums), so
+tokens are those made alone unless two candidates tie that closely. A generation leaves
+the group, with its own cache, at the token where it ends.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import onnxruntime as ort
@@ -61,6 +64,8 @@ DYNAMIC_QUANTIZE = b"DynamicQuantize"
 # converts the activations per call (level 4: int8 with a scale from each call's data).
 MATMUL_NBITS = b"MatMulNBits"
 NBITS_GROUPING_LEVEL = 2
+# ONNX Runtime's attention op of GenAI builds: it finds each row's past from column 0.
+GROUP_QUERY_ATTENTION = b"GroupQueryAttention"
 
 
 @dataclass(frozen=True)
@@ -282,6 +287,13 @@ class DecoderEngine:
         self._ids_dtype = inputs["input_ids"].dtype
         self._mask_dtype = inputs["attention_mask"].dtype
         self._has_positions = "position_ids" in inputs
+        # How advance_batch pads caches to a shared length: "right" where the graph
+        # attends with GroupQueryAttention (it reads a row's past from column 0 whatever
+        # the mask says), "left" where each row's position_ids say where it stands,
+        # None when a padded row cannot be told its positions (see batchable_decode).
+        self.batch_layout: Literal["left", "right"] | None = (
+            "right" if group_query_attention(path) else "left" if self._has_positions else None
+        )
         self._cache_branch = "use_cache_branch" in inputs
         self._outputs = ["logits", *self._present]
         self.kv_dtype = first.dtype
@@ -426,13 +438,15 @@ class DecoderEngine:
     @property
     def batchable_decode(self) -> bool:
         """Whether ``advance_batch`` decodes its generations in one model call per token.
-        That takes a shared dynamic batch axis, per-row ``position_ids`` (left padding
-        would shift the positions a model derives itself), a plain with-past graph (no
-        ``use_cache_branch``) and numbers that do not depend on the rest of the call
-        (not ``exact_grouping``). Otherwise the generations take turns, a token each."""
+        That takes a shared dynamic batch axis, a ``batch_layout`` (per-row
+        ``position_ids``, or GroupQueryAttention, which takes each row's positions from
+        its mask; left padding would shift the positions any other model derives
+        itself), a plain with-past graph (no ``use_cache_branch``) and numbers that do
+        not depend on the rest of the call (not ``exact_grouping``). Otherwise the
+        generations take turns, a token each."""
         return (
             self._sig.batchable
-            and self._has_positions
+            and self.batch_layout is not None
             and not self._cache_branch
             and not self.exact_grouping
         )
@@ -448,12 +462,13 @@ class DecoderEngine:
         A generation whose cache does not cover all but its last token is first brought
         up alone through ``step`` (prefill in chunks, rebuild after a trim), as
         ``advance`` would. Then the generations with one token to feed decode in one
-        model call per token, caches left-padded to a shared length; a generation leaves
-        the group at the token where it ends. On return every generation holds its own
-        unpadded cache. Greedy and seeded outputs are those of each generation decoded
-        alone (logits agree to float rounding), and a shared call's engine time is split
-        evenly among its rows. Without ``batchable_decode`` the generations take turns
-        through ``step``, a token each."""
+        model call per token, caches padded to a shared length (on the side
+        ``batch_layout`` says); a generation leaves the group at the token where it
+        ends. On return every generation holds its own unpadded cache. Greedy and
+        seeded outputs are those of each generation decoded alone (logits agree to float
+        rounding), and a shared call's engine time is split evenly among its rows.
+        Without ``batchable_decode`` the generations take turns through ``step``, a
+        token each."""
         ids = [gen.request.id for gen in gens]
         if len(set(ids)) < len(ids):
             raise ValueError(f"advance_batch needs generations of distinct request ids: {ids}")
@@ -480,8 +495,9 @@ class DecoderEngine:
         feed: dict[str, Any] = {
             "input_ids": np.asarray(ids, dtype=self._ids_dtype).reshape(-1, 1),
             "attention_mask": mask,
-            "position_ids": positions,
         }
+        if self._has_positions:
+            feed["position_ids"] = positions
         feed.update(zip(self._past, past, strict=True))
         try:
             out = self._session.run(self._outputs, feed)
@@ -516,7 +532,7 @@ class DecoderEngine:
         or more go on and ``stop`` is not set; return those still going, each with its
         own cache again."""
         mark = time.perf_counter(), time.thread_time()
-        batch = _Batch(gens)
+        batch = _Batch(gens, right=self.batch_layout == "right")
         try:
             while len(batch.gens) > 1 and not _is_set(stop):
                 rows = list(batch.gens)
@@ -588,43 +604,69 @@ class DecoderEngine:
 
 
 class _Batch:
-    """Generations decoding together, one row each, their caches left-padded to one
-    width: row ``r`` holds its own cache in columns ``pads[r]:`` of every array. The
-    arrays a call returns are the next call's past as they are (no copy per token);
-    rows are copied out only when they leave, and the others re-packed then."""
+    """Generations decoding together, one row each, their caches padded to one width.
+    Left-padded (graphs with ``position_ids``), row ``r`` holds its own cache in the
+    last ``lengths[r]`` columns of every array; right-padded, in the first. The arrays
+    a call returns are the next call's past as they are (no copy per token); rows are
+    copied out only when they leave, and the others re-packed then.
 
-    def __init__(self, gens: Sequence[Generation]) -> None:
+    Right padding is for graphs that attend with ONNX Runtime's ``GroupQueryAttention``
+    (contrib op, CPU kernel as of 1.32). That op takes row ``b``'s total length from
+    ``seqlens_k[b] + 1`` (the graph computes it as the attention mask's row sum) and
+    assumes its past fills columns ``0 .. seqlens_k[b] - S`` of ``past_key`` (``S``:
+    tokens fed): it copies those columns to ``present_key``, writes the new keys right
+    after them, zeroes the columns past them, and attends to the first ``seqlens_k[b]
+    + 1`` columns only, in the order decoding the row alone does; rotary positions are
+    ``seqlens_k[b] - S + 1 ...``. ``present_key`` is as wide as the mask. So a row
+    padded on the right, its mask 1 over its own columns and the new token, computes
+    what it computes alone (on ONNX Runtime 1.32's CPU provider its cache comes back
+    bit-identical to decoding alone, and so do its tokens), while a row padded on the
+    left would attend to the padding and lose its last keys. The op takes one token
+    per row when rows have a past (``S`` > 1 only for batch 1): a prefill stays a call
+    of its own, as it is here."""
+
+    def __init__(self, gens: Sequence[Generation], *, right: bool = False) -> None:
         caches: list[KVCache] = []
         for gen in gens:
             if gen.cache is None:
                 raise ValueError(f"generation {gen.request.id} joins a batch without a cache")
             caches.append(gen.cache)
         self.gens = list(gens)
-        self.width = max(c.length for c in caches)
-        self.pads = np.array([self.width - c.length for c in caches], dtype=np.int64)
+        self.right = right
+        self.lengths = np.array([c.length for c in caches], dtype=np.int64)
+        self.width = int(self.lengths.max())
         arrays = []
         for i, like in enumerate(caches[0].arrays):
             # Zeros, not garbage: padded keys are masked out, but NaN * 0 is still NaN.
             out = np.zeros((len(gens), like.shape[1], self.width, like.shape[3]), like.dtype)
             for row, cache in enumerate(caches):
-                out[row, :, self.pads[row] :] = cache.arrays[i][0]
+                out[row, :, self._columns(row, cache.length)] = cache.arrays[i][0]
             arrays.append(out)
         self.arrays: tuple[np.ndarray, ...] = tuple(arrays)
+
+    def _columns(self, row: int, n: int) -> slice:
+        """The columns of the first ``n`` tokens of ``row``'s cache."""
+        start = 0 if self.right else self.width - int(self.lengths[row])
+        return slice(start, start + n)
 
     def positions(self) -> np.ndarray:
         """Each row's position of the token it feeds next: its own length, not the
         padded one."""
-        return (self.width - self.pads)[:, None]
+        return self.lengths[:, None]
 
     def mask(self, dtype: np.dtype[Any]) -> np.ndarray:
         """The attention mask of the next call: padding 0, the row's cache and its new
-        token 1."""
-        return (np.arange(self.width + 1) >= self.pads[:, None]).astype(dtype)
+        token 1 (right-padded, the new token's column is the row's length)."""
+        columns = np.arange(self.width + 1)
+        if self.right:
+            return (columns <= self.lengths[:, None]).astype(dtype)
+        return (columns >= (self.width - self.lengths)[:, None]).astype(dtype)
 
     def grown(self, arrays: tuple[np.ndarray, ...]) -> None:
         """Take a call's present arrays (one column more) as the batch's cache."""
         self.arrays = arrays
         self.width += 1
+        self.lengths = self.lengths + 1
 
     def release(self, rows: Iterable[int]) -> list[Generation]:
         """Give ``rows`` their own unpadded caches back and drop them from the batch;
@@ -634,14 +676,13 @@ class _Batch:
             return []
         released = []
         for row in leaving:
-            gen, pad = self.gens[row], int(self.pads[row])
+            gen = self.gens[row]
             # A row whose token was not sampled (an emit that raised) covers all its
             # tokens; it keeps all but the last so its next step has one to feed.
-            n = min(self.width - pad, len(gen.tokens) - 1)
+            n = min(int(self.lengths[row]), len(gen.tokens) - 1)
+            columns = self._columns(row, n)
             gen.cache = KVCache(
-                tuple(
-                    np.ascontiguousarray(a[row : row + 1, :, pad : pad + n]) for a in self.arrays
-                ),
+                tuple(np.ascontiguousarray(a[row : row + 1, :, columns]) for a in self.arrays),
                 n,
             )
             released.append(gen)
@@ -649,10 +690,11 @@ class _Batch:
         self.gens = [self.gens[r] for r in keep]
         if keep:
             # Padding every row still has is dropped: attention over it is wasted work.
-            cut = int(self.pads[keep].min())
-            self.pads = self.pads[keep] - cut
-            self.width -= cut
-            self.arrays = tuple(np.ascontiguousarray(a[keep, :, cut:]) for a in self.arrays)
+            self.lengths = self.lengths[keep]
+            width = int(self.lengths.max())
+            cut = slice(0, width) if self.right else slice(self.width - width, self.width)
+            self.width = width
+            self.arrays = tuple(np.ascontiguousarray(a[keep, :, cut]) for a in self.arrays)
         return released
 
 
@@ -690,6 +732,14 @@ def dynamically_quantized(path: Path) -> bool:
         if data.find(MATMUL_NBITS) < 0:
             return False
     return _nbits_accuracy(path) >= NBITS_GROUPING_LEVEL
+
+
+def group_query_attention(path: Path) -> bool:
+    """True when the model at ``path`` attends with ONNX Runtime's GroupQueryAttention
+    op (what ONNX Runtime GenAI's builder emits): its batched caches must be padded on
+    the right (see ``_Batch``). Found by a byte search, as in ``dynamically_quantized``."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(GROUP_QUERY_ATTENTION) >= 0
 
 
 def _nbits_accuracy(path: Path) -> int:

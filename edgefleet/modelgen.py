@@ -22,6 +22,7 @@ Not a builtin: :func:`make_spin` writes a model that loops for as long as it is 
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -654,6 +655,262 @@ def make_tiny_lm(
     return _finish(graph, path, metadata)
 
 
+# ONNX Runtime GenAI's layout. Its model builder writes a folder: model.onnx beside a
+# genai_config.json. The graph has no position_ids input: GroupQueryAttention (a
+# com.microsoft op) takes each row's length from the attention mask (seqlens_k, the
+# row's total length - 1) and rotates queries and keys by those positions itself.
+GENAI_LM_LAYERS = 3
+GENAI_LM_HEADS = 4
+GENAI_LM_KV_HEADS = 2
+GENAI_LM_HEAD_DIM = 16  # GroupQueryAttention's rotary needs a multiple of 16
+GENAI_LM_VOCAB = 512
+GENAI_LM_CONTEXT = 256
+GENAI_LM_EOS = 2
+GENAI_LM_MODEL_TYPE = "llama"
+GENAI_CONFIG = "genai_config.json"
+MS_DOMAIN = "com.microsoft"
+_GENAI_ROPE_THETA = 10000.0
+_GENAI_RMS_EPS = 1e-5
+# Token embeddings of std 2 (the tiny LM's are 1): with rotary positions only, a unit
+# scale left greedy output stuck in a repeated token for a few prompts in 10; at 2, with
+# 3 layers, none of 10 prompts looped over 60 tokens.
+_GENAI_TOKEN_STD = 2.0
+
+
+def _genai_lm_weights(
+    rng: np.random.Generator, layers: int, hidden: int, kv_width: int, inner: int, vocab: int
+) -> dict[str, FloatArray]:
+    def normal(shape: tuple[int, ...], std: float) -> FloatArray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    def scaled(fan_in: int, fan_out: int) -> FloatArray:
+        return normal((fan_in, fan_out), 1.0 / math.sqrt(fan_in))
+
+    # Scaled as the tiny LM's (see its constants) but for the token embeddings.
+    weights = {"model.embed_tokens.weight": normal((vocab, hidden), _GENAI_TOKEN_STD)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        weights[f"{p}.input_layernorm.weight"] = 1.0 + normal((hidden,), _TINY_LM_NORM_JITTER)
+        weights[f"{p}.attn.q_proj.weight"] = scaled(hidden, hidden)
+        weights[f"{p}.attn.k_proj.weight"] = scaled(hidden, kv_width)
+        weights[f"{p}.attn.v_proj.weight"] = scaled(hidden, kv_width)
+        weights[f"{p}.attn.o_proj.weight"] = scaled(hidden, hidden)
+        weights[f"{p}.post_attention_layernorm.weight"] = 1.0 + normal(
+            (hidden,), _TINY_LM_NORM_JITTER
+        )
+        weights[f"{p}.mlp.gate_proj.weight"] = scaled(hidden, inner)
+        weights[f"{p}.mlp.up_proj.weight"] = scaled(hidden, inner)
+        weights[f"{p}.mlp.down_proj.weight"] = scaled(inner, hidden)
+    weights["model.norm.weight"] = 1.0 + normal((hidden,), _TINY_LM_NORM_JITTER)
+    weights["lm_head.weight"] = scaled(hidden, vocab)
+    return weights
+
+
+def _rotary_caches(context: int, head_dim: int) -> tuple[FloatArray, FloatArray]:
+    """cos and sin ``[context, head_dim / 2]`` of the rotary embedding (base 10000), as
+    GroupQueryAttention's ``cos_cache`` / ``sin_cache`` take them."""
+    inv_freq = 1.0 / _GENAI_ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(context, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def make_genai_lm(
+    folder: PathLike,
+    *,
+    layers: int = GENAI_LM_LAYERS,
+    heads: int = GENAI_LM_HEADS,
+    kv_heads: int = GENAI_LM_KV_HEADS,
+    head_dim: int = GENAI_LM_HEAD_DIM,
+    vocab: int = GENAI_LM_VOCAB,
+    max_context: int = GENAI_LM_CONTEXT,
+    eos_token_id: int = GENAI_LM_EOS,
+    seed: int = DEFAULT_SEED,
+) -> Path:
+    """Write a tiny Llama-style decoder as ONNX Runtime GenAI's model builder lays one
+    out: ``<folder>/model.onnx`` beside ``<folder>/genai_config.json``. Returns the
+    path of ``model.onnx``.
+
+    Inputs: ``input_ids`` and ``attention_mask`` int64 (``[batch_size,
+    sequence_length]`` and ``[batch_size, total_sequence_length]``), then
+    ``past_key_values.{i}.key`` / ``.value`` float32 ``[batch_size, kv_heads,
+    past_sequence_length, head_dim]``; no ``position_ids``. Outputs: ``logits`` float32
+    ``[batch_size, sequence_length, vocab]`` and ``present.{i}.key`` / ``.value``
+    ``[batch_size, kv_heads, total_sequence_length, head_dim]``.
+
+    The ops are the builder's for a CPU float32 model: ``SimplifiedLayerNormalization``
+    and ``com.microsoft.SkipSimplifiedLayerNormalization`` (RMS norms, the second
+    adding the residual), and per layer a ``com.microsoft.GroupQueryAttention`` with
+    ``do_rotary=1`` and ``cos_cache`` / ``sin_cache`` of ``max_context`` rows. Its
+    ``seqlens_k`` (each row's total length - 1, int32) is the attention mask's row sum
+    - 1, and its ``total_sequence_length`` the mask's width, as the builder computes
+    them. The op then takes a row's positions and the extent of its past from
+    ``seqlens_k``: a row's past must fill columns ``0 .. seqlens_k - 1`` (padding on
+    the right). The MLP is SiLU-gated (``Sigmoid``, ``Mul``) of width ``2 * hidden``;
+    an untied ``lm_head`` gives the logits. Weights are random (``default_rng(seed)``).
+
+    ``genai_config.json`` holds what the builder writes that the decoder reads:
+    ``context_length``, ``eos_token_id``, ``pad_token_id``, ``vocab_size``, ``type``
+    and the decoder's file, sizes and tensor names. The graph uses ONNX Runtime's
+    contrib ops, so it is checked by loading it in ONNX Runtime, not by onnx.checker
+    (which knows no ``SimplifiedLayerNormalization`` in the default domain).
+    """
+    for name, value in (
+        ("layers", layers),
+        ("heads", heads),
+        ("vocab", vocab),
+        ("max_context", max_context),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if head_dim < 16 or head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 (rotary attention), got {head_dim}")
+    if not 1 <= kv_heads <= heads or heads % kv_heads:
+        raise ValueError(f"kv_heads must divide heads ({heads}), got {kv_heads}")
+    hidden, kv_width = heads * head_dim, kv_heads * head_dim
+    inner = 2 * hidden
+    weights = _genai_lm_weights(np.random.default_rng(seed), layers, hidden, kv_width, inner, vocab)
+    cos, sin = _rotary_caches(max_context, head_dim)
+    initializers = [_init(name, array) for name, array in weights.items()] + [
+        _init("cos_cache", cos),
+        _init("sin_cache", sin),
+        _int64_init("const.one", 1),
+        _int64_init("const.axes_1", [1]),
+    ]
+
+    add = _Nodes()
+    # What GroupQueryAttention needs to know of the rows, computed once.
+    total = add("ReduceSum", ["attention_mask", "const.axes_1"], "mask.row_sum", keepdims=0)
+    last = add("Sub", [total, "const.one"], "mask.row_last")
+    seqlens_k = add("Cast", [last], "mask.seqlens_k", to=TensorProto.INT32)
+    width = add("Shape", ["attention_mask"], "mask.shape")
+    width = add("Gather", [width, "const.one"], "mask.width", axis=0)
+    total_len = add("Cast", [width], "mask.total_seq_len", to=TensorProto.INT32)
+
+    residual = add("Gather", ["model.embed_tokens.weight", "input_ids"], "embed.out")
+    pending: str | None = None  # a sublayer's output not yet added to the residual
+
+    def norm(weight: str) -> str:
+        nonlocal residual
+        if pending is None:
+            return add(
+                "SimplifiedLayerNormalization",
+                [residual, weight],
+                f"{weight}.out",
+                axis=-1,
+                epsilon=_GENAI_RMS_EPS,
+                stash_type=1,
+            )
+        out, summed = f"{weight}.out", f"{weight}.residual"
+        add.nodes.append(
+            helper.make_node(
+                "SkipSimplifiedLayerNormalization",
+                [pending, residual, weight],
+                [out, "", "", summed],
+                domain=MS_DOMAIN,
+                epsilon=_GENAI_RMS_EPS,
+            )
+        )
+        residual = summed
+        return out
+
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        x = norm(f"{p}.input_layernorm.weight")
+        q, k, v = (
+            add("MatMul", [x, f"{p}.attn.{n}_proj.weight"], f"{p}.attn.{n}_proj.out")
+            for n in ("q", "k", "v")
+        )
+        attn = f"{p}.attn.gqa.out"
+        add.nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                [
+                    q,
+                    k,
+                    v,
+                    f"past_key_values.{i}.key",
+                    f"past_key_values.{i}.value",
+                    seqlens_k,
+                    total_len,
+                    "cos_cache",
+                    "sin_cache",
+                ],
+                [attn, f"present.{i}.key", f"present.{i}.value"],
+                domain=MS_DOMAIN,
+                num_heads=heads,
+                kv_num_heads=kv_heads,
+                scale=1.0 / math.sqrt(head_dim),
+                do_rotary=1,
+                rotary_interleaved=0,
+                local_window_size=-1,
+            )
+        )
+        pending = add("MatMul", [attn, f"{p}.attn.o_proj.weight"], f"{p}.attn.o_proj.out")
+        x = norm(f"{p}.post_attention_layernorm.weight")
+        gate = add("MatMul", [x, f"{p}.mlp.gate_proj.weight"], f"{p}.mlp.gate_proj.out")
+        up = add("MatMul", [x, f"{p}.mlp.up_proj.weight"], f"{p}.mlp.up_proj.out")
+        silu = add("Mul", [gate, add("Sigmoid", [gate], f"{p}.mlp.sigmoid")], f"{p}.mlp.silu")
+        gated = add("Mul", [silu, up], f"{p}.mlp.gated")
+        pending = add("MatMul", [gated, f"{p}.mlp.down_proj.weight"], f"{p}.mlp.down_proj.out")
+    add("MatMul", [norm("model.norm.weight"), "lm_head.weight"], "logits")
+
+    def ids(name: str, length: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, TensorProto.INT64, ["batch_size", length])
+
+    cache_in: list[Dim] = ["batch_size", kv_heads, "past_sequence_length", head_dim]
+    cache_out: list[Dim] = ["batch_size", kv_heads, "total_sequence_length", head_dim]
+    inputs = [ids("input_ids", "sequence_length"), ids("attention_mask", "total_sequence_length")]
+    outputs = [_value_info("logits", ["batch_size", "sequence_length", vocab])]
+    for i in range(layers):
+        for kind in ("key", "value"):
+            inputs.append(_value_info(f"past_key_values.{i}.{kind}", cache_in))
+            outputs.append(_value_info(f"present.{i}.{kind}", cache_out))
+    graph = helper.make_graph(add.nodes, "genai_lm", inputs, outputs, initializers)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+        ir_version=IR_VERSION,
+        producer_name=PRODUCER_NAME,
+    )
+    data = model.SerializeToString()
+    _session(data, 1)  # ONNX Runtime resolves every op and shape, or raises
+    root = Path(folder)
+    path = _write_atomic(data, root / "model.onnx")
+    config = {
+        "model": {
+            "bos_token_id": 1,
+            "context_length": max_context,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": path.name,
+                "head_size": head_dim,
+                "hidden_size": hidden,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": heads,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": kv_heads,
+            },
+            "eos_token_id": eos_token_id,
+            "pad_token_id": 0,
+            "type": GENAI_LM_MODEL_TYPE,
+            "vocab_size": vocab,
+        },
+        "search": {"do_sample": False, "max_length": max_context, "num_beams": 1},
+    }
+    _write_atomic((json.dumps(config, indent=4) + "\n").encode(), root / GENAI_CONFIG)
+    return path
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -933,6 +1190,7 @@ __all__ = [
     "make_all",
     "make_classifier",
     "make_detector",
+    "make_genai_lm",
     "make_heavy",
     "make_missing_models",
     "make_slow",

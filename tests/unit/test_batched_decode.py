@@ -1,6 +1,8 @@
 """Batched decode in the engine: several generations share each model call, and each
 one's tokens, cache and accounting stay those of decoding it alone. Real ONNX Runtime
-on tiny LMs generated into a temporary directory."""
+on tiny LMs generated into a temporary directory: the Optimum layout (multi-head and
+grouped-query, with position_ids, caches left-padded) and ONNX Runtime GenAI's
+(GroupQueryAttention, no position_ids, caches right-padded)."""
 
 from __future__ import annotations
 
@@ -14,20 +16,35 @@ import numpy as np
 import onnx
 import pytest
 
-from actors.decoder import DecoderEngine, Generation
-from edgefleet.modelgen import make_tiny_lm
+from actors.decoder import DecoderEngine, Generation, KVCache, _Batch
+from edgefleet.modelgen import make_genai_lm, make_tiny_lm
 from edgefleet.request import GenerateRequest
 
 # Prompt lengths and token counts differ so rows are padded and leave at different times.
 SHAPES = ((5, 40), (17, 24), (33, 48), (9, 31))
 
 
-@pytest.fixture(scope="module", params=["mha", "gqa"])
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("lm")
-    if request.param == "gqa":
+def make_model(kind: str, directory: Path) -> Path:
+    if kind == "genai":
+        return make_genai_lm(directory / "genai")
+    if kind == "gqa":
         return make_tiny_lm(directory / "gqa.onnx", heads=4, kv_heads=2)
     return make_tiny_lm(directory / "lm.onnx")
+
+
+@pytest.fixture(scope="module", params=["mha", "gqa", "genai"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(request.param, tmp_path_factory.mktemp("lm"))
+
+
+@pytest.fixture(scope="module", params=["mha", "gqa"])
+def optimum_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(request.param, tmp_path_factory.mktemp("lm"))
+
+
+@pytest.fixture(scope="module")
+def genai_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("genai", tmp_path_factory.mktemp("lm"))
 
 
 class CallLog:
@@ -242,12 +259,12 @@ def without_position_ids(path: Path, out: Path) -> Path:
 
 
 def test_a_model_without_position_ids_takes_turns_with_the_same_output(
-    model: Path, tmp_path: Path
+    optimum_model: Path, tmp_path: Path
 ) -> None:
-    engine = DecoderEngine("lm", without_position_ids(model, tmp_path / "nopos.onnx"))
-    assert not engine.batchable_decode
+    engine = DecoderEngine("lm", without_position_ids(optimum_model, tmp_path / "nopos.onnx"))
+    assert not engine.batchable_decode and engine.batch_layout is None
     reqs = requests()
-    expected = alone(DecoderEngine("lm", model), reqs)
+    expected = alone(DecoderEngine("lm", optimum_model), reqs)
     gens = [gen(r) for r in reqs]
     log = logged(engine)
     assert set(engine.advance_batch(gens).values()) == {"length"}
@@ -260,3 +277,125 @@ def test_advance_batch_refuses_two_generations_of_one_request(model: Path) -> No
     request = requests()[0]
     with pytest.raises(ValueError, match="distinct request ids"):
         engine.advance_batch([gen(request), gen(request)])
+
+
+# ------------------------------------------- GroupQueryAttention: caches padded on the right
+
+
+def test_a_genai_model_decodes_together_right_padded(genai_model: Path) -> None:
+    engine = DecoderEngine("lm", genai_model)
+    assert "position_ids" not in engine.signature.input_names
+    assert engine.batch_layout == "right" and engine.batchable_decode
+    reqs = requests()
+    expected = alone(engine, reqs)
+    gens = [gen(r) for r in reqs]
+    masks: list[np.ndarray] = []
+    log = logged(engine)
+    run = log.run
+
+    def record(outputs: Any, feed: dict[str, np.ndarray], *args: Any) -> Any:
+        masks.append(feed["attention_mask"])
+        return run(outputs, feed, *args)
+
+    log.run = record  # type: ignore[method-assign]
+    assert set(engine.advance_batch(gens).values()) == {"length"}
+    assert [g.generated for g in gens] == [g.generated for g in expected]
+    # The first shared call: each row's mask covers its own cache (its prompt) and its
+    # new token from column 0; the shortest rows are padded on the right.
+    first = masks[log.rows.index(4)]
+    assert first.shape == (4, 34) and first.sum(axis=1).tolist() == [6, 18, 34, 10]
+    assert (first == (np.arange(34) < first.sum(axis=1)[:, None])).all()
+    for g, ref in zip(gens, expected, strict=True):
+        assert g.cache is not None and ref.cache is not None
+        assert g.cache.length == ref.cache.length == len(g.tokens) - 1
+        for a, b in zip(g.cache.arrays, ref.cache.arrays, strict=True):
+            assert a.shape == b.shape and a.flags.c_contiguous
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_left_padding_gives_a_genai_model_other_tokens(genai_model: Path) -> None:
+    """Why its caches go on the right: GroupQueryAttention reads a row's past from
+    column 0, so padding on the left feeds it padding and drops its last keys."""
+    engine = DecoderEngine("lm", genai_model)
+    reqs = requests()
+    expected = alone(engine, reqs)
+    engine.batch_layout = "left"
+    gens = [gen(r) for r in reqs]
+    engine.advance_batch(gens)
+    longest = max(range(4), key=lambda r: len(reqs[r].prompt_ids))
+    # The longest row is never padded; every other one decodes wrong tokens.
+    assert gens[longest].generated == expected[longest].generated
+    assert all(gens[r].generated != expected[r].generated for r in range(4) if r != longest)
+
+
+def test_a_genai_generation_joins_and_another_leaves_mid_batch(genai_model: Path) -> None:
+    engine = DecoderEngine("lm", genai_model, prefill_chunk=8)
+    reqs = requests()
+    expected = alone(engine, reqs)
+    gens = [gen(r) for r in reqs]
+    gens[1].limit = 9  # leaves the batch at its 9th token, on its budget
+    stop = threading.Event()
+    gens[0].emit = lambda t: stop.set() if len(gens[0].generated) == 12 else None
+    log = logged(engine)
+    assert engine.advance_batch(gens[:3], stop) == {
+        reqs[0].id: None,
+        reqs[1].id: "budget",
+        reqs[2].id: None,
+    }
+    assert max(log.rows) == 3 and log.rows[-1] == 2  # two rows on after one left
+    stop.clear()
+    gens[1].limit = reqs[1].max_new_tokens
+    log.rows.clear()
+    # The fourth joins (its prompt prefilled alone, in chunks), the second comes back.
+    assert set(engine.advance_batch(gens).values()) == {"length"}
+    assert log.rows[:2] == [1, 4]  # a prompt in chunks leaves its last token to the batch
+    assert [g.generated for g in gens] == [g.generated for g in expected]
+
+
+def test_right_padded_rows_leave_with_their_own_caches_and_the_rest_repack() -> None:
+    def cache(length: int, fill: float) -> KVCache:
+        arrays = tuple(
+            np.full((1, 2, length, 16), fill + i, np.float32) + np.arange(length)[:, None]
+            for i in range(2)
+        )
+        return KVCache(arrays, length)
+
+    gens = []
+    for n, fill in ((3, 10.0), (5, 20.0), (2, 30.0)):
+        request = GenerateRequest("lm", tuple(range(1, n + 2)), 8)
+        gens.append(Generation(request, 8, lambda t: None, cache=cache(n, fill)))
+    caches = [g.cache for g in gens]
+    batch = _Batch(gens, right=True)
+    assert batch.width == 5 and batch.positions()[:, 0].tolist() == [3, 5, 2]
+    assert batch.mask(np.dtype(np.int64)).tolist() == [
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 0, 0, 0],
+    ]
+    assert (batch.arrays[0][0, :, :3] == caches[0].arrays[0][0]).all()
+    assert not batch.arrays[0][0, :, 3:].any() and not batch.arrays[1][2, :, 2:].any()
+    # A call as GroupQueryAttention makes it: each row's new key right after its cache.
+    grown = []
+    for a in batch.arrays:
+        out = np.zeros((3, 2, 6, 16), np.float32)
+        out[:, :, :5] = a
+        for row, n in enumerate((3, 5, 2)):
+            out[row, :, n] = -1.0 - row
+        grown.append(out)
+    batch.grown(tuple(grown))
+    for g in gens:
+        g.tokens.append(0)
+    (longest,) = batch.release([1])
+    assert longest is gens[1] and gens[1].cache is not None and gens[1].cache.length == 6
+    np.testing.assert_array_equal(gens[1].cache.arrays[1][0, :, :5], caches[1].arrays[1][0])
+    assert (gens[1].cache.arrays[1][0, :, 5] == -2.0).all()
+    # The longest row gone, the others keep 4 and 3 columns: the batch is 4 wide.
+    assert batch.width == 4 and batch.arrays[0].shape == (2, 2, 4, 16)
+    assert batch.lengths.tolist() == [4, 3]
+    assert batch.mask(np.dtype(np.int64)).tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    left = batch.release(range(2))
+    assert left == [gens[0], gens[2]]
+    for g, before, row in ((gens[0], caches[0], 0), (gens[2], caches[2], 2)):
+        assert g.cache is not None and g.cache.length == before.length + 1
+        np.testing.assert_array_equal(g.cache.arrays[0][0, :, :-1], before.arrays[0][0])
+        assert (g.cache.arrays[0][0, :, -1] == -1.0 - row).all()

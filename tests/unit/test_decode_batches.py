@@ -1,6 +1,7 @@
 """Generations of one decoder decode together: the scheduler forms decode batches of one
 priority, lets arrivals join at token boundaries and never lets lower priorities in; the
-node runs them on a real ONNX Runtime decoder, token-identical to each alone."""
+node runs them on a real ONNX Runtime decoder (the Optimum layout, and ONNX Runtime
+GenAI's), token-identical to each alone."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from actors.scheduler import LocalScheduler, ModelRules
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.messages import GenerationResult
-from edgefleet.modelgen import make_tiny_lm
+from edgefleet.modelgen import make_genai_lm, make_tiny_lm
 from edgefleet.request import GenerateRequest, Request, RequestState
 from policies import PreemptionParams, PriorityOrder, QueueLimits
 from tests.fakes import LocalFleet
@@ -115,24 +116,41 @@ async def generate(node: NodeRuntime, request: GenerateRequest) -> GenerationRes
     raise AssertionError("no result")
 
 
-@pytest.fixture
-def lm_node(lm_path):
-    """One node serving the tiny LM (no Ray), and the fleet around it."""
+@pytest.fixture(scope="module")
+def genai_path(tmp_path_factory) -> Path:
+    """A GenAI folder: GroupQueryAttention, no position_ids, caches padded on the right."""
+    return make_genai_lm(tmp_path_factory.mktemp("genai") / "llama-tiny")
+
+
+def serving(path: Path):
+    """One node serving the decoder at ``path`` (no Ray), and the fleet around it."""
     config = parse_config(
         {
             "fleet": {"name": "d"},
-            "models": {"lm": {"path": str(lm_path), "kind": "decoder"}},
+            "models": {"lm": {"path": str(path), "kind": "decoder"}},
             "nodes": [{"name": "a"}],
         },
-        lm_path.parent,
+        path.parent,
     )
     fleet = LocalFleet(config, NodeRuntime)
     yield fleet, fleet.node("a")
     fleet.close()
 
 
-def test_concurrent_generations_decode_together_token_identical_to_each_alone(lm_path, lm_node):
-    fleet, node = lm_node
+@pytest.fixture
+def lm_node(lm_path):
+    yield from serving(lm_path)
+
+
+@pytest.fixture
+def genai_node(genai_path):
+    yield from serving(genai_path)
+
+
+@pytest.mark.parametrize("model", ["lm", "genai"])
+def test_concurrent_generations_decode_together_token_identical_to_each_alone(request, model):
+    lm_path = request.getfixturevalue(f"{model}_path")
+    fleet, node = request.getfixturevalue(f"{model}_node")
     prompts = [tuple(range(5 + i, 25 + 3 * i)) for i in range(4)]
     lengths = [120, 90, 150, 60]  # rows leave at different tokens
 

@@ -735,3 +735,107 @@ def test_tiny_lm_kv_heads_equal_to_heads_is_the_multi_head_model(
 def test_tiny_lm_rejects_kv_heads_that_do_not_divide_heads(tmp_path: Path, kv_heads: int) -> None:
     with pytest.raises(ValueError, match="kv_heads"):
         make_tiny_lm(tmp_path / "bad.onnx", heads=4, kv_heads=kv_heads)
+
+
+# ------------------------------------------------------------ ONNX Runtime GenAI layout
+
+
+@pytest.fixture(scope="module")
+def genai_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return modelgen.make_genai_lm(tmp_path_factory.mktemp("genai") / "llama-tiny")
+
+
+def _genai_call(sess: Any, ids: np.ndarray, mask: np.ndarray, past: Feed) -> tuple[Any, Feed]:
+    feed = {"input_ids": ids, "attention_mask": mask, **past}
+    out = _run(sess, feed)
+    present = {
+        k.replace("present.", "past_key_values."): v for k, v in out.items() if k != "logits"
+    }
+    return out["logits"], present
+
+
+def _genai_empty(path: Path) -> Feed:
+    return {
+        i.name: np.zeros((1, modelgen.GENAI_LM_KV_HEADS, 0, modelgen.GENAI_LM_HEAD_DIM), np.float32)
+        for i in _session(path).get_inputs()
+        if i.name.startswith("past_key_values.")
+    }
+
+
+def test_genai_lm_is_a_genai_folder_without_position_ids(genai_path: Path) -> None:
+    from actors.decoder import genai_facts
+
+    assert genai_path.name == "model.onnx" and genai_path.stat().st_size < 1_000_000
+    sess = _session(genai_path)
+    layers, kv, dim = modelgen.GENAI_LM_LAYERS, modelgen.GENAI_LM_KV_HEADS, 16
+    assert _signature(sess.get_inputs()) == [
+        ("input_ids", INT64, ["batch_size", "sequence_length"]),
+        ("attention_mask", INT64, ["batch_size", "total_sequence_length"]),
+    ] + [
+        (f"past_key_values.{i}.{kind}", FLOAT, ["batch_size", kv, "past_sequence_length", dim])
+        for i in range(layers)
+        for kind in ("key", "value")
+    ]
+    assert [o.name for o in sess.get_outputs()] == ["logits"] + [
+        f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")
+    ]
+    ops = {(n.domain, n.op_type) for n in onnx.load(str(genai_path)).graph.node}
+    assert {
+        ("com.microsoft", "GroupQueryAttention"),
+        ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+        ("", "SimplifiedLayerNormalization"),
+    } <= ops
+    assert genai_facts(genai_path) == {
+        "max_position_embeddings": modelgen.GENAI_LM_CONTEXT,
+        "eos_token_id": modelgen.GENAI_LM_EOS,
+        "pad_token_id": 0,
+        "vocab_size": modelgen.GENAI_LM_VOCAB,
+        "num_hidden_layers": layers,
+        "num_attention_heads": modelgen.GENAI_LM_HEADS,
+        "num_key_value_heads": kv,
+        "head_dim": dim,
+        "hidden_size": modelgen.GENAI_LM_HEADS * dim,
+    }
+
+
+def test_genai_lm_is_byte_identical_and_seeded(tmp_path: Path, genai_path: Path) -> None:
+    again = modelgen.make_genai_lm(tmp_path / "again")
+    assert again.read_bytes() == genai_path.read_bytes()
+    config = modelgen.GENAI_CONFIG
+    assert (again.parent / config).read_text() == (genai_path.parent / config).read_text()
+    assert modelgen.make_genai_lm(tmp_path / "other", seed=1).read_bytes() != again.read_bytes()
+
+
+def test_genai_lm_prefill_and_decode_match_one_token_at_a_time(genai_path: Path) -> None:
+    sess = _session(genai_path)
+    prompt = np.random.default_rng(14).integers(3, VOCAB, size=(1, 13), dtype=np.int64)
+
+    def greedy(chunks: list[int], n: int) -> tuple[list[int], Any]:
+        past, start, logits = _genai_empty(genai_path), 0, None
+        for size in chunks:  # the prompt, in these chunks
+            stop = start + size
+            mask = np.ones((1, stop), np.int64)
+            logits, past = _genai_call(sess, prompt[:, start:stop], mask, past)
+            start = stop
+        tokens: list[int] = []
+        for _ in range(n):
+            tokens.append(int(logits[0, -1].argmax()))
+            mask = np.ones((1, start + len(tokens)), np.int64)
+            logits, past = _genai_call(sess, np.array([[tokens[-1]]]), mask, past)
+        return tokens, past
+
+    expected, cache = greedy([1] * 13, 40)
+    for chunks in ([13], [5, 8], [6, 1, 1, 5]):
+        tokens, past = greedy(chunks, 40)
+        assert tokens == expected
+        for name, array in past.items():
+            assert array.shape == (1, modelgen.GENAI_LM_KV_HEADS, 53, 16)
+            np.testing.assert_allclose(array, cache[name], rtol=1e-4, atol=1e-4)
+    assert len(set(expected)) >= 8 and not _has_short_loop(expected), expected
+
+
+def test_genai_lm_rejects_sizes_its_attention_cannot_take(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        modelgen.make_genai_lm(tmp_path / "a", head_dim=24)
+    with pytest.raises(ValueError, match="kv_heads"):
+        modelgen.make_genai_lm(tmp_path / "b", heads=4, kv_heads=3)
