@@ -121,6 +121,12 @@ MODEL_PROVIDER = _gauge(
     "...); fallback=yes when it is not the model's first choice, or part of its graph runs "
     "on the CPU",
 )
+MODEL_VERSION = _gauge(
+    "edgefleet_model_version",
+    (*_NODE, "model", "version", "digest"),
+    "1 for the version of the model's files the node serves (its YAML `version:`, else "
+    "its digest), with the first 12 hex digits of their sha256",
+)
 NODE_ONNXRUNTIME = _gauge(
     "edgefleet_node_onnxruntime",
     (*_NODE, "build", "version"),
@@ -280,6 +286,7 @@ NODE_METRICS = (
     NODE_LIFECYCLE,
     MODEL_RESIDENT,
     MODEL_PROVIDER,
+    MODEL_VERSION,
     NODE_ONNXRUNTIME,
     RSS_BYTES,
     KV_BYTES,
@@ -655,6 +662,8 @@ class NodeMetrics(Recorder):
             self.emit(
                 MODEL_PROVIDER, 1, model=m.name, provider=m.providers.runs_on, fallback=fallback
             )
+            if m.version:
+                self.emit(MODEL_VERSION, 1, model=m.name, version=m.version, digest=m.digest[:12])
         device = status.device
         self.emit(NODE_ONNXRUNTIME, 1, build=device.build or "unknown", version=device.version)
         self.emit(RSS_BYTES, status.rss_mb * 1024 * 1024)

@@ -312,6 +312,17 @@ def node_panels() -> list[dict[str, Any]]:
             description="What each model's session runs on, and the device's ONNX Runtime "
             "build; `edgefleet status` says why a model fell back.",
         ),
+        timeseries(
+            "Model versions",
+            [
+                Query(
+                    f"{current(m.MODEL_VERSION, 'node, model, version, digest', where)} == 1",
+                    "{{node}} {{model}}@{{version}} ({{digest}})",
+                )
+            ],
+            description="The version of each model's files each node serves (see README, "
+            "Shipping models).",
+        ),
     ]
 
 
