@@ -20,6 +20,7 @@ from pathlib import Path
 from bench import (
     batching_window,
     devices,
+    distribution,
     fidelity,
     fleet,
     generation,
@@ -53,6 +54,7 @@ SCENARIOS = {  # name -> (run, title)
     "membership": (membership.run, membership.TITLE),
     "devices": (devices.run, devices.TITLE),
     "fidelity": (fidelity.run, fidelity.TITLE),
+    "distribution": (distribution.run, distribution.TITLE),
 }
 
 

@@ -86,11 +86,24 @@ class ModelStore:
             fh.seek(offset)
             return fh.read(size)
 
-    def publish(self, artifacts: dict[str, dict[str, Any]]) -> None:
-        """Record the models' current artifacts (kept on disk for a restarted store)."""
+    def publish(self, artifacts: dict[str, dict[str, Any]]) -> int:
+        """Record the models' current artifacts (kept on disk for a restarted store),
+        and remove the files neither these nor the ones published before hold; returns
+        the bytes removed."""
+        keep = {
+            f["sha256"]
+            for a in (*artifacts.values(), *self.published().values())
+            for f in a["files"]
+        }
         tmp = self._published.with_suffix(".tmp")
         tmp.write_text(json.dumps(artifacts, indent=1))
         os.replace(tmp, self._published)
+        freed = 0
+        for blob in self._blobs.iterdir():
+            if blob.name not in keep:
+                freed += blob.stat().st_size
+                blob.unlink()
+        return freed
 
     def published(self) -> dict[str, dict[str, Any]]:
         if not self._published.is_file():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -114,10 +115,27 @@ def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
     for name in lost:
         if all(n.name != name for n in status.nodes):
             lines.append(f"{name:<{w}}{_health(status, name):<9}")
-    lines += ["", "(* = resident)", status_line(status)]
+    lines += ["", "(* = resident)", *version_lines(status), status_line(status)]
     for pool in status.pools:
         lines += ["", *pool_lines(pool)]
     return "\n".join(lines)
+
+
+def version_lines(status: FleetStatus) -> list[str]:
+    """Which version of each model's files the nodes serve, and on how many nodes."""
+    served: dict[str, Counter[tuple[str, str]]] = {}
+    for n in status.nodes:
+        for m in n.models:
+            if m.version:
+                served.setdefault(m.name, Counter())[(m.version, m.digest[:12])] += 1
+    lines = []
+    for model, versions in sorted(served.items()):
+        each = ", ".join(
+            f"{v}{'' if v == d else f' (sha256 {d})'} on {c} node(s)"
+            for (v, d), c in sorted(versions.items())
+        )
+        lines.append(f"{model}: {each}")
+    return lines
 
 
 def provider_lines(node: NodeStatus) -> list[str]:

@@ -182,3 +182,39 @@ def test_model_at_version_names_a_version():
     assert split_version("detector@v2") == ("detector", "v2")
     assert split_version("detector") == ("detector", None)
     assert split_version("detector@") == ("detector@", None)
+
+
+def test_the_store_keeps_a_blob_only_when_its_bytes_match_and_drops_what_no_publish_holds(
+    tmp_path, monkeypatch
+):
+    from dataclasses import asdict
+
+    from cluster.store import ModelStore
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    store = ModelStore("f")
+    v1, v1_files = describe_files("c", make_classifier(tmp_path / "v1" / "c.onnx"), {}, "tensor")
+    data = v1_files["c.onnx"].read_bytes()
+    digest = v1.files[0].sha256
+    assert store.missing([digest]) == [digest]
+    half = len(data) // 2
+    store.write(digest, half, data[half:])  # chunks may come in any order
+    store.write(digest, 0, data[:half])
+    store.commit(digest, len(data))
+    assert store.missing([digest]) == []
+    assert store.read(digest, 10, 5) == data[10:15]
+
+    with pytest.raises(ValueError, match="another digest"):
+        store.write("0" * 64, 0, b"not those bytes")
+        store.commit("0" * 64, 15)
+    assert store.missing(["0" * 64]) == ["0" * 64]
+
+    store.publish({"c": asdict(v1)})
+    v2, v2_files = describe_files("c", make_detector(tmp_path / "v2" / "c.onnx"), {}, "tensor")
+    d2 = v2.files[0].sha256
+    store.write(d2, 0, v2_files["c.onnx"].read_bytes())
+    store.commit(d2, v2.files[0].size)
+    assert store.publish({"c": asdict(v2)}) == 0  # v1 is the one published before: kept
+    v3, v3_files = describe_files("c", _external(tmp_path), {}, "tensor")
+    assert store.publish({"c": asdict(v3)}) == v1.size  # v1 is two publishes old
+    assert store.missing([digest, d2]) == [digest]
