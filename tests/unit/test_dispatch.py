@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,11 +22,11 @@ from cluster.dispatch import Dispatcher, FleetView, FutureCalls, NodeGone, NodeR
 from cluster.router import CALLER_SEEN_S, Router
 from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
-from edgefleet.errors import Cancelled, Evicted, ModelNotFound, NodeLost, Rejected
+from edgefleet.errors import Cancelled, EngineTimeout, Evicted, ModelNotFound, NodeLost, Rejected
 from edgefleet.messages import ModelStatus, NodeStatus, Reply, RunningStatus
 from edgefleet.request import InferRequest
 from policies.placement import PlacementRequest
-from tests.fakes import FakeLoader, LocalFleet, x
+from tests.fakes import HANG, FakeLoader, LocalFleet, x
 
 
 def make_config(nodes, *, shed=None, capacity=8, placement=None):
@@ -237,29 +238,42 @@ def test_a_guaranteed_class_is_not_shed_from_a_node_holding_none_of_it(fleet, bo
     assert all(r.result(30).error is None for r in flood)
 
 
+def _busy_until_cancelled(f: LocalFleet, node: str) -> Any:
+    """Keep ``node`` busy with a call that runs until it is cancelled (or its time
+    limit ends it): a test has all the time a busy machine needs to queue behind it."""
+    running = f.spawn(f.node(node).infer(req(10, rid="busy", value=HANG)))
+    wait_for(lambda: f.node(node).status().running is not None)
+    return running
+
+
+def _release(f: LocalFleet, node: str, running: Any) -> None:
+    f.loop.call_soon_threadsafe(f.node(node).cancel, "busy")
+    assert isinstance(running.result(60).error, (Cancelled, EngineTimeout))
+
+
 def test_evicted_request_is_placed_again_on_another_node(fleet):
-    f = fleet({"a": {"queue": {"capacity": 1}}, "b": {}}, cost_s=0.2, shed={})
-    running = f.spawn(f.node("a").infer(req(10)))  # a busy...
-    wait_for(lambda: f.node("a").status().running is not None)
+    f = fleet({"a": {"queue": {"capacity": 1}}, "b": {}}, shed={})
+    running = _busy_until_cancelled(f, "a")
     f.dispatcher.update(FleetView(reported(f, a={}, b={10: 50})))  # ...b looks worse
     victim = f.dispatcher.submit(req(3, rid="victim"))
     wait_for(lambda: f.node("a").status().queue_length == 1)
-    f.run(f.node("a").infer(req(10)))  # evicts the victim from a's one-slot queue
+    evicting = f.spawn(f.node("a").infer(req(10)))  # evicts the victim from a's one slot
     reply = victim.result(30)
     assert reply.error is None and reply.node == "b"
     assert f.counters()["replaced"] == 1
-    running.result(30)
+    _release(f, "a", running)
+    assert evicting.result(30).error is None
 
 
 def test_evicted_fails_only_when_no_node_has_room(fleet):
-    f = fleet({"a": {"queue": {"capacity": 1}}}, cost_s=0.2, shed={})
-    running = f.spawn(f.node("a").infer(req(10)))
-    wait_for(lambda: f.node("a").status().running is not None)
+    f = fleet({"a": {"queue": {"capacity": 1}}}, shed={})
+    running = _busy_until_cancelled(f, "a")
     victim = f.dispatcher.submit(req(3))
     wait_for(lambda: f.node("a").status().queue_length == 1)
-    f.run(f.node("a").infer(req(10)))
+    evicting = f.spawn(f.node("a").infer(req(10)))
     assert isinstance(victim.result(30).error, Evicted)
-    running.result(30)
+    _release(f, "a", running)
+    assert evicting.result(30).error is None
 
 
 def test_requests_on_a_dying_node_are_placed_again_and_answered_once(fleet):
