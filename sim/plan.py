@@ -506,6 +506,8 @@ def plot(result: Plan, path: Path) -> Path:
 
 
 def _plot_types(result: Plan, path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
     from sim.report import _new_figure
 
     two = len(result.types) == 2
@@ -525,6 +527,8 @@ def _plot_types(result: Plan, path: Path) -> Path:
         ax.set_xlabel(f"{result.types[0].name} nodes")
         ax.set_ylabel(f"{result.types[1].name} nodes")
         ax.set_title("mixes tried (green: every target met)", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for ax, (i, target) in zip(axes, enumerate(result.targets), strict=True):
         scale = 100.0 if target.figure == "completed" else 1000.0
         shown = [(x, c) for x, c in zip(trials, colour, strict=True) if x.values[i] is not None]
@@ -540,6 +544,7 @@ def _plot_types(result: Plan, path: Path) -> Path:
         ax.set_ylabel("%" if target.figure == "completed" else "ms")
         ax.set_title(f"{target.text}, each mix tried by its nodes", fontsize=9)
         ax.set_xlabel("nodes")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path

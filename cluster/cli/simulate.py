@@ -70,7 +70,10 @@ def add_parser(sub: Subparsers) -> None:
     )
     plan.add_argument("--target", required=True, help=TARGET_HELP.replace("%", "%%"))
     plan.add_argument(
-        "--max-nodes", type=int, default=1024, help="largest fleet tried (default: %(default)s)"
+        "--max-nodes",
+        type=int,
+        default=1024,
+        help="largest fleet tried, every type counted (default: %(default)s)",
     )
     plan.add_argument(
         "--requests", type=int, help="arrivals per simulation (default: the workload's)"
@@ -80,10 +83,9 @@ def add_parser(sub: Subparsers) -> None:
         "--node-type",
         metavar="NAME[,NAME...]",
         action="append",
-        help="search the count of each of these node types (repeatable or comma-separated; "
-        "the workload's node_types: gives each a speed and a price); with several, the "
-        "fewest nodes and, when each has a price, the cheapest mix (default: every type "
-        "the config has; one type: the fewest nodes, as many as it takes)",
+        help="count the nodes of these node types only (repeatable or comma-separated); "
+        "with several, the fewest nodes and, when each has a price (the workload's "
+        "node_types:), the cheapest mix of them (default: every type the config has)",
     )
     plan.add_argument(
         "--out",
