@@ -30,7 +30,7 @@ It runs once for the fewest nodes (the cheaper of equal counts) and, when every 
 has a price, once more for the cheapest mix (the fewer nodes of equal prices). A local
 search: the answer is the best mix of those tried, each a neighbour of the rays'
 answers, which the table of every mix tried shows. Mixes lacking a model the workload
-uses are not simulated.
+uses miss every target, unsimulated and unlisted.
 """
 
 from __future__ import annotations
@@ -225,8 +225,6 @@ class Plan:
         names = ", ".join(t.name for t in self.types)
         answer = self.answer
         if answer is None:
-            if not self.trials:
-                return [f"no mix of node types {names} serves every model of the workload"]
             last = max(self.trials, key=lambda x: (x.nodes, sum(x.met), self._worst(x)))
             out.append(
                 f"no mix of up to {self.max_nodes} nodes of types {names} meets every "
@@ -409,6 +407,8 @@ def _plan_types(
         return sum(n * (t.price or 0.0) for t, n in zip(types, counts, strict=True))
 
     def trial(counts: tuple[int, ...]) -> Trial:
+        if not serves(counts):  # misses every target, not simulated nor listed
+            return Trial(sum(counts), (None,) * len(targets), (False,) * len(targets), counts)
         if counts not in seen:
             specs, speeds = [], []
             for t, n in zip(types, counts, strict=True):
@@ -431,6 +431,12 @@ def _plan_types(
 
         _search(at, max_nodes)
 
+    if not serves([1] * k):
+        served = {m for t in types for m in t.template.models}
+        raise InvalidInput(
+            f"node types {', '.join(t.name for t in types)} serve no "
+            f"{', '.join(sorted(needed - served))}, which the workload uses"
+        )
     rays = [(i,) for i in range(k)] + ([tuple(range(k))] if k > 1 else [])
     for ray in rays:
         if serves([ray.count(i) for i in range(k)]):

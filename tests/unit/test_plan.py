@@ -179,3 +179,18 @@ def test_a_config_of_one_type_takes_its_speed(tmp_path, capsys):
     said = capsys.readouterr()
     assert said.out.startswith("3 node(s) meet every target for 450 requests/s\n"), said.out
     assert "    3 node(s): " in said.err
+
+
+def test_node_types_that_do_not_serve_the_workload_are_refused(tmp_path):
+    fleet, workload = _typed_files(tmp_path, {})
+    config = parse_config(
+        {
+            "fleet": {"name": "plan"},
+            "models": {"m": {"path": "m.onnx", "warmup": False}, "n": {"path": "n.onnx"}},
+            "nodes": [{"name": "fast", "models": ["m"]}, {"name": "other", "models": ["n"]}],
+        },
+        tmp_path,
+    )
+    targets = parse_targets(TARGET, CLASSES)
+    with pytest.raises(InvalidInput, match="node types other serve no m, which the workload"):
+        plan(config, load_workload(workload), targets, types=["other"])
