@@ -11,15 +11,16 @@ sizes meet the same arrivals). The search takes more nodes to be no worse, which
 for the fleets here (identical nodes, or the config's nodes repeated in turn); the curve
 of every size tried is kept to show it.
 
-Node types: a config whose nodes differ has several (:func:`sim.run.node_types`: each
-entry of ``nodes:``, each pool of ``pools:``); the workload's ``node_types:`` gives a
-type an engine speed and a price per node. A config of one type is planned as above.
-With several (or a type of several chosen alone) the search counts the nodes of each
-type, a mix, and takes adding a node of any type to be no worse:
+Node types: each entry of ``nodes:`` and each pool of ``pools:`` is one (with
+neither, the one type ``local``; :func:`sim.run.node_types`), and the workload's
+``node_types:`` gives a type an engine speed, cost tables of its own and a price per
+node. A config of one type is planned as above. With several (or a type of several
+chosen alone) the search counts the nodes of each type, a mix, and takes adding a node
+of any type to be no worse:
 
 1. Rays: the search above along each type alone, then along all types in turn (the
-   config's nodes repeated, as before): a few dozen simulations at most, and each
-   type's own answer.
+   config's nodes repeated, as before), each about twice log2 of its answer in
+   simulations: each type's own answer, and a mix.
 2. Descent: from the best mix that met every target, try the mixes ``step`` nodes
    away that are better (one type ``step`` fewer, or ``step`` nodes of one type
    swapped for another type's, when that is cheaper), best first, moving to the first
@@ -410,12 +411,12 @@ def _plan_types(
         if not serves(counts):  # misses every target, not simulated nor listed
             return Trial(sum(counts), (None,) * len(targets), (False,) * len(targets), counts)
         if counts not in seen:
-            specs, speeds = [], []
+            specs, kinds = [], []
             for t, n in zip(types, counts, strict=True):
                 specs += [t.spec(config, i) for i in range(n)]
-                speeds += [t.speed] * n
+                kinds += [t] * n
             run = simulate(
-                config, workload, specs=specs, speeds=speeds, requests=requests, costs=costs
+                config, workload, specs=specs, types=kinds, requests=requests, costs=costs
             )
             seen[counts] = _measured(sum(counts), run, targets, counts, price(counts))
             if tried is not None:

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -224,6 +224,11 @@ class NodeType:
     pool: str | None = None
     speed: float = 1.0
     price: float | None = None
+    costs: Mapping[str, ModelCost] = field(default_factory=dict)  # its own, by model
+
+    def costs_over(self, costs: Mapping[str, ModelCost]) -> Mapping[str, ModelCost] | None:
+        """The costs of the type's nodes: ``costs`` with its own in place (None: ``costs``)."""
+        return {**costs, **self.costs} if self.costs else None
 
     def spec(self, config: FleetConfig, i: int) -> NodeSpec:
         """The ``i``-th node of the type (from 0)."""
@@ -264,7 +269,7 @@ def node_types(config: FleetConfig, workload: Workload) -> dict[str, NodeType]:
     out = {}
     for name, t in found.items():
         s = settings.get(name, NodeTypeConfig())
-        out[name] = replace(t, speed=s.speed, price=s.price)
+        out[name] = replace(t, speed=s.speed, price=s.price, costs=model_costs(s.costs))
     return out
 
 
@@ -322,29 +327,35 @@ def simulate(
     progress: Callable[[int | None], Progress] | None = None,
     specs: Sequence[NodeSpec] | None = None,
     speeds: Sequence[float] | None = None,
+    types: Sequence[NodeType] | None = None,
 ) -> RunResult:
     """Run ``workload`` on ``config``'s fleet grown to ``nodes`` nodes (default: as the
-    config has them), or on the nodes ``specs`` with engine ``speeds`` (default: 1),
-    until every arrival is answered or Ctrl-C. Grown nodes take the speed the
-    workload's ``node_types:`` gives the node of ``nodes:`` they copy; every node's
-    speed is multiplied by the workload's ``node_classes:``. ``costs`` and
+    config has them), or on the nodes ``specs``, of node ``types`` (by node: their
+    speeds and costs; default: speed 1 and ``costs``) or engine ``speeds``, until
+    every arrival is answered or Ctrl-C. Grown nodes take the speed and costs the workload's
+    ``node_types:`` gives the node of ``nodes:`` they copy; every node's speed is
+    multiplied by the workload's ``node_classes:``. ``costs`` and
     ``network`` replace the workload's (default: :func:`workload_costs`). ``seed``
     (default: the workload's) seeds everything; ``draw_seed`` replaces it for the
     fleet's own draws (engine times, times outside the nodes, placement's random
     choices), so the same arrivals meet another draw."""
     if specs is None:
         base = config.node_specs()
-        types = node_types(config, workload)
+        known = node_types(config, workload)
         specs = grow(base, nodes or len(base))
         if config.nodes:
-            speeds = [types[base[i % len(base)].name].speed for i in range(len(specs))]
+            types = [known[base[i % len(base)].name] for i in range(len(specs))]
         else:
-            speeds = [types[LOCAL_TYPE].speed if LOCAL_TYPE in types else 1.0] * len(specs)
+            types = [known[LOCAL_TYPE]] * len(specs) if LOCAL_TYPE in known else None
+    if speeds is None and types is not None:
+        speeds = [t.speed for t in types]
     specs = list(specs)
     n = len(specs)
     own = list(speeds) if speeds is not None else [1.0] * n
     speeds = [a * b for a, b in zip(own, workload.speeds(n), strict=True)]
     costs = workload_costs(workload) if costs is None else costs
+    by_type = {t.name: t.costs_over(costs) for t in types or ()}
+    node_costs = [by_type[t.name] for t in types] if any(by_type.values()) and types else None
     workload.check(config.priorities, {m for s in specs for m in s.models}, costs)
     seed = workload.seed if seed is None else seed
     rng = random.Random(seed)
@@ -371,6 +382,7 @@ def simulate(
         members=workload.churn is not None,
         on_capacity=recorder.capacity if workload.churn is not None else None,
         on_first_served=recorder.first_served,
+        node_costs=node_costs,
     )
     driver = _Driver(
         fleet, recorder, arrivals, progress(total) if progress else None, workload.churn

@@ -341,6 +341,11 @@ class NodeTypeConfig(_Strict):
         description="what one node of the type costs, in any unit: `edgefleet plan` also "
         "finds the cheapest mix; default: no price",
     )
+    costs: dict[str, CostConfig] = Field(
+        default_factory=dict,
+        description="model -> engine time on the type's nodes (at speed 1, as costs:), in "
+        "place of the workload's costs: and costs_from: for those models; default: theirs",
+    )
 
 
 class NetworkConfig(_Strict):

@@ -13,6 +13,7 @@ from cluster.cli import main
 from edgefleet.config import load_config, parse_config
 from edgefleet.errors import ConfigError, InvalidInput
 from sim.plan import UnknownNodeType, parse_targets, plan
+from sim.run import node_types, simulate
 from sim.workload import load_workload
 
 CLASSES = ["foreground", "inline", "background", "offline"]
@@ -194,3 +195,19 @@ def test_node_types_that_do_not_serve_the_workload_are_refused(tmp_path):
     targets = parse_targets(TARGET, CLASSES)
     with pytest.raises(InvalidInput, match="node types other serve no m, which the workload"):
         plan(config, load_workload(workload), targets, types=["other"])
+
+
+def test_a_node_type_takes_its_own_costs_and_speed(tmp_path):
+    """Requests one at a time (10 a second, each 1 ms of network): on a fast node of
+    its own 5 ms table, 6 ms each; on a slow node (speed 0.5 of 10 ms), 21 ms."""
+    fleet, workload = _typed_files(
+        tmp_path, {"fast": {"costs": {"m": {"call_ms": {1: 5.0}}}}, "slow": {"speed": 0.5}}
+    )
+    w = load_workload(workload).model_copy(update={"requests": 20})
+    w = w.model_copy(update={"arrival_process": w.arrival_process.model_copy(update={"rate": 10})})
+    config = load_config(fleet)
+    types = node_types(config, w)
+    for name, ms in (("fast", 6.0), ("slow", 21.0)):
+        t = types[name]
+        run = simulate(config, w, specs=[t.spec(config, 0)], types=[t])
+        assert run.latency_table()[-1]["p50_ms"] == pytest.approx(ms, abs=0.5), name
