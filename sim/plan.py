@@ -238,7 +238,7 @@ class Plan:
                 for t, v, ok in zip(self.targets, last.values, last.met, strict=True)
                 if not ok
             )
-            out.append(f"{', '.join(text for _, text in missed)} fail(s) first (furthest first)")
+            out.append(f"missed there, furthest first: {', '.join(text for _, text in missed)}")
         else:
             out.append(
                 f"{answer.nodes} node(s) meet every target for {traffic}: "
@@ -252,6 +252,9 @@ class Plan:
                     f"{self._price(cheapest, ', ')})"
                 )
                 out += self._margins(cheapest)
+            unpriced = [t.name for t in self.types if t.price is None]
+            if len(unpriced) < len(self.types) and unpriced:
+                out.append(f"no cheapest mix: no price for {', '.join(unpriced)}")
         headers = [*[t.name for t in self.types], "nodes"]
         priced = any(x.price is not None for x in self.trials)
         headers += ["price"] if priced else []

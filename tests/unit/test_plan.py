@@ -139,7 +139,7 @@ def test_plan_finds_the_mix_of_two_node_types_computed_by_hand(tmp_path, capsys)
         "no mix of up to 2 nodes of types fast, slow meets every target for 450 requests/s; "
         "at 2 fast, price 6:\n"
     ), text
-    assert "all.p99<=200ms, foreground.completed>=99% fail(s) first (furthest first)" in text
+    assert "missed there, furthest first: all.p99<=200ms, foreground.completed>=99%" in text
 
 
 def test_node_type_restricts_the_search_to_that_type(tmp_path, capsys):
