@@ -159,8 +159,8 @@ def test_an_unknown_node_type_is_refused_naming_the_known(tmp_path, capsys):
     with pytest.raises(UnknownNodeType, match=r"unknown node type 'gpu'; the config's: fast, slow"):
         plan(config, w, targets, types=["fast", "gpu"])
     args = ["plan", fleet, "--workload", workload, "--target", TARGET]
-    assert main([*args, "--node-type", "fast,gpu"]) == 2
-    assert "unknown node type 'gpu'" in capsys.readouterr().err
+    assert main([*args, "--node-type", "fast", "--node-type", "gpu,tpu"]) == 2
+    assert "unknown node type 'gpu', 'tpu'; the config's: fast, slow" in capsys.readouterr().err
 
     # The workload's node_types: name types of the fleet too.
     fleet, workload = _typed_files(tmp_path, {"gpu": {"speed": 4}})
