@@ -814,8 +814,10 @@ class SimFleet:
         members: bool = False,
         on_capacity: Callable[[float, int], None] | None = None,
         on_first_served: Callable[[float], None] | None = None,
+        node_costs: Sequence[Mapping[str, ModelCost] | None] | None = None,
     ) -> None:
-        """``shared_cores``: every node runs on one machine with that many cores (see
+        """``node_costs``: each node's own costs (None: ``costs``), by node.
+        ``shared_cores``: every node runs on one machine with that many cores (see
         :class:`Host`); default: each node is a device of its own. ``members``: every
         node is a pool member, which can leave and come back as a new member
         (:meth:`leave`, :meth:`join`); the callers learn who is in the fleet from the
@@ -842,7 +844,7 @@ class SimFleet:
             SimNode(
                 self.loop,
                 spec,
-                costs,
+                (node_costs[i] if node_costs is not None else None) or costs,
                 self._answered_by(i),
                 speed=speeds[i],
                 host=host,

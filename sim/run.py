@@ -17,14 +17,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from edgefleet.config import FleetConfig
+from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import (
     Cancelled,
     ConfigError,
@@ -43,6 +43,7 @@ from sim.workload import (
     ChurnConfig,
     CostConfig,
     EngineTimes,
+    NodeTypeConfig,
     RecordedCall,
     Workload,
     read_engine_times,
@@ -208,6 +209,70 @@ def workload_costs(workload: Workload, measured: str | Path | None = None) -> di
     return recorded_costs(times, tables) if times else tables
 
 
+LOCAL_TYPE = "local"  # the node type of a config's local.nodes identical nodes
+
+
+@dataclass(frozen=True)
+class NodeType:
+    """Nodes alike, as ``edgefleet plan`` counts them: copies of an entry of the config's
+    ``nodes:`` (named NAME, NAME-1, ...), members of a pool of ``pools:`` (named
+    POOL/d0, POOL/d1, ...), or ``local``, the ``local.nodes`` identical nodes of a config
+    with neither; with the workload's ``node_types:`` speed and price."""
+
+    name: str
+    template: NodeSpec
+    pool: str | None = None
+    speed: float = 1.0
+    price: float | None = None
+    costs: Mapping[str, ModelCost] = field(default_factory=dict)  # its own, by model
+
+    def costs_over(self, costs: Mapping[str, ModelCost]) -> Mapping[str, ModelCost] | None:
+        """The costs of the type's nodes: ``costs`` with its own in place (None: ``costs``)."""
+        return {**costs, **self.costs} if self.costs else None
+
+    def spec(self, config: FleetConfig, i: int) -> NodeSpec:
+        """The ``i``-th node of the type (from 0)."""
+        if self.pool is not None:
+            return config.member_spec(self.pool, f"d{i}", f"{self.pool}/d{i}")
+        if self.name == LOCAL_TYPE:
+            return self.template.model_copy(update={"name": f"edge-{i}"})
+        name = self.name if i == 0 else f"{self.name}-{i}"
+        return self.template.model_copy(update={"name": name})
+
+
+def node_types(config: FleetConfig, workload: Workload) -> dict[str, NodeType]:
+    """The node types of ``config``, in its order (``nodes:``, then ``pools:``; or
+    ``local``), each with the speed and price the workload's ``node_types:`` give it.
+    ConfigError naming the known types for a ``node_types:`` key that is none of them,
+    or a pool named as a node."""
+    settings = workload.node_types
+    specs = config.node_specs()
+    found: dict[str, NodeType] = {}
+    if config.nodes:
+        for spec in specs:
+            found[spec.name] = NodeType(spec.name, spec)
+    elif not config.pools:
+        found[LOCAL_TYPE] = NodeType(LOCAL_TYPE, specs[0])
+    for p in config.pools:
+        if p.name in found:
+            raise ConfigError(
+                f"pool {p.name!r} is named as a node of nodes:; `edgefleet plan` counts "
+                "node types by name: rename one"
+            )
+        found[p.name] = NodeType(p.name, config.member_spec(p.name, "d0", f"{p.name}/d0"), p.name)
+    unknown = sorted(set(settings) - set(found))
+    if unknown:
+        raise ConfigError(
+            f"workload node_types: {', '.join(map(repr, unknown))} is not a node type of "
+            f"the fleet; known: {', '.join(found)}"
+        )
+    out = {}
+    for name, t in found.items():
+        s = settings.get(name, NodeTypeConfig())
+        out[name] = replace(t, speed=s.speed, price=s.price, costs=model_costs(s.costs))
+    return out
+
+
 def with_policy(config: FleetConfig, policy: str) -> FleetConfig:
     """``config`` placing with the named policy (its preset scorers and picker)."""
     return config.with_placement(policy=policy)
@@ -260,17 +325,37 @@ def simulate(
     costs: Mapping[str, ModelCost] | None = None,
     network: Network | None = None,
     progress: Callable[[int | None], Progress] | None = None,
+    specs: Sequence[NodeSpec] | None = None,
+    speeds: Sequence[float] | None = None,
+    types: Sequence[NodeType] | None = None,
 ) -> RunResult:
     """Run ``workload`` on ``config``'s fleet grown to ``nodes`` nodes (default: as the
-    config has them), until every arrival is answered or Ctrl-C. ``costs`` and
+    config has them), or on the nodes ``specs``, of node ``types`` (by node: their
+    speeds and costs; default: speed 1 and ``costs``) or engine ``speeds``, until
+    every arrival is answered or Ctrl-C. Grown nodes take the speed and costs the workload's
+    ``node_types:`` gives the node of ``nodes:`` they copy; every node's speed is
+    multiplied by the workload's ``node_classes:``. ``costs`` and
     ``network`` replace the workload's (default: :func:`workload_costs`). ``seed``
     (default: the workload's) seeds everything; ``draw_seed`` replaces it for the
     fleet's own draws (engine times, times outside the nodes, placement's random
     choices), so the same arrivals meet another draw."""
-    specs = config.node_specs()
-    specs = grow(specs, nodes or len(specs))
+    if specs is None:
+        base = config.node_specs()
+        known = node_types(config, workload)
+        specs = grow(base, nodes or len(base))
+        if config.nodes:
+            types = [known[base[i % len(base)].name] for i in range(len(specs))]
+        else:
+            types = [known[LOCAL_TYPE]] * len(specs) if LOCAL_TYPE in known else None
+    if speeds is None and types is not None:
+        speeds = [t.speed for t in types]
+    specs = list(specs)
     n = len(specs)
+    own = list(speeds) if speeds is not None else [1.0] * n
+    speeds = [a * b for a, b in zip(own, workload.speeds(n), strict=True)]
     costs = workload_costs(workload) if costs is None else costs
+    by_type = {t.name: t.costs_over(costs) for t in types or ()}
+    node_costs = [by_type[t.name] for t in types] if any(by_type.values()) and types else None
     workload.check(config.priorities, {m for s in specs for m in s.models}, costs)
     seed = workload.seed if seed is None else seed
     rng = random.Random(seed)
@@ -287,7 +372,7 @@ def simulate(
         config,
         costs,
         specs=specs,
-        speeds=workload.speeds(n),
+        speeds=speeds,
         network=network
         or Network(workload.network.hop_ms / 1000.0, workload.network.report_delay_ms / 1000.0),
         seed=seed if draw_seed is None else draw_seed,
@@ -297,6 +382,7 @@ def simulate(
         members=workload.churn is not None,
         on_capacity=recorder.capacity if workload.churn is not None else None,
         on_first_served=recorder.first_served,
+        node_costs=node_costs,
     )
     driver = _Driver(
         fleet, recorder, arrivals, progress(total) if progress else None, workload.churn

@@ -327,6 +327,27 @@ class NodeClass(_Strict):
     speed: float = Field(gt=0, description="engine speed; 0.5 takes twice the cost tables' time")
 
 
+class NodeTypeConfig(_Strict):
+    """What the simulator takes of one node type of the fleet (an entry of ``nodes:``, a
+    pool of ``pools:``, or ``local`` for the ``local.nodes`` identical nodes): how fast
+    its engines are, and what one node of it costs (``edgefleet plan``)."""
+
+    speed: float = Field(
+        1.0, gt=0, description="engine speed; 2 takes half the cost tables' time; default 1"
+    )
+    price: float | None = Field(
+        None,
+        ge=0,
+        description="what one node of the type costs, in any unit: `edgefleet plan` also "
+        "finds the cheapest mix; default: no price",
+    )
+    costs: dict[str, CostConfig] = Field(
+        default_factory=dict,
+        description="model -> engine time on the type's nodes (at speed 1, as costs:), in "
+        "place of the workload's costs: and costs_from: for those models; default: theirs",
+    )
+
+
 class NetworkConfig(_Strict):
     """Simulated delays."""
 
@@ -366,6 +387,11 @@ class Workload(_Strict):
     )
     node_classes: list[NodeClass] = Field(
         default_factory=list, description="speeds of shares of the nodes; default: all speed 1"
+    )
+    node_types: dict[str, NodeTypeConfig] = Field(
+        default_factory=dict,
+        description="node type of the fleet (an entry of nodes:, a pool, or local) -> its "
+        "speed (times node_classes') and price; default: speed 1, no price",
     )
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     churn: ChurnConfig | None = Field(
@@ -495,9 +521,7 @@ class Workload(_Strict):
                     f"{self._at(f'mix.{i}.priority')}: unknown priority class "
                     f"{c.priority!r}; known: {known}, or an int {PRIORITY_RANGE}"
                 )
-        used = {c.model for c in self.mix or []}
-        if self.trace is not None:
-            used |= {a.model for a in self._recorded()}
+        used = self.models()
         costed = self.costs if costed is None else costed
         for model in sorted(used & set(models) - set(costed)):
             problems.append(
@@ -517,6 +541,13 @@ class Workload(_Strict):
             raise ConfigError(
                 f"workload {self._source} does not fit the fleet:\n  " + "\n  ".join(problems)
             )
+
+    def models(self) -> set[str]:
+        """The models the arrivals are for (of the mix, or of the recorded trace)."""
+        used = {c.model for c in self.mix or []}
+        if self.trace is not None:
+            used |= {a.model for a in self._recorded()}
+        return used
 
     def speeds(self, nodes: int) -> list[float]:
         """Engine speed of each of ``nodes`` nodes: the classes in order, by share; the

@@ -52,11 +52,17 @@ def add_parser(sub: Subparsers) -> None:
         "plan",
         help="the fewest nodes that meet latency and completion targets for a workload, "
         "found in simulation",
-        epilog="example:\n  edgefleet plan configs/local.yaml --workload configs/sim/steady.yaml "
-        "--target 'foreground.p99<=50ms,offline.completed>=0.99'",
+        epilog="examples:\n  edgefleet plan configs/local.yaml --workload configs/sim/steady.yaml "
+        "--target 'foreground.p99<=50ms,offline.completed>=0.99'\n"
+        "  edgefleet plan configs/fleet.yaml --workload W.yaml --target 'all.p99<=200ms' "
+        "--node-type camera-0,assistant",
         formatter_class=RawHelpFormatter,
     )
-    plan.add_argument("config", help="fleet YAML: the nodes (repeated in turn), models, placement")
+    plan.add_argument(
+        "config",
+        help="fleet YAML: the nodes, models, placement; each entry of nodes: and each pool "
+        "of pools: is a node type (neither: the one type local)",
+    )
     plan.add_argument(
         "--workload",
         required=True,
@@ -64,12 +70,23 @@ def add_parser(sub: Subparsers) -> None:
     )
     plan.add_argument("--target", required=True, help=TARGET_HELP.replace("%", "%%"))
     plan.add_argument(
-        "--max-nodes", type=int, default=1024, help="largest fleet tried (default: %(default)s)"
+        "--max-nodes",
+        type=int,
+        default=1024,
+        help="largest fleet tried, every type counted (default: %(default)s)",
     )
     plan.add_argument(
         "--requests", type=int, help="arrivals per simulation (default: the workload's)"
     )
     plan.add_argument("--costs", metavar="PATH", help="as for simulate --costs")
+    plan.add_argument(
+        "--node-type",
+        metavar="NAME[,NAME...]",
+        action="append",
+        help="count the nodes of these node types only (repeatable or comma-separated); "
+        "with several, the fewest nodes and, when each has a price (the workload's "
+        "node_types:), the cheapest mix of them (default: every type the config has)",
+    )
     plan.add_argument(
         "--out",
         default="plan-report",
@@ -149,7 +166,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from edgefleet.config import load_config
     from edgefleet.errors import InvalidInput
     from sim.plan import parse_targets, plan, plot
-    from sim.run import workload_costs
+    from sim.run import node_types, workload_costs
     from sim.workload import load_workload
 
     if args.max_nodes < 1:
@@ -159,16 +176,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     targets = parse_targets(args.target, list(config.priorities))
     costs = workload_costs(workload, args.costs) if args.costs is not None else None
 
+    types = [t.strip() for arg in args.node_type or [] for t in arg.split(",") if t.strip()]
+    names = list(dict.fromkeys(types)) or list(node_types(config, workload))  # as counted
+
     def tried(trial: Any) -> None:
         shown = ", ".join(
             f"{t.text.split('<')[0].split('>')[0]} {t.show(v)}"
             for t, v in zip(targets, trial.values, strict=True)
         )
-        err(f"{trial.nodes:>5} node(s): {shown}: {'all met' if trial.passed else 'missed'}")
+        what = f"{trial.nodes:>5} node(s)"
+        if trial.counts:
+            mix = [f"{n} {t}" for t, n in zip(names, trial.counts, strict=True) if n]
+            what += f" ({' + '.join(mix)})"
+        err(f"{what}: {shown}: {'all met' if trial.passed else 'missed'}")
 
     result = plan(
         config, workload, targets, max_nodes=args.max_nodes, requests=args.requests,
-        costs=costs, tried=tried,
+        costs=costs, tried=tried, types=types or None,
     )  # fmt: skip
     out = Path(args.out)
     lines = result.lines()
