@@ -234,23 +234,31 @@ class ModelCache:
 class StoreSource:
     """A node's way to read blobs from the store: chunk by chunk, one read ahead."""
 
-    def __init__(self, store: Any, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, store: Any, chunk_bytes: int = CHUNK_BYTES, *, name: str = "") -> None:
         self._store = store
+        self._name = name
         self._chunk = chunk_bytes
 
     @classmethod
     def named(cls, name: str) -> StoreSource:
-        import ray
+        """The source reading from the store actor ``name``, looked up at the first
+        read (a cache that lacks nothing never asks for it)."""
+        return cls(None, name=name)
 
-        from cluster.names import NAMESPACE
+    def _actor(self) -> Any:
+        if self._store is None:
+            import ray
 
-        try:
-            return cls(ray.get_actor(name, namespace=NAMESPACE))
-        except ValueError:
-            raise ArtifactError(
-                f"the fleet's model store {name!r} is not running: a node fetches the "
-                "models' files from it"
-            ) from None
+            from cluster.names import NAMESPACE
+
+            try:
+                self._store = ray.get_actor(self._name, namespace=NAMESPACE)
+            except ValueError:
+                raise ArtifactError(
+                    f"the fleet's model store {self._name!r} is not running: a node "
+                    "fetches the models' files from it"
+                ) from None
+        return self._store
 
     def chunks(self, sha256: str, size: int) -> Iterator[bytes]:
         # A future, not ray.get: the node is an asyncio actor, and this runs on its
@@ -258,12 +266,14 @@ class StoreSource:
         pending: deque[Any] = deque()
         try:
             for offset in range(0, size, self._chunk):
-                read = self._store.read.options(concurrency_group=READ_GROUP)
+                read = self._actor().read.options(concurrency_group=READ_GROUP)
                 pending.append(read.remote(sha256, offset, self._chunk).future())
                 if len(pending) > 1:
                     yield pending.popleft().result(timeout=CHUNK_TIMEOUT_S)
             while pending:
                 yield pending.popleft().result(timeout=CHUNK_TIMEOUT_S)
+        except ArtifactError:
+            raise
         except Exception as exc:  # a store that died or did not answer in time
             why = "no answer" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
             raise ArtifactError(

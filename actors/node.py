@@ -199,9 +199,9 @@ class NodeRuntime:
         if self._cache is None:
             limit = int(self.spec.model_cache_mb * MiB)
             self._cache = ModelCache(self.spec.model_cache, limit)
-        source = StoreSource.named(self.spec.store) if self.spec.store else None
-        if source is None:
+        if self.spec.store is None:
             raise ArtifactError(f"model {name!r}: the node was given no store to fetch from")
+        source = StoreSource.named(self.spec.store)
         keep = [a.digest for a in self.spec.artifacts.values()]
         done = self._cache.ensure(artifact, source, keep)
         if done.bytes_fetched:
@@ -467,7 +467,22 @@ class NodeRuntime:
         self, request: GenerateRequest, emit: Callable[[int], None]
     ) -> tuple[Request, Generation]:
         self._check_serving()
+        self._check_version(request.model, request.version)
         return self._gens.make(request, self._models.info(request.model), emit)
+
+    def _check_version(self, model: str, version: str | None) -> None:
+        """Rejected (another node may serve it) for a request pinned to a version of
+        ``model`` other than the one this node serves."""
+        if version is None:
+            return
+        info = self._models.info(model)  # ModelNotFound for a model not served here
+        here = info.artifact.version if info.artifact else None
+        if here != version:
+            raise Rejected(
+                f"node {self.spec.name} serves {model}@{here or 'unversioned'}, not "
+                f"@{version}; another node may",
+                retry_after_s=1.0,
+            )
 
     def set_lifecycle(self, state: str) -> NodeStatus:
         """Set the node's lifecycle state; token budgets of running and paused
@@ -488,6 +503,7 @@ class NodeRuntime:
 
     def _make_request(self, request: InferRequest) -> Request:
         self._check_serving()
+        self._check_version(request.model, request.version)
         info = self._models.info(request.model)
         if info.config.kind == "decoder":
             raise InvalidInput(f"model {request.model!r} is a decoder: use generate()")

@@ -42,6 +42,7 @@ from cluster.text import (
     is_conversation,
     tokenizer_for,
 )
+from edgefleet.artifacts import split_version
 from edgefleet.config import FleetConfig, load_config
 from edgefleet.errors import InvalidInput, NodeLost, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
@@ -423,13 +424,15 @@ class FleetClient:
         """The tokenizer of ``model`` (its folder's ``tokenizer.json``); InvalidInput
         saying it takes token ids when it has none."""
         self._check_model(model)
-        return tokenizer_for(model, self.config.models[model].path)
+        name, _ = split_version(model)
+        return tokenizer_for(name, self.config.models[name].path)
 
     def chat_template(self, model: str) -> ChatTemplate:
         """The chat template of ``model`` (its folder's ``tokenizer_config.json``);
         InvalidInput saying it has none."""
         self._check_model(model)
-        return chat_template_for(model, self.config.models[model].path)
+        name, _ = split_version(model)
+        return chat_template_for(name, self.config.models[name].path)
 
     def chat(
         self,

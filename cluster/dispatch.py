@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from cluster.limits import TIMED_OUT, UNRESPONSIVE, CallWatch, Flight
 from cluster.metrics import RouterMetrics
 from cluster.record import CallRecord
+from edgefleet.artifacts import split_version
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
 from edgefleet.errors import (
@@ -219,6 +220,8 @@ class _Entry:
         self.handle = handle
         self.unseen_for_s = unseen_for_s  # the longest a view counts others' sends for
         self.models = frozenset(spec.models)
+        # The version of each model's files it serves: as deployed, then as reported.
+        self.versions = {m: a.version for m, a in spec.artifacts.items()}
         self.capacity = spec.queue.capacity
         p = spec.preemption
         self.preempt_gap = p.min_priority_gap if p.enabled else None
@@ -252,6 +255,7 @@ class _Entry:
         if status is not None:
             self.made_at = status.at
             self.base = _base(status)
+            self.versions.update({m.name: m.version for m in status.models if m.version})
         self.since = {}
         for sent in self.inflight.values():
             if sent.at >= taken_at:  # sent as it was taken: not in it
@@ -1054,6 +1058,8 @@ class Dispatcher:
         it has not tried, or, when there are more than ``candidates``, that many drawn at
         random, plus the nodes holding its session (a large fleet is never scanned)."""
         serving = self._serving.get(request.model, ())
+        if request.version is not None:
+            serving = [e for e in serving if e.versions.get(request.model) == request.version]
         k = self._candidates
         if len(serving) <= k + len(tried):
             return [e for e in serving if e.name not in tried]
@@ -1081,12 +1087,24 @@ class Dispatcher:
 
     def unknown_model(self, model: str, request_id: str | None = None) -> ModelNotFound | None:
         """None when some node serves ``model`` (or a pool member will, once one joins),
-        else the error that says which models the fleet serves."""
-        if model in self._served:
+        at its version when it names one (``name@version``), else the error that says
+        which models, or versions, the fleet serves."""
+        name, version = split_version(model)
+        if name not in self._served:
+            known = ", ".join(sorted(self._served)) or "none"
+            return ModelNotFound(
+                f"no node serves model {name!r}; the fleet serves: {known}", request_id=request_id
+            )
+        if version is None:
             return None
-        known = ", ".join(sorted(self._served)) or "none"
+        with self._lock:
+            versions = {e.versions.get(name) for e in self._serving.get(name, ())}
+        if version in versions or not versions:  # no member yet: one may come with it
+            return None
+        served = ", ".join(sorted(v or "unversioned" for v in versions))
         return ModelNotFound(
-            f"no node serves model {model!r}; the fleet serves: {known}", request_id=request_id
+            f"no node serves model {name!r} at version {version!r}; it serves: {served}",
+            request_id=request_id,
         )
 
     def refusal(
@@ -1177,9 +1195,15 @@ class _Attempt:
         timeout_s: float | None = None,
     ) -> None:
         self.d = dispatcher
+        self.error: EdgeFleetError | None = dispatcher.unknown_model(request.model, request.id)
+        name, version = split_version(request.model)
+        if version is not None:  # `name@version`: the node checks the version it serves
+            request = replace(request, model=name, version=version)
         session = request.session if isinstance(request, GenerateRequest) else None
-        rows = dispatcher.rows(request)
-        self.preq = PlacementRequest(request.model, request.priority, rows, session)
+        rows = dispatcher.rows(request) if self.error is None else 1
+        self.preq = PlacementRequest(
+            request.model, request.priority, rows, session, request.version
+        )
         if inputs is not None and isinstance(request, InferRequest):
             # The inputs travel apart (an object reference): priced above, not sent twice.
             request = replace(request, inputs={})
@@ -1197,7 +1221,6 @@ class _Attempt:
         self.tokens: list[int] = []  # streamed to the caller so far
         self.attempts = 0
         self.unreachable: tuple[str, float, int] | None = None  # node, since, retries
-        self.error: EdgeFleetError | None = dispatcher.unknown_model(request.model, request.id)
         dispatcher._count("received")
 
     def next_node(self) -> _Entry | None:

@@ -124,6 +124,7 @@ class InferRequest:
     # Never run twice: when the node holding it is lost (it may have run there), the
     # caller gets NodeLost instead of the request being placed again.
     at_most_once: bool = False
+    version: str | None = None  # served only by a node with this version of the model
 
     @staticmethod
     def deadline_from_timeout(timeout_s: float | None) -> float | None:
@@ -171,6 +172,7 @@ class GenerateRequest:
     continued: int = 0
     # Never continued elsewhere: a lost node ends it with NodeLost and the tokens sent.
     at_most_once: bool = False
+    version: str | None = None  # served only by a node with this version of the model
 
 
 @dataclass(eq=False)

@@ -70,6 +70,7 @@ class PlacementRequest:
     priority: int
     rows: int = 1
     session: str | None = None
+    version: str | None = None  # only nodes serving this version of the model
 
 
 class Filter(Protocol):

@@ -881,3 +881,44 @@ def test_a_fast_and_a_slow_node_split_the_load_by_their_measured_speed():
         assert sum(served.values()) == 120, served
     finally:
         f.close()
+
+
+def test_a_request_for_model_at_version_goes_only_to_nodes_serving_that_version(fleet, tmp_path):
+    from actors.cache import ModelCache, file_source
+    from edgefleet.artifacts import describe_files
+
+    versions = {}
+    for node, version in (("a", "v1"), ("b", "v2")):
+        path = tmp_path / version / "m.onnx"
+        path.parent.mkdir()
+        path.write_bytes(version.encode())  # the fake engine reads no file
+        artifact, files = describe_files("m", path, {}, "tensor", version)
+        source = file_source({f.sha256: files[f.name] for f in artifact.files})
+        ModelCache(tmp_path / f"cache-{node}", 1 << 20).ensure(artifact, source)
+        versions[node] = artifact
+
+    def node_with_its_version(spec):
+        spec = spec.model_copy(
+            update={
+                "artifacts": {"m": versions[spec.name]},
+                "store": "none: every file is cached",
+                "model_cache": tmp_path / f"cache-{spec.name}",
+            }
+        )
+        return NodeRuntime(spec, loader=FakeLoader())
+
+    f = LocalFleet(make_config({"a": {}, "b": {}}), node_with_its_version)
+    try:
+        served = [m.version for n in ("a", "b") for m in f.node(n).status().models]
+        assert served == ["v1", "v2"]
+        for version, node in (("v1", "a"), ("v2", "b")):
+            replies = [f.infer(replace(req(), model=f"m@{version}")) for _ in range(6)]
+            assert {(r.node, r.error) for r in replies} == {(node, None)}
+        unknown = f.infer(replace(req(), model="m@v3"))
+        assert isinstance(unknown.error, ModelNotFound)
+        assert "at version 'v3'; it serves: v1, v2" in str(unknown.error)
+        # A node refuses a version it does not serve: another node may.
+        wrong = f.run(f.node("a").infer(replace(req(), version="v2")))
+        assert isinstance(wrong.error, Rejected) and "serves m@v1, not @v2" in str(wrong.error)
+    finally:
+        f.close()
