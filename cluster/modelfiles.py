@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgefleet.artifacts import split_version
 from edgefleet.config import FleetConfig, ModelConfig, missing_model_problem
 from edgefleet.errors import ConfigError, EdgeFleetError, InvalidInput, ModelNotFound
 from edgefleet.providers import CPU, ProviderUnavailable, plan_session
@@ -217,7 +218,9 @@ def read_input_file(path: str | Path) -> dict[str, np.ndarray] | np.ndarray:
 
 def name_single_input(config: FleetConfig, name: str, array: np.ndarray) -> dict[str, np.ndarray]:
     """``{input: array}`` for a model of ``config`` that takes exactly one input; the
-    input's name is read from the model file, which must be on this machine."""
+    input's name is read from the model file, which must be on this machine.
+    ``name`` may pin a version (``name@version``)."""
+    name, _ = split_version(name)
     model = config.models.get(name)
     if model is None:
         known = ", ".join(sorted(config.models))
