@@ -41,6 +41,9 @@ EVICT_MIN_AGE_S = 60.0  # a tree another node on the device used this recently s
 CHUNK_BYTES = 8 << 20  # what one read from the store returns
 CHUNK_TIMEOUT_S = 120.0  # one chunk read or write; a store that takes longer is lost
 READ_GROUP = "read"  # the store actor's concurrency group serving reads
+# Reads in flight past the one being written: a transfer between machines is paced by
+# its latency, not its bandwidth, with fewer (the chunks wait in the object store).
+READ_AHEAD = 4
 
 
 class ArtifactError(EngineError):
@@ -50,7 +53,9 @@ class ArtifactError(EngineError):
 class ChunkSource(Protocol):
     """Where a node fetches a blob from: its bytes, a chunk at a time, in order."""
 
-    def chunks(self, sha256: str, size: int) -> Iterator[bytes]: ...
+    def chunks(self, sha256: str, size: int) -> Iterator[Any]:
+        """Bytes-like chunks (bytes, or a uint8 array) in order."""
+        ...
 
 
 @dataclass
@@ -232,7 +237,7 @@ class ModelCache:
 
 
 class StoreSource:
-    """A node's way to read blobs from the store: chunk by chunk, one read ahead."""
+    """A node's way to read blobs from the store: chunk by chunk, ``READ_AHEAD`` ahead."""
 
     def __init__(self, store: Any, chunk_bytes: int = CHUNK_BYTES, *, name: str = "") -> None:
         self._store = store
@@ -260,15 +265,16 @@ class StoreSource:
                 ) from None
         return self._store
 
-    def chunks(self, sha256: str, size: int) -> Iterator[bytes]:
+    def chunks(self, sha256: str, size: int) -> Iterator[Any]:
         # A future, not ray.get: the node is an asyncio actor, and this runs on its
-        # engine thread, where blocking is what is meant.
+        # engine thread, where blocking is what is meant. Chunks are uint8 arrays in
+        # Ray's object store (shared memory), read without a copy.
         pending: deque[Any] = deque()
         try:
             for offset in range(0, size, self._chunk):
                 read = self._actor().read.options(concurrency_group=READ_GROUP)
                 pending.append(read.remote(sha256, offset, self._chunk).future())
-                if len(pending) > 1:
+                if len(pending) > READ_AHEAD:
                     yield pending.popleft().result(timeout=CHUNK_TIMEOUT_S)
             while pending:
                 yield pending.popleft().result(timeout=CHUNK_TIMEOUT_S)

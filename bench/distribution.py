@@ -30,7 +30,7 @@ import ray
 from onnx import TensorProto, helper, numpy_helper
 from ray.cluster_utils import Cluster
 
-from actors.cache import CHUNK_BYTES, ModelCache, StoreSource
+from actors.cache import CHUNK_BYTES, READ_AHEAD, ModelCache, StoreSource
 from bench.common import RunContext, Section, Target, fmt, log
 from cluster.deploy import LOOPBACK, deploy_nodes, pin_loopback, teardown, use_auth_mode
 from cluster.names import NAMESPACE
@@ -142,8 +142,12 @@ class ObjectStoreSource:
     def __init__(self, refs: dict[str, list[Any]]) -> None:
         self.refs = refs
 
-    def chunks(self, sha256: str, size: int) -> Iterator[bytes]:
-        for ref in self.refs[sha256]:
+    def chunks(self, sha256: str, size: int) -> Iterator[Any]:
+        refs = self.refs[sha256]
+        for i, ref in enumerate(refs):
+            ahead = refs[i + 1 : i + 1 + READ_AHEAD]  # pulled meanwhile, as the store's
+            if ahead:
+                ray.wait(ahead, num_returns=len(ahead), timeout=0, fetch_local=True)
             yield ray.get(ref, timeout=120)
 
 
@@ -191,7 +195,10 @@ def run(ctx: RunContext) -> Section:
         chunks: dict[str, list[Any]] = {}
         for f in published.files:
             with (work / f.name).open("rb") as fh:
-                chunks[f.sha256] = [ray.put(c) for c in iter(lambda: fh.read(CHUNK_BYTES), b"")]
+                chunks[f.sha256] = [
+                    ray.put(np.frombuffer(c, dtype=np.uint8))
+                    for c in iter(lambda: fh.read(CHUNK_BYTES), b"")
+                ]
         sources = [ObjectStoreSource(chunks)] * DEVICES
         objects_s, objects_mem = fetch_all(published, sources, work)
         ray.kill(store)

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -80,11 +81,13 @@ class ModelStore:
             raise ValueError(f"blob {digest[:12]}: received {got} bytes of another digest")
         os.replace(tmp, self._blobs / digest)
 
-    def read(self, digest: str, offset: int, size: int) -> bytes:
-        """``size`` bytes of the blob ``digest`` from ``offset``."""
+    def read(self, digest: str, offset: int, size: int) -> np.ndarray:
+        """``size`` bytes of the blob ``digest`` from ``offset``, as a uint8 array: Ray
+        passes arrays out of band, so the node reads it from its object store without
+        a copy into its own memory."""
         with (self._blobs / digest).open("rb") as fh:
             fh.seek(offset)
-            return fh.read(size)
+            return np.frombuffer(fh.read(size), dtype=np.uint8)
 
     def publish(self, artifacts: dict[str, dict[str, Any]]) -> int:
         """Record the models' current artifacts (kept on disk for a restarted store),
