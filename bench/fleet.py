@@ -17,45 +17,8 @@ from typing import Any
 
 import ray
 
-from bench.common import (
-    GET_TIMEOUT_S,
-    BenchModel,
-    Calm,
-    Feed,
-    Loop,
-    ModelEntry,
-    OpenRun,
-    Part,
-    Round,
-    RunContext,
-    Section,
-    Summary,
-    Target,
-    calm,
-    closed_loop,
-    columns,
-    cpu_count,
-    deployed,
-    disturbance,
-    each,
-    fleet_config,
-    fmt,
-    kept,
-    log,
-    md_table,
-    med,
-    median,
-    node_names,
-    node_submit,
-    open_loop,
-    pairs_text,
-    pipelined_loop,
-    reply_of,
-    rounds,
-    slow_feed,
-    timed,
-    warm,
-)
+from bench import common as bc
+from bench.common import GET_TIMEOUT_S, BenchModel, Feed, Part, Round, Target, each, fmt, log, med
 from bench.priority_latency import (
     FLOOD_BACKOFF,
     FOREGROUND_COLUMNS,
@@ -134,19 +97,19 @@ RATIOS = {  # label -> a round's ratio
 }
 
 
-def measure_scaling(ctx: RunContext, client: FleetClient, feed: Feed) -> list[Round]:
+def measure_scaling(ctx: bc.RunContext, client: FleetClient, feed: Feed) -> list[Round]:
     """Every node alone, straight to its actor; all at once, straight; the fleet placed
     by the client; in rounds."""
-    nodes = node_names(client)
-    to = {n: partial(node_submit, client, n, SAT_MODEL, feed) for n in nodes}
-    loops: dict[str, Callable[[float], Loop]] = {
-        n: partial(closed_loop, [to[n]], IN_FLIGHT_PER_NODE) for n in nodes
+    nodes = bc.node_names(client)
+    to = {n: partial(bc.node_submit, client, n, SAT_MODEL, feed) for n in nodes}
+    loops: dict[str, Callable[[float], bc.Loop]] = {
+        n: partial(bc.closed_loop, [to[n]], IN_FLIGHT_PER_NODE) for n in nodes
     }
-    loops["direct"] = partial(closed_loop, list(to.values()), IN_FLIGHT_PER_NODE)
+    loops["direct"] = partial(bc.closed_loop, list(to.values()), IN_FLIGHT_PER_NODE)
     placed = [lambda: client.submit(SAT_MODEL, feed)]
-    loops["fleet"] = partial(closed_loop, placed, IN_FLIGHT_PER_NODE * len(nodes))
+    loops["fleet"] = partial(bc.closed_loop, placed, IN_FLIGHT_PER_NODE * len(nodes))
     seconds, count, warm_s = ctx.pick(1.5, 0.6), ctx.count(3, 1), ctx.pick(0.5, 0.2)
-    return rounds("(a)", loops, seconds, count, warm_s=warm_s, attempts=2)
+    return bc.rounds("(a)", loops, seconds, count, warm_s=warm_s, attempts=2)
 
 
 def _scaling_tables(runs: list[Round], nodes: list[str]) -> list[str]:
@@ -180,15 +143,15 @@ def _scaling_tables(runs: list[Round], nodes: list[str]) -> list[str]:
     header += "CPU ms / request | share per node (" + " · ".join(nodes) + ")"
     ratios = [[k, fmt(med(runs, f), 2), each(runs, f, 2)] for k, f in RATIOS.items()]
     return [
-        md_table(columns(header), rows),
-        md_table(columns("ratio | median | per round"), ratios),
+        bc.md_table(bc.columns(header), rows),
+        bc.md_table(bc.columns("ratio | median | per round"), ratios),
     ]
 
 
 def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Part:
     singles = [r[n] for r in runs for n in nodes]
     alone_cpu_ms, alone_cores = med(singles, lambda x: x.cpu_ms), med(singles, lambda x: x.cores)
-    cpus = cpu_count()
+    cpus = bc.cpu_count()
     most = cpus * 1000 / alone_cpu_ms
     measured = (
         f"{FLEET_NODES} simulated nodes on one embedded Ray, each serving a {model.describe()}, "
@@ -227,7 +190,7 @@ LATENCY_PATHS = ("placed", "same node", "other node")
 def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, Any]:
     """``pairs`` sequential rounds of three requests, the order rotating: one placed by
     the client, one straight to the node it chose last, one straight to another node."""
-    names = node_names(client)
+    names = bc.node_names(client)
     last = names[0]
     out: dict[str, Any] = {p: [] for p in (*LATENCY_PATHS, "placed svc", "same svc")}
     out["nodes"], out["repeats"], out["errors"] = Counter(), 0, 0
@@ -240,7 +203,7 @@ def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, An
             if path == "placed":
                 reply = client.infer_reply(LAT_MODEL, feed)
             else:
-                reply = reply_of(node_submit(client, node, LAT_MODEL, feed))
+                reply = bc.reply_of(bc.node_submit(client, node, LAT_MODEL, feed))
             elapsed = time.perf_counter() - t0
             if reply.error is not None:
                 out["errors"] += 1
@@ -255,14 +218,14 @@ def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, An
     return out
 
 
-def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
+def _latency_part(c: bc.Calm[dict[str, Any]], model: BenchModel) -> Part:
     run = c.value
-    direct, other, router = (Summary.of(run[p]) for p in ("same node", "other node", "placed"))
+    direct, other, router = (bc.Summary.of(run[p]) for p in ("same node", "other node", "placed"))
 
-    def row(label: str, x: Summary, engine: str) -> list[object]:
+    def row(label: str, x: bc.Summary, engine: str) -> list[object]:
         return [label, x.n, fmt(x.p50, 2), fmt(x.p99, 2), fmt(x.mean, 2), engine]
 
-    def adds(label: str, base: Summary) -> list[object]:
+    def adds(label: str, base: bc.Summary) -> list[object]:
         gaps = (router.p50 - base.p50, router.p99 - base.p99, router.mean - base.mean)
         return [label, "-", *(fmt(g, 2, signed=True) for g in gaps), "-"]
 
@@ -270,14 +233,14 @@ def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
         row(
             "straight to the node actor the client chose last",
             direct,
-            fmt(median(run["same svc"]), 2),
+            fmt(bc.median(run["same svc"]), 2),
         ),
         row("straight to another node actor", other, "-"),
-        row("placed by the client", router, fmt(median(run["placed svc"]), 2)),
+        row("placed by the client", router, fmt(bc.median(run["placed svc"]), 2)),
         adds("**placement adds** (ms), over the node chosen last", direct),
         adds("placement adds (ms), over another node", other),
     ]
-    table = md_table(["path", "requests", "p50 ms", "p99 ms", "mean ms", "engine p50 ms"], rows)
+    table = bc.md_table(["path", "requests", "p50 ms", "p99 ms", "mean ms", "engine p50 ms"], rows)
     measured = (
         f"The 3-node fleet of (a), unloaded, serving a {model.describe()}. Sequential "
         "requests in rounds of three, the order rotating: one placed by the client "
@@ -288,7 +251,7 @@ def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
         "On an idle fleet placement spreads sequential requests over the nodes (a placed "
         f"request went to the node the one before it went to {run['repeats']} times of "
         f"{router.n}); a node idle for longer answers later on this machine.",
-        f"Nodes the client chose: {pairs_text(run['nodes'])}. Failed requests: "
+        f"Nodes the client chose: {bc.pairs_text(run['nodes'])}. Failed requests: "
         f"{run['errors']}. Other processes used {c.foreign_cores:.2f} cores during the kept "
         f"measurement (attempts: {c.attempts}).",
     ]
@@ -367,7 +330,7 @@ def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float 
 
 
 def _floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[Any]:
-    lanes = len(node_names(client)) * FLOOD_CAPACITY
+    lanes = len(bc.node_names(client)) * FLOOD_CAPACITY
     # Its blocking calls run on executor threads; Ray warns of any blocking get in an
     # async actor's process, whatever thread.
     quiet = {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}
@@ -450,15 +413,15 @@ def _pool_floods(runs: Sequence[FleetFlood]) -> FleetFlood:
 
 
 def measure_flood(
-    ctx: RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
+    ctx: bc.RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
 ) -> dict[str, FleetFlood]:
     """Foreground alone, under a flood from one caller, from ``FLOOD_CALLERS``, and from
     one with a second caller idle beside it, in interleaved rounds pooled; FIFO once."""
-    feed = slow_feed(model.width)
+    feed = bc.slow_feed(model.width)
     n_fg, rounds = ctx.count(120, 8), ctx.count(3, 1)
     bg_limit = background_limit(prio)
-    with deployed(prio) as client:
-        warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
+    with bc.deployed(prio) as client:
+        bc.warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
         measures: dict[str, Callable[[], FleetFlood]] = {
             "alone": lambda: _alone(client, feed, n_fg),
             "edgefleet": lambda: _fleet_flooded(client, feed, n_fg, "edgefleet", bg_limit),
@@ -472,14 +435,14 @@ def measure_flood(
         for i in range(rounds):
             for name in names[i % len(names) :] + names[: i % len(names)]:
                 log(f"(c) round {i + 1}/{rounds}: {name}")
-                runs[name].append(kept(calm(measures[name], f"(c) {name}", attempts=2)))
+                runs[name].append(bc.kept(bc.calm(measures[name], f"(c) {name}", attempts=2)))
     out = {name: _pool_floods(r) for name, r in runs.items()}
-    with deployed(fifo) as client:
-        warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
+    with bc.deployed(fifo) as client:
+        bc.warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
         log("(c) FIFO fleet under a background flood")  # long, with a wide margin: once
         n_fifo = ctx.count(10, 2)
         flood = lambda: _fleet_flooded(client, feed, n_fifo, "FIFO", 1.0)  # noqa: E731
-        out["FIFO"] = kept(calm(flood, "(c) FIFO", attempts=1))
+        out["FIFO"] = bc.kept(bc.calm(flood, "(c) FIFO", attempts=1))
     return out
 
 
@@ -495,10 +458,10 @@ def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
         f"{edge.run.service_ms:.1f}.",
         "Fleet-wide placement counters over each flood (`shed`: refused by placement to "
         "keep headroom; `spilled`: a node refused and the caller tried elsewhere): "
-        + "; ".join(f"{x.run.config}: {pairs_text(x.router) or 'none'}" for x in flooded)
+        + "; ".join(f"{x.run.config}: {bc.pairs_text(x.router) or 'none'}" for x in flooded)
         + ".",
         "Node counters over each flood, added over the fleet: "
-        + "; ".join(f"{x.run.config}: {pairs_text(x.run.counters)}" for x in flooded)
+        + "; ".join(f"{x.run.config}: {bc.pairs_text(x.run.counters)}" for x in flooded)
         + f". Failed foreground requests: {sum(x.run.errors for x in f.values())}.",
         f"Refusal churn: on the edgefleet fleet callers were refused "
         f"{edge.router.get('rejected', 0) / max(edge.seconds, 1e-9):.0f} background requests/s "
@@ -506,7 +469,7 @@ def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
         f": the flood offers more than the {bg_limit:.0%} of each queue placement lets "
         "background work fill.",
         "Disturbance (CPU other processes used during the kept measurement; attempts): "
-        + disturbance({x.run.config: x for x in f.values()})
+        + bc.disturbance({x.run.config: x for x in f.values()})
         + ". Alone and edgefleet: up to 2 attempts a round; FIFO: once.",
     ]
     slowest = sorted(
@@ -545,7 +508,7 @@ def _flood_part(f: dict[str, FleetFlood], model: BenchModel, bg_limit: float) ->
         [*x.run.row(labels[k]), "-" if x.run.flood is None else " / ".join(map(str, x.queues))]
         for k, x in f.items()
     ]
-    table = md_table([*FOREGROUND_COLUMNS, "queues at end"], rows)
+    table = bc.md_table([*FOREGROUND_COLUMNS, "queues at end"], rows)
     edge_p99 = edge.run.latency_ms.p99
     targets = [
         Target(
@@ -617,28 +580,28 @@ def trace(rate: float, count: int) -> list[Arrival]:
 
 
 @dataclass(frozen=True)
-class Replay(OpenRun):
+class Replay(bc.OpenRun):
     """A policy's replays of the trace (pooled over rounds)."""
 
     policy: str = ""
     router: Mapping[str, int] = field(default_factory=dict)
     capacity: float = math.nan  # the default policy's closed-loop throughput on the mix
-    rounds: tuple[Replay, ...] = ()
+    bc.rounds: tuple[Replay, ...] = ()
     stalled: int = 0  # replays run once more because the machine stalled
 
     @property
     def engine_p50_s(self) -> float:
-        return median([a.reply.service_s for a in self.ok()])
+        return bc.median([a.reply.service_s for a in self.ok()])
 
     def round_p99(self, priorities: Sequence[int] | None = None) -> float:
         """The median over the rounds of each round's p99."""
-        return median([r.latency_ms(priorities).p99 for r in self.rounds or (self,)])
+        return bc.median([r.latency_ms(priorities).p99 for r in self.rounds or (self,)])
 
 
 def trace_config(name: str, models: Mapping[str, BenchModel], policy: str) -> FleetConfig:
-    entries = [ModelEntry(n, m.path) for n, m in models.items()]
+    entries = [bc.ModelEntry(n, m.path) for n, m in models.items()]
     router = {"placement": {"policy": policy, "seed": TRACE_SEED}}  # default shedding
-    return fleet_config(
+    return bc.fleet_config(
         name, entries, capacity=FLOOD_CAPACITY, node_list=TRACE_NODES, router=router
     )
 
@@ -648,10 +611,10 @@ def warm_nodes(client: FleetClient, feeds: Mapping[str, Feed], calls: int) -> No
     warms sessions and the per-row costs placement reads."""
     specs = client.config.node_specs()
     pairs = [(s.name, m) for s in specs for m in s.models] * calls
-    ray.get([node_submit(client, n, m, feeds[m]) for n, m in pairs], timeout=GET_TIMEOUT_S)
+    ray.get([bc.node_submit(client, n, m, feeds[m]) for n, m in pairs], timeout=GET_TIMEOUT_S)
 
 
-def measure_capacity(client: FleetClient, feeds: Mapping[str, Feed], seconds: float) -> Loop:
+def measure_capacity(client: FleetClient, feeds: Mapping[str, Feed], seconds: float) -> bc.Loop:
     """The fleet's throughput, placed by the client, at saturation on the trace's model
     mix (all at foreground priority, so nothing is shed)."""
     rng = random.Random(TRACE_SEED + 1)
@@ -661,7 +624,7 @@ def measure_capacity(client: FleetClient, feeds: Mapping[str, Feed], seconds: fl
         return client.submit(model, feeds[model])
 
     in_flight = CAPACITY_IN_FLIGHT_PER_NODE * len(client.config.node_specs())
-    return closed_loop([submit], in_flight, seconds)
+    return bc.closed_loop([submit], in_flight, seconds)
 
 
 def settle(client: FleetClient, timeout_s: float = GET_TIMEOUT_S) -> None:
@@ -681,27 +644,27 @@ def _replay_once(
 
     def one() -> Replay:
         before = client.counters()  # this caller's: the replay's own
-        run = open_loop(client, arrivals, feeds)
+        run = bc.open_loop(client, arrivals, feeds)
         router = {k: v - before.get(k, 0) for k, v in client.counters().items()}
         return Replay(**vars_of(run), policy=policy, router=router)
 
-    return kept(calm(one, f"(d) {policy}", attempts=2))
+    return bc.kept(bc.calm(one, f"(d) {policy}", attempts=2))
 
 
-def vars_of(run: OpenRun) -> dict[str, Any]:
-    return {k: getattr(run, k) for k in OpenRun.__dataclass_fields__}
+def vars_of(run: bc.OpenRun) -> dict[str, Any]:
+    return {k: getattr(run, k) for k in bc.OpenRun.__dataclass_fields__}
 
 
 def measure_placement(
-    ctx: RunContext, models: Mapping[str, BenchModel]
+    ctx: bc.RunContext, models: Mapping[str, BenchModel]
 ) -> tuple[list[Arrival], list[Replay]]:
     """Replay one trace under every policy on one fleet, in interleaved rounds, each
     policy from a caller of its own (``FleetClient.with_placement``); the default
     policy's capacity on the trace's mix sets the rate for all."""
-    feeds = {n: slow_feed(m.width) for n, m in models.items()}
+    feeds = {n: bc.slow_feed(m.width) for n, m in models.items()}
     rounds = ctx.count(9, 1)
     pooled: dict[str, list[Replay]] = {p: [] for p in POLICIES}
-    with deployed(trace_config("bench-trace", models, DEFAULT_POLICY)) as base:
+    with bc.deployed(trace_config("bench-trace", models, DEFAULT_POLICY)) as base:
         warm_nodes(base, feeds, 10)
         cap = measure_capacity(base, feeds, ctx.pick(1.5, 0.8))
         arrivals = trace(LOAD * cap.rate, ctx.count(600, 160))
@@ -712,7 +675,7 @@ def measure_placement(
                 k = i % len(POLICIES)
                 for policy in POLICIES[k:] + POLICIES[:k]:
                     r = _replay_once(callers[policy], policy, arrivals, feeds)
-                    usual = median([x.engine_p50_s for runs in pooled.values() for x in runs])
+                    usual = bc.median([x.engine_p50_s for runs in pooled.values() for x in runs])
                     if i and r.engine_p50_s > STALL_RATIO * usual:
                         log(f"  (d) {policy}: the machine stalled, once more")
                         r = replace(
@@ -770,9 +733,9 @@ def _placement_tables(replays: list[Replay]) -> list[str]:
             f"({by[CHEAP][n]} / {by[DEAR][n]})"
             for n in nodes
         ]
-        share_rows.append([r.policy, *share, pairs_text(r.router)])
+        share_rows.append([r.policy, *share, bc.pairs_text(r.router)])
     share_headers = ["policy", *(f"{n} share (cheap / dear)" for n in nodes), "placement counters"]
-    return [md_table(headers, rows), md_table(share_headers, share_rows)]
+    return [bc.md_table(headers, rows), bc.md_table(share_headers, share_rows)]
 
 
 def _placement_part(
@@ -849,15 +812,15 @@ def measure_routing_cost(
     """Closed loops at saturation, in rounds: all nodes straight to their actors, and as
     many in flight placed by the client, read on the loop's thread (``map_unordered``)
     and as futures (``submit``)."""
-    nodes = node_names(client)
+    nodes = bc.node_names(client)
     in_flight = COST_IN_FLIGHT_PER_NODE * len(nodes)
-    direct = [partial(node_submit, client, n, COST_MODEL, feed) for n in nodes]
-    loops: dict[str, Callable[[float], Loop]] = {
-        "direct": partial(closed_loop, direct, COST_IN_FLIGHT_PER_NODE),
-        "pipelined": partial(pipelined_loop, client, COST_MODEL, feed, in_flight),
-        "futures": partial(closed_loop, [lambda: client.submit(COST_MODEL, feed)], in_flight),
+    direct = [partial(bc.node_submit, client, n, COST_MODEL, feed) for n in nodes]
+    loops: dict[str, Callable[[float], bc.Loop]] = {
+        "direct": partial(bc.closed_loop, direct, COST_IN_FLIGHT_PER_NODE),
+        "pipelined": partial(bc.pipelined_loop, client, COST_MODEL, feed, in_flight),
+        "futures": partial(bc.closed_loop, [lambda: client.submit(COST_MODEL, feed)], in_flight),
     }
-    return rounds("(e)", loops, seconds, count, warm_s=seconds / 2, attempts=2)
+    return bc.rounds("(e)", loops, seconds, count, warm_s=seconds / 2, attempts=2)
 
 
 def _cost_part(runs: list[Round], seconds: float) -> Part:
@@ -903,59 +866,59 @@ def _cost_part(runs: list[Round], seconds: float) -> Part:
         Target("(e) placed - direct CPU per request, ms", extra, "<=", 0.25),
         Target("(e) placed / direct throughput", ratio, ">=", 0.9),
     ]
-    table = md_table(columns(header), rows)
+    table = bc.md_table(bc.columns(header), rows)
     return Part("(e) What placement costs per request", measured, [table], targets, [note])
 
 
 # ======================================================================== the scenario
 
 
-def _parts_ab(ctx: RunContext, m5: BenchModel, m1: BenchModel) -> list[Section]:
+def _parts_ab(ctx: bc.RunContext, m5: BenchModel, m1: BenchModel) -> list[bc.Section]:
     """(a) and (b): one 3-node fleet serving the 5 ms and the 1 ms model."""
-    entries = [ModelEntry(SAT_MODEL, m5.path), ModelEntry(LAT_MODEL, m1.path)]
-    config = fleet_config("bench-fleet", entries, nodes=FLEET_NODES, router={})  # defaults
-    with deployed(config) as client:
-        nodes = node_names(client)
+    entries = [bc.ModelEntry(SAT_MODEL, m5.path), bc.ModelEntry(LAT_MODEL, m1.path)]
+    config = bc.fleet_config("bench-fleet", entries, nodes=FLEET_NODES, router={})  # defaults
+    with bc.deployed(config) as client:
+        nodes = bc.node_names(client)
         log("(a) fleet throughput at saturation")
-        feed5 = slow_feed(m5.width)
-        a = timed(lambda: _scaling_part(measure_scaling(ctx, client, feed5), nodes, m5))
+        feed5 = bc.slow_feed(m5.width)
+        a = bc.timed(lambda: _scaling_part(measure_scaling(ctx, client, feed5), nodes, m5))
         log("(b) latency placement adds, sequential requests")
-        feed1 = slow_feed(m1.width)
-        warm(lambda: client.submit(LAT_MODEL, feed1), 20)
-        warm(lambda: node_submit(client, nodes[0], LAT_MODEL, feed1), 20)
+        feed1 = bc.slow_feed(m1.width)
+        bc.warm(lambda: client.submit(LAT_MODEL, feed1), 20)
+        bc.warm(lambda: bc.node_submit(client, nodes[0], LAT_MODEL, feed1), 20)
         pairs = ctx.count(300, 60)
         measure = lambda: measure_latency(client, feed1, pairs)  # noqa: E731
-        b = timed(lambda: _latency_part(calm(measure, "(b) latency"), m1))
+        b = bc.timed(lambda: _latency_part(bc.calm(measure, "(b) latency"), m1))
     return [a, b]
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: bc.RunContext) -> bc.Section:
     m5, m1, m20, m2, m10 = (
         ctx.models.calibrated(ms)
         for ms in (SAT_COST_MS, LAT_COST_MS, FLOOD_COST_MS, CHEAP_COST_MS, DEAR_COST_MS)
     )
     parts = _parts_ab(ctx, m5, m1)
-    entries = [ModelEntry(FLOOD_MODEL, m20.path)]
+    entries = [bc.ModelEntry(FLOOD_MODEL, m20.path)]
     flood = dict(capacity=FLOOD_CAPACITY, nodes=FLEET_NODES)
-    prio = fleet_config("bench-fleet-prio", entries, router={}, **flood)
+    prio = bc.fleet_config("bench-fleet-prio", entries, router={}, **flood)
     fifo_router = {"placement": {"policy": "round_robin", "shed": {}}}
-    fifo = fleet_config("bench-fleet-fifo", entries, order="fifo", router=fifo_router, **flood)
+    fifo = bc.fleet_config("bench-fleet-fifo", entries, order="fifo", router=fifo_router, **flood)
     bg_limit = background_limit(prio)
-    parts.append(timed(lambda: _flood_part(measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
+    parts.append(bc.timed(lambda: _flood_part(measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
     models = {CHEAP: m2, DEAR: m10}
 
-    def part_d() -> Section:
+    def part_d() -> bc.Section:
         arrivals, replays = measure_placement(ctx, models)
         return _placement_part(replays, arrivals, models)
 
-    parts.append(timed(part_d))
+    parts.append(bc.timed(part_d))
     classifier = make_classifier(ctx.models.directory / "classifier.onnx")
-    tiny = fleet_config(
-        "bench-cost", [ModelEntry(COST_MODEL, classifier)], nodes=COST_NODES, router={}
+    tiny = bc.fleet_config(
+        "bench-cost", [bc.ModelEntry(COST_MODEL, classifier)], nodes=COST_NODES, router={}
     )
 
-    def part_e() -> Section:
-        with deployed(tiny) as client:
+    def part_e() -> bc.Section:
+        with bc.deployed(tiny) as client:
             log("(e) what placement costs per request, tiny model at saturation")
             seconds = ctx.pick(2.0, 0.8)
             feed = random_inputs(COST_MODEL)
@@ -963,11 +926,11 @@ def run(ctx: RunContext) -> Section:
                 measure_routing_cost(client, feed, seconds, ctx.count(16, 1)), seconds
             )
 
-    parts.append(timed(part_e))
+    parts.append(bc.timed(part_e))
     measured = (
         "The fleet as clients see it: requests placed by the client (`FleetClient.submit`; "
         "in (e) also `FleetClient.map_unordered`) compared, in the same run, with requests "
         "sent straight to the node actors. Five parts, each with its own fleet(s) on the "
         "one embedded Ray; every ratio is of measurements taken side by side."
     )
-    return Section(TITLE, measured, parts=parts)
+    return bc.Section(TITLE, measured, parts=parts)

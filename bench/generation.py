@@ -15,21 +15,8 @@ from typing import Any
 import numpy as np
 
 from actors.decoder import DecoderEngine, Generation
-from bench.common import (
-    Part,
-    RunContext,
-    Section,
-    Summary,
-    Target,
-    calm,
-    deployed,
-    fmt,
-    log,
-    md_table,
-    median,
-    raw_session,
-    timed,
-)
+from bench import common as bc
+from bench.common import Part, RunContext, Target, calm, deployed, fmt, log, md_table, median
 from cluster.client import FleetClient
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.errors import EdgeFleetError
@@ -121,7 +108,7 @@ def _foreground_run(client: FleetClient, n: int, with_background: bool) -> dict[
     for t in threads:
         if t.is_alive():
             t.join()
-    return {"ttft": Summary.of(ttft), "total": Summary.of(total), "bg": done[0]}
+    return {"ttft": bc.Summary.of(ttft), "total": bc.Summary.of(total), "bg": done[0]}
 
 
 def _latency(ctx: RunContext, model: Path, step_s: float) -> Part:
@@ -273,7 +260,7 @@ def _reprefill(ctx: RunContext, model: Path) -> Part:
 
 def _bare_loop(path: Path, prompt: tuple[int, ...], n: int) -> Callable[[], float]:
     """The plainest ONNX Runtime greedy decode loop; returns seconds for ``n`` tokens."""
-    session = raw_session(path)
+    session = bc.raw_session(path)
     inputs = {i.name: i.shape for i in session.get_inputs()}
     past = [x for x in inputs if x.startswith("past_key_values.")]
     outs = ["logits", *(x.replace("past_key_values.", "present.") for x in past)]
@@ -474,7 +461,7 @@ def _batched_on_a_node(
 # ------------------------------------------------------------------------- run
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: RunContext) -> bc.Section:
     directory = ctx.models.directory
     chat = make_tiny_lm(directory / "chat_lm.onnx", **CHAT_SIZE)
     tiny = make_tiny_lm(directory / "tiny_lm.onnx")
@@ -485,7 +472,7 @@ def run(ctx: RunContext) -> Section:
         engine.advance(gen)
     step_s = gen.engine_s / 64
     log(f"  chat model: {step_s * 1e3:.2f} ms a token")
-    builds: list[Callable[[], Section]] = [
+    builds: list[Callable[[], bc.Section]] = [
         lambda: _latency(ctx, chat, step_s),
         lambda: _resume(ctx, chat),
         lambda: _reprefill(ctx, chat),
@@ -496,4 +483,4 @@ def run(ctx: RunContext) -> Section:
         "The third seed's on-device language-model workload on one node, and the costs "
         "of pausing, trimming and decoding, each measured side by side in one run."
     )
-    return Section(TITLE, measured, parts=[timed(build) for build in builds])
+    return bc.Section(TITLE, measured, parts=[bc.timed(build) for build in builds])

@@ -14,31 +14,8 @@ from typing import Any
 import ray
 
 from actors.engine import open_session
-from bench.common import (
-    GET_TIMEOUT_S,
-    Feed,
-    Loop,
-    ModelEntry,
-    Round,
-    RunContext,
-    Section,
-    Target,
-    closed_loop,
-    columns,
-    deployed,
-    each,
-    fleet_config,
-    fmt,
-    log,
-    md_table,
-    med,
-    node_costs_ms,
-    node_submit,
-    only_node,
-    raw_session,
-    rounds,
-    slow_feed,
-)
+from bench import common as bc
+from bench.common import Feed, Loop, ModelEntry, Round, Section, Target, closed_loop, fmt, log, med
 from edgefleet.messages import Reply
 from edgefleet.modelgen import make_classifier, random_inputs
 from edgefleet.request import InferRequest
@@ -88,16 +65,16 @@ def raw_loop(session: Any, feed: Feed, seconds: float) -> Loop:
 
 def _loops(client: Any, floor: Any, model: str, feed: Feed) -> dict[str, Any]:
     """Closed loops straight to the Ray floor and to the node (``IN_FLIGHT`` each)."""
-    node, request = only_node(client).node, InferRequest(model=model, inputs=feed)
+    node, request = bc.only_node(client).node, InferRequest(model=model, inputs=feed)
     return {
         "floor": lambda s: closed_loop([lambda: floor.infer.remote(request)], IN_FLIGHT, s),
         "node": lambda s: closed_loop(
-            [lambda: node_submit(client, node, model, feed)], IN_FLIGHT, s
+            [lambda: bc.node_submit(client, node, model, feed)], IN_FLIGHT, s
         ),
     }
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: bc.RunContext) -> Section:
     m5, m1 = ctx.models.calibrated(5.0), ctx.models.calibrated(1.0)
     classifier = make_classifier(m5.path.parent / f"{CPU_MODEL}.onnx")
     entries = [
@@ -112,21 +89,21 @@ def run(ctx: RunContext) -> Section:
     timing = {"seconds": ctx.pick(2.0, 0.5), "count": ctx.count(5, 2), "warm_s": ctx.pick(0.5, 0.2)}
     results: dict[str, list[Round]] = {}
     try:
-        ray.get([f.ready.remote() for f in floors.values()], timeout=GET_TIMEOUT_S)
-        with deployed(fleet_config("bench-overhead", entries)) as client:
+        ray.get([f.ready.remote() for f in floors.values()], timeout=bc.GET_TIMEOUT_S)
+        with bc.deployed(bc.fleet_config("bench-overhead", entries)) as client:
             for label, model, with_floor, *_ in ROWS:
                 log(f"node overhead: {label}")
-                feed, path = slow_feed(models[model].width), models[model].path
-                session = raw_session(path)
+                feed, path = bc.slow_feed(models[model].width), models[model].path
+                session = bc.raw_session(path)
                 loops = {"raw": lambda s, x=session, f=feed: raw_loop(x, f, s)}
                 loops |= _loops(client, floors[path], model, feed)
                 if not with_floor:
                     del loops["floor"]
-                results[label] = rounds(label, loops, **timing)
+                results[label] = bc.rounds(label, loops, **timing)
             log("node overhead: machine CPU per request, classifier")
             cpu_loops = _loops(client, floors[classifier], CPU_MODEL, random_inputs(CPU_MODEL))
-            cpu = rounds("CPU per request", cpu_loops, **timing)
-            status = client.status(GET_TIMEOUT_S)
+            cpu = bc.rounds("CPU per request", cpu_loops, **timing)
+            status = client.status(bc.GET_TIMEOUT_S)
     finally:
         for handle in floors.values():
             ray.kill(handle)
@@ -172,7 +149,7 @@ def _overhead_table(results: dict[str, list[Round]]) -> str:
                 fmt(med(r, lambda x: x["raw"].rate), 0),
                 fmt(med(r, lambda x: x["node"].rate), 0),
             ]
-            + [fmt(med(r, _ratio), 2), each(r, _ratio, 2)]
+            + [fmt(med(r, _ratio), 2), bc.each(r, _ratio, 2)]
             + [fmt(med(r, lambda x: x["floor"].rate / x["raw"].rate), 2) if floor else "-"]
             + [fmt(med(r, _floor_ratio), 2) if floor else "-"]
             + [fmt(med(r, lambda x: x["node"].mean_batch), 2)]
@@ -181,8 +158,8 @@ def _overhead_table(results: dict[str, list[Round]]) -> str:
         )
     header = "model / node config | raw calls/s | node calls/s | node / raw (median) | "
     header += "per-round ratios | Ray floor / raw | node / Ray floor | mean batch | "
-    return md_table(
-        columns(header + "raw ms / call | node engine ms / call | node engine busy"), rows
+    return bc.md_table(
+        bc.columns(header + "raw ms / call | node engine ms / call | node engine busy"), rows
     )
 
 
@@ -200,7 +177,7 @@ def _cpu_table(cpu: list[Round]) -> str:
     rows.append([*line("median", lambda f: med(cpu, f)), ""])
     header = "round | Ray floor calls/s | node calls/s | Ray floor CPU ms / request | node CPU ms "
     header += "/ request | node - Ray floor ms | same, own processes only | other processes, cores"
-    return md_table(columns(header), rows)
+    return bc.md_table(bc.columns(header), rows)
 
 
 def _section(
@@ -224,7 +201,7 @@ def _section(
     every = [x for r in results.values() for x in r]
     limit = {m.name: m.batch_limit for n in status.nodes for m in n.models}.get("slow1_batched")
     cost = ", ".join(
-        f"{label}: {fmt(node_costs_ms(status, model).get(1, float('nan')), 2)} ms"
+        f"{label}: {fmt(bc.node_costs_ms(status, model).get(1, float('nan')), 2)} ms"
         for label, model, *_ in ROWS
     )
     notes = [

@@ -12,32 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.common import (
-    GET_TIMEOUT_S,
-    BenchModel,
-    Feed,
-    ModelEntry,
-    NodeRoute,
-    RunContext,
-    Section,
-    Summary,
-    Target,
-    calm,
-    deployed,
-    disturbance,
-    fleet_config,
-    fmt,
-    kept,
-    linear_call_ms,
-    log,
-    md_table,
-    median,
-    node_costs_ms,
-    only_node,
-    pairs_text,
-    slow_feed,
-    warm,
-)
+from bench import common as bc
+from bench.common import GET_TIMEOUT_S, Feed, Section, Summary, Target, calm, fmt, kept, log, warm
 from cluster.client import FleetClient
 from cluster.traffic import Answer, Backoff, Client, ClosedLoop, Counts, in_background
 
@@ -82,7 +58,7 @@ class ForegroundRun:
 
     @property
     def service_ms(self) -> float:
-        return median(self.service_s) * 1000
+        return bc.median(self.service_s) * 1000
 
     @property
     def bound_ms(self) -> float:
@@ -98,7 +74,7 @@ class ForegroundRun:
             fmt(lat.p50, 1),
             fmt(lat.p99, 1),
             fmt(lat.max, 1),
-            fmt(median([q * 1000 for q in self.queue_s]), 1),
+            fmt(bc.median([q * 1000 for q in self.queue_s]), 1),
             fmt(self.service_ms, 1),
             self.refused,
             "-" if flood is None else fmt(self.bg_rate, 1),
@@ -157,12 +133,12 @@ def _wait_queued(client: FleetClient, node: str, want: int, timeout_s: float = 1
     return queued
 
 
-def _flood(route: NodeRoute, model: str, feed: Feed, lanes: int, **kw: Any) -> ClosedLoop:
+def _flood(route: bc.NodeRoute, model: str, feed: Feed, lanes: int, **kw: Any) -> ClosedLoop:
     return ClosedLoop(route, model, feed, lanes=lanes, backoff=FLOOD_BACKOFF, **kw)
 
 
 def flooded(
-    route: NodeRoute,
+    route: bc.NodeRoute,
     feed: Feed,
     count: int,
     label: str,
@@ -218,30 +194,30 @@ def flooded(
     )
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: bc.RunContext) -> Section:
     model = ctx.models.calibrated(TARGET_COST_MS)
-    feed = slow_feed(model.width)
-    entries = [ModelEntry(MODEL, model.path)]
+    feed = bc.slow_feed(model.width)
+    entries = [bc.ModelEntry(MODEL, model.path)]
     n_fg, n_fifo = ctx.count(40, 10), ctx.count(40, 5)
     runs: dict[str, ForegroundRun] = {}
-    with deployed(fleet_config("bench-prio", entries, capacity=CAPACITY)) as client:
-        route = only_node(client)
+    with bc.deployed(bc.fleet_config("bench-prio", entries, capacity=CAPACITY)) as client:
+        route = bc.only_node(client)
         warm(lambda: route.submit(MODEL, feed), 5)
         log("priority latency: alone")
         runs["alone"] = kept(calm(lambda: foreground(route, feed, n_fg, "alone"), "alone"))
         log("priority latency: edgefleet (priority order, preemption gap 5) under flood")
         edge = calm(lambda: flooded(route, feed, n_fg, "edgefleet"), "edgefleet")
         runs["edgefleet"] = kept(edge)
-    fifo_config = fleet_config("bench-fifo", entries, capacity=CAPACITY, order="fifo")
-    with deployed(fifo_config) as client:
-        route = only_node(client)
+    fifo_config = bc.fleet_config("bench-fifo", entries, capacity=CAPACITY, order="fifo")
+    with bc.deployed(fifo_config) as client:
+        route = bc.only_node(client)
         warm(lambda: route.submit(MODEL, feed), 5)
         log("priority latency: FIFO under flood")  # long, with a wide margin: measured once
         runs["FIFO"] = kept(calm(lambda: flooded(route, feed, n_fifo, "FIFO"), "FIFO", attempts=1))
     return _section(model, runs)
 
 
-def _section(model: BenchModel, runs: dict[str, ForegroundRun]) -> Section:
+def _section(model: bc.BenchModel, runs: dict[str, ForegroundRun]) -> Section:
     alone, edge, fifo = runs["alone"], runs["edgefleet"], runs["FIFO"]
     edge_p99 = edge.latency_ms.p99
     targets = [
@@ -272,10 +248,10 @@ def _section(model: BenchModel, runs: dict[str, ForegroundRun]) -> Section:
         f"Reference numbers from the LLM seed: {REFERENCE}.",
         "bg preempted counts background calls aborted for a foreground arrival.",
         "Node counters over each flood: "
-        + "; ".join(f"{r.config}: {pairs_text(r.counters)}" for r in (edge, fifo))
+        + "; ".join(f"{r.config}: {bc.pairs_text(r.counters)}" for r in (edge, fifo))
         + f". Failed foreground requests: {sum(r.errors for r in runs.values())}.",
         "Disturbance (CPU other processes used during the kept measurement; attempts): "
-        + disturbance(runs)
+        + bc.disturbance(runs)
         + ". A measurement disturbed by more than 0.2 cores is taken again (FIFO: once).",
     ]
     if alone.service_ms > 1.1 * edge.service_ms:
@@ -286,7 +262,7 @@ def _section(model: BenchModel, runs: dict[str, ForegroundRun]) -> Section:
         )
     if alone.latency_ms.p99 > 2 * alone.latency_ms.p50:
         notes.append("Caution: the alone p99 is more than twice its p50: outliers set it.")
-    table = md_table(FOREGROUND_COLUMNS, [r.row(r.config) for r in runs.values()])
+    table = bc.md_table(FOREGROUND_COLUMNS, [r.row(r.config) for r in runs.values()])
     return Section(TITLE, measured, [table], targets, notes)
 
 
@@ -328,16 +304,16 @@ class VariantRun:
     flooded: ForegroundRun
 
 
-def _entry(model: BenchModel, name: str) -> ModelEntry:
+def _entry(model: bc.BenchModel, name: str) -> bc.ModelEntry:
     keys: dict[str, Any] = {"window_ms": WINDOW_MS, "max_batch_size": MAX_BATCH}
-    return ModelEntry(name, model.path, **{**keys, **VARIANTS[name][1]})
+    return bc.ModelEntry(name, model.path, **{**keys, **VARIANTS[name][1]})
 
 
 def _variant(
     client: FleetClient, feed: Feed, name: str, counts: tuple[int, int], offline: int = 0
 ) -> VariantRun:
     """Foreground alone, then under the flood (``counts``: requests of each)."""
-    route = only_node(client)
+    route = bc.only_node(client)
     limit = {m.name: m.batch_limit for m in client.status(GET_TIMEOUT_S).nodes[0].models}[name]
     warm(lambda: route.submit(name, feed), 5)
     label = name + (" + offline" if offline else "")
@@ -362,22 +338,22 @@ def _variant(
     return VariantRun(name, VARIANTS[name][0], limit, kept(alone), kept(flood))
 
 
-def run_batching(ctx: RunContext) -> Section:
+def run_batching(ctx: bc.RunContext) -> Section:
     model = ctx.models.linear(TARGET_COST_MS, width=LINEAR_WIDTH)
-    feed = slow_feed(LINEAR_WIDTH)
+    feed = bc.slow_feed(LINEAR_WIDTH)
     # Back-to-back calls in-process: steadier than the node's three-call warm-up figures.
-    hot = {n: linear_call_ms(model.path, LINEAR_WIDTH, rows=n) for n in (1, 2, 4)}
+    hot = {n: bc.linear_call_ms(model.path, LINEAR_WIDTH, rows=n) for n in (1, 2, 4)}
     n_fg, n_starve = ctx.count(40, 10), ctx.count(120, 20)
     entries = [_entry(model, v) for v in VARIANTS]
-    with deployed(fleet_config("bench-prio-batch", entries, capacity=CAPACITY)) as client:
+    with bc.deployed(bc.fleet_config("bench-prio-batch", entries, capacity=CAPACITY)) as client:
         status = client.status(GET_TIMEOUT_S)
-        tables = {v: node_costs_ms(status, v) for v in VARIANTS}
+        tables = {v: bc.node_costs_ms(status, v) for v in VARIANTS}
         runs = [_variant(client, feed, v, (n_fg, n_fg)) for v in VARIANTS]
         strict = _variant(client, feed, "lin_on", (n_fg, n_starve), OFFLINE_OUTSTANDING)
-    bounded = fleet_config(
+    bounded = bc.fleet_config(
         "bench-starvation", [entries[1]], capacity=CAPACITY, starvation=STARVATION
     )
-    with deployed(bounded) as client:
+    with bc.deployed(bounded) as client:
         starved = _variant(client, feed, "lin_on", (n_fg, n_starve), OFFLINE_OUTSTANDING)
     section = _batching_section(model, hot, tables, runs, strict, starved)
     return section
@@ -398,7 +374,7 @@ def _variant_table(runs: list[VariantRun]) -> str:
         )
     headers = ["configuration", "batch limit", "alone p50 ms", "alone p99 ms", "flood p50 ms"]
     headers += ["flood p99 ms", "p50 / alone", "p99 / bound", "largest fg batch", "bg done/s"]
-    return md_table([*headers, "bg mean batch", "bg preempted"], rows)
+    return bc.md_table([*headers, "bg mean batch", "bg preempted"], rows)
 
 
 def _starvation_table(strict: VariantRun, starved: VariantRun) -> str:
@@ -416,7 +392,7 @@ def _starvation_table(strict: VariantRun, starved: VariantRun) -> str:
     headers = ["configuration", "fg alone p50 ms", "fg flood p50 ms", "fg flood p99 ms"]
     headers += ["p50 / alone", "p99 / bound", "bg done/s", "offline done", "offline engine share"]
     headers += ["offline wait p50 ms", "offline wait p99 ms", "offline wait max ms"]
-    return md_table(headers, rows)
+    return bc.md_table(headers, rows)
 
 
 def _batching_targets(
@@ -470,7 +446,7 @@ def _batching_targets(
 
 
 def _batching_section(
-    model: BenchModel,
+    model: bc.BenchModel,
     hot: Mapping[int, float],
     tables: Mapping[str, Mapping[int, float]],
     runs: list[VariantRun],

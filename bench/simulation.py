@@ -27,25 +27,8 @@ from typing import Any
 
 import yaml
 
-from bench.common import (
-    GET_TIMEOUT_S,
-    BenchModel,
-    OpenRun,
-    Part,
-    RunContext,
-    Section,
-    Target,
-    calm,
-    deployed,
-    error_name,
-    fmt,
-    log,
-    md_table,
-    open_loop,
-    percentile,
-    slow_feed,
-    timed,
-)
+from bench import common as bc
+from bench.common import OpenRun, Part, RunContext, Target, fmt, log, md_table, percentile, timed
 from bench.fleet import (
     CHEAP,
     CHEAP_COST_MS,
@@ -143,15 +126,15 @@ class Fidelity:
 
 
 def _real_runs(
-    ctx: RunContext, models: Mapping[str, BenchModel], record_dir: Path
+    ctx: RunContext, models: Mapping[str, bc.BenchModel], record_dir: Path
 ) -> tuple[Any, ...]:
     """The trace replayed on the real fleet, its caller keeping a call record: the
     replays, their windows (unix times), the workload, the rate and capacity and the
     nodes' warm-up status."""
-    feeds = {n: slow_feed(m.width) for n, m in models.items()}
+    feeds = {n: bc.slow_feed(m.width) for n, m in models.items()}
     config = trace_config("bench-sim", models, POLICIES[0])
     router = config.router.model_copy(update={"record_dir": record_dir})
-    with deployed(config.model_copy(update={"router": router})) as client:
+    with bc.deployed(config.model_copy(update={"router": router})) as client:
         warm_nodes(client, feeds, 10)
         cap = measure_capacity(client, feeds, ctx.pick(1.5, 0.8))
         rate = FIDELITY_LOAD * cap.rate
@@ -160,22 +143,22 @@ def _real_runs(
         arrivals = list(workload.arrivals(rng, nodes=4, priorities=config.priorities))
         rounds = 2 * ctx.count(RECORDED_RUNS, 1)  # recorded runs and held-out ones alternate
         log(f"  (a) capacity {cap.rate:.0f}/s; {len(arrivals)} requests at {rate:.0f}/s")
-        warm = client.status(GET_TIMEOUT_S)
+        warm = client.status(bc.GET_TIMEOUT_S)
 
         def timed_run() -> tuple[OpenRun, tuple[float, float]]:
             start = time.time()
-            return open_loop(client, arrivals, feeds), (start, time.time())
+            return bc.open_loop(client, arrivals, feeds), (start, time.time())
 
         runs, windows = [], []
         for i in range(rounds):
             settle(client)
-            run, window = calm(timed_run, f"(a) round {i + 1}").value
+            run, window = bc.calm(timed_run, f"(a) round {i + 1}").value
             runs.append(run)
             windows.append(window)
     return runs, windows, workload, rate, cap.rate, warm, config
 
 
-def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidelity:
+def measure_fidelity(ctx: RunContext, models: Mapping[str, bc.BenchModel]) -> Fidelity:
     with tempfile.TemporaryDirectory() as tmp:
         record_dir = Path(tmp) / "calls"
         runs, windows, workload, rate, capacity, warm, config = _real_runs(ctx, models, record_dir)
@@ -335,7 +318,7 @@ def _latency_tables(f: Fidelity) -> tuple[str, str, str, list[Target]]:
 
 def _count_table(f: Fidelity) -> tuple[str, list[Target]]:
     held = f.answers(True)
-    real = Counter(error_name(a.reply) for a in held)
+    real = Counter(bc.error_name(a.reply) for a in held)
     n_held = len(f.rounds) // 2
     total = sum(real.values()) / n_held
     rows, targets = [], []
@@ -650,7 +633,7 @@ def _part_c(ctx: RunContext) -> Part:
     return _table_part(measure_table(sizes), table_config().router.placement.policy)
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: RunContext) -> bc.Section:
     chosen = os.environ.get("EDGEFLEET_BENCH_SIM_PARTS", "abc")
     parts = []
     if "a" in chosen:
@@ -669,4 +652,4 @@ def run(ctx: RunContext) -> Section:
         "scheduler and the real placement in simulated time, engine time from cost tables "
         "or drawn from a recorded run."
     )
-    return Section(TITLE, measured, parts=parts)
+    return bc.Section(TITLE, measured, parts=parts)
