@@ -19,12 +19,7 @@ import ray
 
 from bench import common as bc
 from bench.common import GET_TIMEOUT_S, BenchModel, Feed, Part, Round, Target, each, fmt, log, med
-from bench.priority_latency import (
-    FLOOD_BACKOFF,
-    FOREGROUND_COLUMNS,
-    ForegroundRun,
-    foreground,
-)
+from bench.priority_latency import FLOOD_BACKOFF, FOREGROUND_COLUMNS, ForegroundRun, foreground
 from cluster.client import FleetClient
 from cluster.traffic import ClosedLoop, Counts
 from edgefleet.config import FleetConfig
