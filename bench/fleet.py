@@ -686,22 +686,16 @@ def measure_placement(
 
 def _pool(policy: str, runs: Sequence[Replay], capacity: float) -> Replay:
     """One policy's replays as one: every answer, the worst disturbance."""
-    router: Counter[str] = Counter()
-    for r in runs:
-        router.update(r.router)
-    return Replay(
-        tuple(a for r in runs for a in r.answers),
+    router = dict(sum((Counter(r.router) for r in runs), Counter()))
+    answers = tuple(a for r in runs for a in r.answers)
+    worst = (
         max(r.max_lag_s for r in runs),
         sum(r.lost for r in runs),
         sum(r.seconds for r in runs),
-        max(r.foreign_cores for r in runs),
-        max(r.attempts for r in runs),
-        policy,
-        dict(router),
-        capacity,
-        tuple(runs),
-        sum(r.stalled for r in runs),
     )
+    noise = (max(r.foreign_cores for r in runs), max(r.attempts for r in runs))
+    stalled = sum(r.stalled for r in runs)
+    return Replay(answers, *worst, *noise, policy, router, capacity, tuple(runs), stalled)
 
 
 def _placement_tables(replays: list[Replay]) -> list[str]:

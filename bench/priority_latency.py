@@ -182,16 +182,8 @@ def flooded(
         fg_engine = sum(s / max(1, b) for s, b in zip(fg.service_s, fg.batch_sizes, strict=True))
         total = bg.engine_s + off.engine_s + fg_engine
         share = off.engine_s / total if total > 0 else float("nan")
-    return replace(
-        fg,
-        flood=flood.counts,
-        bg_window=bg,
-        bg_rate=bg_rate,
-        counters=counters,
-        offline=off,
-        offline_wait_s=offline_waits,
-        offline_share=share,
-    )
+    kw = {"flood": flood.counts, "bg_window": bg, "bg_rate": bg_rate, "counters": counters}
+    return replace(fg, **kw, offline=off, offline_wait_s=offline_waits, offline_share=share)
 
 
 def run(ctx: bc.RunContext) -> Section:
@@ -321,20 +313,9 @@ def _variant(
     alone = calm(lambda: foreground(route, feed, counts[0], f"{label} alone", model=name), label)
     log(f"priority batching: {label} under flood (batch limit {limit})")
     outstanding = CAPACITY - (OFFLINE_OUTSTANDING + 2 if offline else 0)
-    flood = calm(
-        lambda: flooded(
-            route,
-            feed,
-            counts[1],
-            f"{label} flood",
-            model=name,
-            outstanding=outstanding,
-            running=limit,
-            offline=offline,
-        ),
-        f"{label} flood",
-        attempts=2,
-    )
+    kw = {"model": name, "outstanding": outstanding, "running": limit, "offline": offline}
+    measure = lambda: flooded(route, feed, counts[1], f"{label} flood", **kw)  # noqa: E731
+    flood = calm(measure, f"{label} flood", attempts=2)
     return VariantRun(name, VARIANTS[name][0], limit, kept(alone), kept(flood))
 
 
