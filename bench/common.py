@@ -406,6 +406,15 @@ def kept(c: Calm[Any]) -> Any:
     return replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)
 
 
+def rounds_note(runs: Sequence[Round]) -> str:
+    """How many rounds were measured again, and the most disturbed one kept."""
+    return (
+        f"Rounds measured again because other processes used more than {CALM_CORES:g} cores "
+        f"meanwhile: {sum(r.attempts - 1 for r in runs)}; most CPU other processes used during "
+        f"a kept round: {max(r.foreign_cores for r in runs):.2f} cores."
+    )
+
+
 def disturbance(runs: Mapping[str, Any]) -> str:
     """``name 0.01 cores, 1; ...``: each kept measurement's disturbance and attempts."""
     return "; ".join(f"{k} {r.foreign_cores:.2f} cores, {r.attempts}" for k, r in runs.items())
