@@ -401,6 +401,17 @@ def calm(
     return Calm(best.value, best.foreign_cores, tries)
 
 
+def alternating(
+    measures: Mapping[str, Callable[[], T]], rounds: int, label: str = ""
+) -> dict[str, list[T]]:
+    """``rounds`` rounds of every measurement in turn (drift hits them alike), each calm."""
+    out: dict[str, list[T]] = {k: [] for k in measures}
+    for _ in range(rounds):
+        for k, measure in measures.items():
+            out[k].append(calm(measure, f"{label}{k}").value)
+    return out
+
+
 def kept(c: Calm[Any]) -> Any:
     """A kept measurement (a dataclass) stamped with its disturbance."""
     return replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)

@@ -16,7 +16,7 @@ import numpy as np
 
 from actors.decoder import DecoderEngine, Generation
 from bench import common as bc
-from bench.common import Part, RunContext, Target, calm, deployed, fmt, log, md_table, median
+from bench.common import Part, RunContext, Target, deployed, fmt, log, md_table, median
 from cluster.client import FleetClient
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.errors import EdgeFleetError
@@ -311,12 +311,9 @@ def _throughput(ctx: RunContext, models: dict[str, Path]) -> Part:
     rows, targets = [], []
     for label, path in models.items():
         loops = {"bare": _bare_loop(path, prompt, n), "engine": _engine_loop(path, prompt, n)}
-        times: dict[str, list[float]] = {k: [] for k in loops}
         for loop in loops.values():
             loop()  # warm up
-        for _ in range(rounds):  # alternate, so drift hits both alike
-            for k, loop in loops.items():
-                times[k].append(calm(loop, f"{k} {label}").value)
+        times = bc.alternating(loops, rounds, f"{label} ")
         bare, ours = median(times["bare"]), median(times["engine"])
         node_tps = _through_node(path, prompt, n, label)
         rows.append(
@@ -363,13 +360,15 @@ def _batched_row(
     _, _, batched = _batch_run(engine, prompts, n, True)
     same = [g.generated for g in batched] == [g.generated for g in alone]
     assert same, "decoding together must not change any generation's tokens"
-    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for _ in range(rounds):  # alternate, so drift hits both alike
-        for together in (False, True):
-            measure = lambda t=together: _batch_run(engine, prompts, n, t)[:2]  # noqa: E731
-            runs[together].append(calm(measure, f"{label} together={together}").value)
-    total = {k: median([p + d for p, d in v]) for k, v in runs.items()}
-    decode = {k: median([d for _, d in v]) for k, v in runs.items()}
+
+    def measure(together: bool) -> Callable[[], tuple[float, float]]:
+        return lambda: _batch_run(engine, prompts, n, together)[:2]
+
+    runs = bc.alternating(
+        {"False": measure(False), "True": measure(True)}, rounds, f"{label} together="
+    )
+    total = {k == "True": median([p + d for p, d in v]) for k, v in runs.items()}
+    decode = {k == "True": median([d for _, d in v]) for k, v in runs.items()}
     ratio = decode[False] / decode[True]
     log(f"  (e) {label}: decoding together {ratio:.2f}x the tokens/s of one at a time")
     lengths = sorted(len(p) for p in prompts)
@@ -447,12 +446,9 @@ def _batched_on_a_node(
         deployed(_config("gen-batch-1", model, decode_batch=1)) as alone,
         deployed(_config("gen-batch-4", model, decode_batch=BATCH_GENS)) as together,
     ):
-        clients = {"alone": alone, "together": together}
-        rates: dict[str, list[float]] = {k: [] for k in clients}
         assert run(alone)[1] == run(together)[1], "decoding together must not change tokens"
-        for _ in range(rounds):
-            for label, client in clients.items():
-                rates[label].append(calm(partial(run, client), f"node {label}").value[0])
+        runs = {"alone": partial(run, alone), "together": partial(run, together)}
+        rates = {k: [r[0] for r in v] for k, v in bc.alternating(runs, rounds, "node ").items()}
     one, many = median(rates["alone"]), median(rates["together"])
     log(f"  (e) through a node: {many / one:.2f}x the tokens/s of one at a time")
     return one, many
