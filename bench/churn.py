@@ -32,11 +32,11 @@ from typing import Any
 import ray
 
 from actors.trace import read_traces
+from bench.chaos_cluster import HEAD_ENV, Raylets
 from bench.common import Section, Target, fmt, log, md_table, percentile, utc_now, write_report
 from cluster.client import FleetClient
-from cluster.head import start_head, stop_head
+from cluster.head import start_head
 from cluster.names import NAMESPACE
-from cluster.raylet import kill_raylet, start_raylet
 from edgefleet.config import parse_config
 from edgefleet.errors import EdgeFleetError
 from edgefleet.labels import DEVICE_LABEL
@@ -46,13 +46,7 @@ from sim.workload import Workload, parse_workload
 TITLE = "Device churn: devices leave and come back under load"
 DEVICES = ("cam-0", "cam-1", "cam-2", "cam-3")
 POOL = "cams"
-HEALTH = {  # a killed raylet is declared dead in about 3-5 s
-    "RAY_health_check_initial_delay_ms": "1000",
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
-    "RAY_raylet_start_wait_time_s": "60",
-}
+HEALTH = {**HEAD_ENV, "RAY_health_check_timeout_ms": "1000"}  # a dead raylet found in 3-5 s
 RATE = 40.0  # requests per second (Poisson)
 AT_MOST_ONCE = 0.2  # share of the requests
 EVERY_S = (3.0, 6.0)  # between two departures
@@ -60,39 +54,21 @@ AWAY_S = (3.0, 8.0)  # how long a device stays away
 ANSWER_S = 120.0  # every answer arrives by then after the load stops
 
 
-class Cluster:
+class Cluster(Raylets):
     """The head, the driver's raylet and the devices' raylets (each in its own folder)."""
 
     def __init__(self) -> None:
-        self.name = f"churn{os.getpid()}"
-        self.address = ""
-        self.dirs: dict[str, Path] = {}
-        self.old: list[Path] = []
+        super().__init__(f"churn{os.getpid()}")
 
     def start(self) -> None:
         self.address = start_head(self.name, 1, env=HEALTH)
         self.add("client")
         ray.init(address=self.address, _temp_dir=str(self.dirs["client"]), namespace=NAMESPACE)
 
-    def add(self, device: str) -> float:
-        """Start ``device``'s raylet; the time it joined."""
-        directory = Path(tempfile.mkdtemp(prefix="ec-", dir="/tmp"))  # short: sockets
-        self.dirs[device] = directory
+    def add(self, device: str, **_: Any) -> float:
+        """Start ``device``'s raylet with the pool's labels; the time it joined."""
         labels = {} if device == "client" else {"device": "camera", DEVICE_LABEL: device}
-        start_raylet(self.address, directory, resources={}, labels=labels, num_cpus=1)
-        return time.monotonic()
-
-    def kill(self, device: str) -> None:
-        directory = self.dirs.pop(device)
-        self.old.append(directory)
-        kill_raylet(directory)
-
-    def stop(self) -> None:
-        ray.shutdown()
-        for directory in [*self.dirs.values(), *self.old]:
-            kill_raylet(directory)
-            shutil.rmtree(directory, ignore_errors=True)
-        stop_head(self.name)
+        return super().add(device, resources={}, labels=labels, num_cpus=1)
 
 
 def workload(seconds: float, seed: int) -> Workload:
