@@ -109,17 +109,7 @@ def _measure(route: bc.NodeRoute, rate: float, count: int, rounds: int) -> list[
             lat = c.value.latency_ms()
             log(f"  {label}/{rounds}: p50 {lat.p50:.1f} ms, p99 {lat.p99:.1f} ms")
     return [
-        WindowResult(
-            w,
-            OpenRun(
-                tuple(a for run in runs for a in run.answers),
-                max(run.max_lag_s for run in runs),
-                sum(run.lost for run in runs),
-                sum(run.seconds for run in runs),
-                max(run.foreign_cores for run in runs),
-            ),
-            sum(run.attempts - 1 for run in runs),
-        )
+        WindowResult(w, OpenRun.pooled(runs), sum(r.attempts - 1 for r in runs))
         for w, runs in pooled.items()
     ]
 

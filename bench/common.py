@@ -785,6 +785,14 @@ class OpenRun:
     foreign_cores: float = 0.0  # CPU other processes used meanwhile
     attempts: int = 1
 
+    @classmethod
+    def pooled(cls, runs: Sequence[OpenRun], **more: Any) -> Any:
+        """``runs`` as one: every answer, the worst lag and disturbance."""
+        lag, lost = max(r.max_lag_s for r in runs), sum(r.lost for r in runs)
+        noise = (max(r.foreign_cores for r in runs), max(r.attempts for r in runs))
+        answers = tuple(a for r in runs for a in r.answers)
+        return cls(answers, lag, lost, sum(r.seconds for r in runs), *noise, **more)
+
     def ok(self, priorities: Sequence[int] | None = None) -> list[Answer]:
         def wanted(a: Answer) -> bool:
             return priorities is None or (

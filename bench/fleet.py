@@ -642,15 +642,9 @@ def measure_placement(
 
 def _pool(policy: str, runs: Sequence[Replay], capacity: float) -> Replay:
     """One policy's replays as one: every answer, the worst disturbance."""
-    answers = tuple(a for r in runs for a in r.answers)
-    worst = (
-        max(r.max_lag_s for r in runs),
-        sum(r.lost for r in runs),
-        sum(r.seconds for r in runs),
-    )
-    noise = (max(r.foreign_cores for r in runs), max(r.attempts for r in runs))
     router, stalled = _added([r.router for r in runs]), sum(r.stalled for r in runs)
-    return Replay(answers, *worst, *noise, policy, router, capacity, tuple(runs), stalled)
+    more = {"router": router, "capacity": capacity, "rounds": tuple(runs), "stalled": stalled}
+    return Replay.pooled(runs, policy=policy, **more)
 
 
 def _placement_tables(replays: list[Replay]) -> list[str]:
