@@ -357,15 +357,8 @@ class Load:
     ) -> None:
         model = "classifier" if rng.random() < 0.7 else "slow"
         i, once = rng.randrange(FEEDS), rng.random() < AT_MOST_ONCE_SHARE
-        sent = self.ledger.new(
-            "submit",
-            model,
-            priority,
-            (model, i),
-            at_most_once=once,
-            timeout_s=_timeout(rng),
-            deadline_s=deadline_s,
-        )
+        kw = {"at_most_once": once, "timeout_s": _timeout(rng), "deadline_s": deadline_s}
+        sent = self.ledger.new("submit", model, priority, (model, i), **kw)
         key = f"camera-{rng.randrange(2)}" if priority == "inline" and rng.random() < 0.3 else None
         try:
             feed = self.refs.feeds[model][i]
@@ -380,9 +373,8 @@ class Load:
         try:
             reply: Reply = future.result()
         except BaseException as exc:  # a future of the public API must never fail
-            self.ledger.answer(
-                sent, Answer(time.time(), "untyped", type(exc).__name__, "", str(exc))
-            )
+            answer = Answer(time.time(), "untyped", type(exc).__name__, "", str(exc))
+            self.ledger.answer(sent, answer)
             return
         if reply.error is None:
             self._check(sent, reply.outputs or {}, reply.request_id)
@@ -455,14 +447,8 @@ class Load:
         priority = ("foreground", "inline", "inline")[thread % 3]
         while not self.stop.is_set():
             prompt, expected = self.refs.chats[(thread, turn)]
-            sent = self.ledger.new(
-                "generate",
-                LM,
-                priority,
-                ("chat", thread, turn),
-                max_new_tokens=CHAT_TOKENS,
-                timeout_s=_timeout(rng),
-            )
+            kw = {"max_new_tokens": CHAT_TOKENS, "timeout_s": _timeout(rng)}
+            sent = self.ledger.new("generate", LM, priority, ("chat", thread, turn), **kw)
             reason = self._generate(sent, prompt, session=f"chat-{thread}-{epoch}")
             if reason == "length" and sent.tokens == expected and turn + 1 < CHAT_TURNS:
                 turn += 1  # the next turn builds on this answer
@@ -473,16 +459,17 @@ class Load:
     def _summaries(self, rng: random.Random) -> None:
         while not self.stop.is_set():
             j = rng.randrange(SUMMARIES)
-            sent = self.ledger.new(
-                "generate",
-                LM,
+            priority, once = (
                 rng.choice(("background", "offline", 2)),
-                ("summary", j),
-                max_new_tokens=SUMMARY_TOKENS,
-                at_most_once=rng.random() < AT_MOST_ONCE_SHARE,
-                timeout_s=_timeout(rng),
-                deadline_s=rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None,
+                rng.random() < AT_MOST_ONCE_SHARE,
             )
+            kw = {
+                "max_new_tokens": SUMMARY_TOKENS,
+                "at_most_once": once,
+                "timeout_s": _timeout(rng),
+            }
+            kw["deadline_s"] = rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None
+            sent = self.ledger.new("generate", LM, priority, ("summary", j), **kw)
             self._generate(sent, self.refs.summaries[j][0])
             self.stop.wait(rng.uniform(0.05, 0.3))
 
