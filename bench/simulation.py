@@ -66,17 +66,11 @@ COMPLETED = OUTCOMES.index("completed")
 COUNT_TOLERANCE = 0.05
 SCALE_NODES, SCALE_REQUESTS = 10_000, 1_000_000
 SCALE_MINUTES, SCALE_RSS_GIB = 10.0, 4.0
-WARMUP, OBSERVED, ANYWHERE, RECORDED = (
-    "warm-up costs, shared cores",
-    "costs observed in the run",
-    "recorded run, drawn anywhere",
-    "recorded run",
-)
-SHORT = {
-    WARMUP: "warm-up, shared",
-    OBSERVED: "observed costs",
-    ANYWHERE: "recorded, anywhere",
-    RECORDED: "recorded run",
+SHORT = {  # variant -> its short name
+    (WARMUP := "warm-up costs, shared cores"): "warm-up, shared",
+    (OBSERVED := "costs observed in the run"): "observed costs",
+    (ANYWHERE := "recorded run, drawn anywhere"): "recorded, anywhere",
+    (RECORDED := "recorded run"): "recorded run",
 }
 
 # ------------------------------------------------------------------ (a) fidelity
@@ -478,37 +472,24 @@ def measure_scale(nodes: int, requests: int, out: Path) -> dict[str, Any]:
         except (IndexError, ValueError):
             return math.nan
 
-    return {
-        "nodes": nodes,
-        "requests": requests,
-        "wall_s": wall,
-        "rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-        "events": number_before("events/s"),
-        "answered": int(number_before("answered") or 0),
-        "failed": (done.stdout + done.stderr)[-2000:] if done.returncode else "",
-    }
+    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    failed = (done.stdout + done.stderr)[-2000:] if done.returncode else ""
+    answered, events = int(number_before("answered") or 0), number_before("events/s")
+    out = {"nodes": nodes, "requests": requests, "wall_s": wall, "rss_mib": rss_mib}
+    return out | {"events": events, "answered": answered, "failed": failed}
 
 
 def _scale_part(run: dict[str, Any], target: bool) -> Part:
-    table = md_table(
-        ["nodes", "requests", "answered", "wall time s", "peak RSS MiB", "events/s"],
-        [
-            [f"{run['nodes']:,}", f"{run['requests']:,}", f"{run['answered']:,}"]
-            + [fmt(run["wall_s"], 0), fmt(run["rss_mib"], 0), f"{run['events']:,.0f}"]
-        ],
-    )
-    targets = []
-    if target:
-        targets = [
-            Target("(b) wall time, minutes", run["wall_s"] / 60, "<=", SCALE_MINUTES),
-            Target("(b) peak RSS, GiB", run["rss_mib"] / 1024, "<=", SCALE_RSS_GIB),
-            Target(
-                "(b) every request answered (answered / requests)",
-                run["answered"] / run["requests"],
-                ">=",
-                1.0,
-            ),
-        ]
+    row = [f"{run[k]:,}" for k in ("nodes", "requests", "answered")]
+    row += [fmt(run["wall_s"], 0), fmt(run["rss_mib"], 0), f"{run['events']:,.0f}"]
+    headers = ["nodes", "requests", "answered", "wall time s", "peak RSS MiB", "events/s"]
+    table = md_table(headers, [row])
+    answered = "(b) every request answered (answered / requests)"
+    targets = [
+        Target("(b) wall time, minutes", run["wall_s"] / 60, "<=", SCALE_MINUTES),
+        Target("(b) peak RSS, GiB", run["rss_mib"] / 1024, "<=", SCALE_RSS_GIB),
+        Target(answered, run["answered"] / run["requests"], ">=", 1.0),
+    ]
     notes = [f"The run failed:\n\n```\n{run['failed']}\n```"] if run["failed"] else []
     measured = (
         f"`edgefleet simulate` in a child process: {run['nodes']:,} nodes (every node serves "
@@ -518,7 +499,7 @@ def _scale_part(run: dict[str, Any], target: bool) -> Part:
         "counts them."
     )
     title = "(b) Scale: 10,000 nodes and 1,000,000 requests"
-    return Part(title, measured, [table], targets, notes)
+    return Part(title, measured, [table], targets if target else [], notes)
 
 
 # ---------------------------------------------------------------- (c) the table
