@@ -13,32 +13,8 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from bench.common import (
-    GET_TIMEOUT_S,
-    BenchModel,
-    ModelEntry,
-    NodeRoute,
-    OpenRun,
-    RunContext,
-    Section,
-    Target,
-    calm,
-    deployed,
-    error_name,
-    fleet_config,
-    fmt,
-    kept,
-    log,
-    md_table,
-    median,
-    median_call_ms,
-    node_costs_ms,
-    only_node,
-    open_loop,
-    raw_session,
-    slow_feed,
-    warm,
-)
+from bench import common as bc
+from bench.common import OpenRun, Section, Target, fmt, log, md_table, median, slow_feed
 from sim.workload import parse_workload
 
 TITLE = "Batching window (a)"
@@ -113,7 +89,7 @@ class WindowResult:
         return sum(c / max(1, b) for c, (b, _, _) in zip(per_call, ok, strict=True)) / len(ok)
 
 
-def _measure(route: NodeRoute, rate: float, count: int, rounds: int) -> list[WindowResult]:
+def _measure(route: bc.NodeRoute, rate: float, count: int, rounds: int) -> list[WindowResult]:
     feed = slow_feed(WIDTH)
     pooled: dict[Setting, list[OpenRun]] = {w: [] for w in SETTINGS}
     for r in range(rounds):
@@ -128,30 +104,20 @@ def _measure(route: NodeRoute, rate: float, count: int, rounds: int) -> list[Win
             )
             arrivals = list(workload.arrivals(random.Random(0), nodes=1))
             label = f"{rate:g}/s window {w.label} ms round {r + 1}"
-            c = calm(lambda a=arrivals, m=w.entry: open_loop(route, a, {m: feed}), label)
-            pooled[w].append(kept(c))
+            c = bc.calm(lambda a=arrivals, m=w.entry: bc.open_loop(route, a, {m: feed}), label)
+            pooled[w].append(bc.kept(c))
             lat = c.value.latency_ms()
             log(f"  {label}/{rounds}: p50 {lat.p50:.1f} ms, p99 {lat.p99:.1f} ms")
     return [
-        WindowResult(
-            w,
-            OpenRun(
-                tuple(a for run in runs for a in run.answers),
-                max(run.max_lag_s for run in runs),
-                sum(run.lost for run in runs),
-                sum(run.seconds for run in runs),
-                max(run.foreign_cores for run in runs),
-            ),
-            sum(run.attempts - 1 for run in runs),
-        )
+        WindowResult(w, OpenRun.pooled(runs), sum(r.attempts - 1 for r in runs))
         for w, runs in pooled.items()
     ]
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: bc.RunContext) -> Section:
     model = ctx.models.calibrated(TARGET_COST_MS, width=WIDTH)
     entries = [
-        ModelEntry(
+        bc.ModelEntry(
             w.entry,
             model.path,
             window_ms=w.window_ms,
@@ -162,16 +128,16 @@ def run(ctx: RunContext) -> Section:
         for w in SETTINGS
     ]
     rounds = ctx.count(2, 1)
-    session = raw_session(model.path)  # every batch size, in-process back to back
+    session = bc.raw_session(model.path)  # every batch size, in-process back to back
     hot = {
-        n: median_call_ms(session, slow_feed(WIDTH, rows=n), 25) for n in range(1, MAX_BATCH + 1)
+        n: bc.median_call_ms(session, slow_feed(WIDTH, rows=n), 25) for n in range(1, MAX_BATCH + 1)
     }
     tables: dict[float, list[WindowResult]] = {}
-    with deployed(fleet_config("bench-batching", entries)) as client:
-        route = only_node(client)  # straight to the node actor: the node is measured
-        costs = node_costs_ms(client.status(GET_TIMEOUT_S), SETTINGS[0].entry)
+    with bc.deployed(bc.fleet_config("bench-batching", entries)) as client:
+        route = bc.only_node(client)  # straight to the node actor: the node is measured
+        costs = bc.node_costs_ms(client.status(bc.GET_TIMEOUT_S), SETTINGS[0].entry)
         high_rate = round(0.5 * 1000.0 / costs.get(1, TARGET_COST_MS) / 5) * 5
-        warm(lambda: route.submit(SETTINGS[0].entry, slow_feed(WIDTH)), 20)
+        bc.warm(lambda: route.submit(SETTINGS[0].entry, slow_feed(WIDTH)), 20)
         for rate, seconds in (
             (REFERENCE_RATE, ctx.pick(4.0, 1.6)),
             (high_rate, ctx.pick(2.0, 0.8)),
@@ -303,7 +269,7 @@ def _section(
     tables: dict[float, list[WindowResult]],
     costs: Mapping[int, float],
     hot: Mapping[int, float],
-    model: BenchModel,
+    model: bc.BenchModel,
     rounds: int,
 ) -> Section:
     largest = max(costs, default=1)
@@ -318,7 +284,7 @@ def _section(
         *_lone_targets(tables[REFERENCE_RATE]),
     ]
     every = [r for results in tables.values() for r in results]
-    errors = Counter(error_name(a.reply) for r in every for a in r.run.answers)
+    errors = Counter(bc.error_name(a.reply) for r in every for a in r.run.answers)
     errors.pop(None, None)
     notes = [
         "Reading the table: on a steady schedule a batch forms only when the window is longer "

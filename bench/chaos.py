@@ -3,17 +3,11 @@ restarts, every request ends with exactly one answer, in time.
 
     python -m bench.chaos --minutes N [--seed S] [--out FILE.md] [--kinds KIND ...]
 
-A multi-raylet Ray cluster on loopback (bench/chaos_cluster.py) serves three nodes
-with node traces on (``node_defaults.trace_dir``) and three models (``classifier``,
-``slow``, the ``tiny_lm`` decoder). Mixed load goes through :class:`FleetClient`:
-inference at every priority (``submit`` and ``infer``, some with deadlines or dedup
-keys, bursts of background work), chats with sessions, background generations and
-lifecycle events, while a seeded controller kills, freezes and restarts parts of the
-cluster. Every request has its own id and ``timeout_s``; the report counts the
-answers each got (exactly one: a result or a typed EdgeFleetError), its answer time
-against max(deadline_s, timeout_s) + ANSWER_SLACK_S, executions per id from the node
-traces (re-runs explained by a kill, a freeze or a loss are at-least-once by nature),
-generations and outputs against references, memory, and actors left after the close.
+Mixed load through :class:`FleetClient` (inference at every priority, chats, background
+generations, lifecycle events) on the cluster of bench/chaos_cluster.py while its
+controller kills and freezes parts of it. The report checks each request's answers
+(exactly one, typed when an error, within max(deadline_s, timeout_s) + ANSWER_SLACK_S),
+executions per id in the node traces, outputs against references, memory and leaks.
 Exit status: 0 when every invariant holds, 1 otherwise.
 """
 
@@ -45,20 +39,8 @@ import psutil
 from actors.decoder import DecoderEngine, Generation
 from actors.engine import open_session
 from actors.trace import read_traces
-from bench.chaos_cluster import (
-    CONTROL_TIMEOUT_S,
-    HEALTH_CHECKS,
-    KINDS,
-    LM,
-    LOST_AFTER_S,
-    NODES,
-    QUIET_END_S,
-    REPORT_INTERVAL_S,
-    RESTART_AFTER_S,
-    Controller,
-    Event,
-    Fleet,
-)
+from bench import chaos_cluster as cc
+from bench.chaos_cluster import CONTROL_TIMEOUT_S, KINDS, LM, NODES, Controller, Event, Fleet
 from bench.common import EnvFacts, fmt, log, md_table, percentile, utc_now
 from cluster.client import FleetClient
 from cluster.head import LOOPBACK
@@ -305,6 +287,14 @@ def _typed(exc: BaseException) -> tuple[str, str]:
     return ("typed" if isinstance(exc, EdgeFleetError) else "untyped"), type(exc).__name__
 
 
+def _count_failure(calls: Counter[str], errors: list[str], what: str, exc: Exception) -> None:
+    """Count a control call's failure; keep the text of an untyped one."""
+    outcome, name = _typed(exc)
+    calls[outcome] += 1
+    if outcome == "untyped":
+        errors.append(f"{what}: {name}: {exc}"[:300])
+
+
 def _failed(exc: BaseException) -> Answer:
     outcome, what = _typed(exc)
     return Answer(time.time(), outcome, what, detail=str(exc)[:200])
@@ -367,15 +357,8 @@ class Load:
     ) -> None:
         model = "classifier" if rng.random() < 0.7 else "slow"
         i, once = rng.randrange(FEEDS), rng.random() < AT_MOST_ONCE_SHARE
-        sent = self.ledger.new(
-            "submit",
-            model,
-            priority,
-            (model, i),
-            at_most_once=once,
-            timeout_s=_timeout(rng),
-            deadline_s=deadline_s,
-        )
+        kw = {"at_most_once": once, "timeout_s": _timeout(rng), "deadline_s": deadline_s}
+        sent = self.ledger.new("submit", model, priority, (model, i), **kw)
         key = f"camera-{rng.randrange(2)}" if priority == "inline" and rng.random() < 0.3 else None
         try:
             feed = self.refs.feeds[model][i]
@@ -390,9 +373,8 @@ class Load:
         try:
             reply: Reply = future.result()
         except BaseException as exc:  # a future of the public API must never fail
-            self.ledger.answer(
-                sent, Answer(time.time(), "untyped", type(exc).__name__, "", str(exc))
-            )
+            answer = Answer(time.time(), "untyped", type(exc).__name__, "", str(exc))
+            self.ledger.answer(sent, answer)
             return
         if reply.error is None:
             self._check(sent, reply.outputs or {}, reply.request_id)
@@ -465,14 +447,8 @@ class Load:
         priority = ("foreground", "inline", "inline")[thread % 3]
         while not self.stop.is_set():
             prompt, expected = self.refs.chats[(thread, turn)]
-            sent = self.ledger.new(
-                "generate",
-                LM,
-                priority,
-                ("chat", thread, turn),
-                max_new_tokens=CHAT_TOKENS,
-                timeout_s=_timeout(rng),
-            )
+            kw = {"max_new_tokens": CHAT_TOKENS, "timeout_s": _timeout(rng)}
+            sent = self.ledger.new("generate", LM, priority, ("chat", thread, turn), **kw)
             reason = self._generate(sent, prompt, session=f"chat-{thread}-{epoch}")
             if reason == "length" and sent.tokens == expected and turn + 1 < CHAT_TURNS:
                 turn += 1  # the next turn builds on this answer
@@ -483,16 +459,17 @@ class Load:
     def _summaries(self, rng: random.Random) -> None:
         while not self.stop.is_set():
             j = rng.randrange(SUMMARIES)
-            sent = self.ledger.new(
-                "generate",
-                LM,
+            priority, once = (
                 rng.choice(("background", "offline", 2)),
-                ("summary", j),
-                max_new_tokens=SUMMARY_TOKENS,
-                at_most_once=rng.random() < AT_MOST_ONCE_SHARE,
-                timeout_s=_timeout(rng),
-                deadline_s=rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None,
+                rng.random() < AT_MOST_ONCE_SHARE,
             )
+            kw = {
+                "max_new_tokens": SUMMARY_TOKENS,
+                "at_most_once": once,
+                "timeout_s": _timeout(rng),
+            }
+            kw["deadline_s"] = rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None
+            sent = self.ledger.new("generate", LM, priority, ("summary", j), **kw)
             self._generate(sent, self.refs.summaries[j][0])
             self.stop.wait(rng.uniform(0.05, 0.3))
 
@@ -502,10 +479,7 @@ class Load:
             try:
                 self.client.set_lifecycle(node, state, timeout_s=CONTROL_TIMEOUT_S)
             except Exception as exc:
-                outcome, what = _typed(exc)
-                self.control[outcome] += 1
-                if outcome == "untyped":
-                    self.control_errors.append(f"set_lifecycle: {what}: {exc}"[:300])
+                _count_failure(self.control, self.control_errors, "set_lifecycle", exc)
             else:
                 self.control["ok"] += 1
 
@@ -573,10 +547,7 @@ class Sampler:
         try:
             status = client.status(timeout_s=CONTROL_TIMEOUT_S)
         except Exception as exc:  # the router restarting: next time
-            outcome, what = _typed(exc)
-            self.status_calls[outcome] += 1
-            if outcome == "untyped":
-                self.status_errors.append(f"status: {what}: {exc}"[:300])
+            _count_failure(self.status_calls, self.status_errors, "status", exc)
         else:
             now = time.time()
             self.status_calls["ok"] += 1
@@ -642,6 +613,18 @@ class Sampler:
 
 
 # ------------------------------------------------------------------ the figures
+
+
+INVARIANTS = (  # (what, Figures attribute): checks that hold when it is 0
+    ("inference answers with wrong outputs", "wrong_outputs"),
+    ("completed generations with duplicated, missing or wrong tokens", "gen_token_errors"),
+    ("other generations whose tokens are not a prefix of the reference", "gen_partial_errors"),
+    ("tokens or errors delivered after a stream's end", "after_end"),
+    ("successes without an execution in the traces", "success_without_run"),
+    ("successes naming a node that has no execution of them", "wrong_node"),
+    ("ids run more than once with no kill, freeze or loss to explain it", "reran_unexplained"),
+    ("at_most_once ids run more than once", "reran_at_most_once"),
+)
 
 
 @dataclass
@@ -714,35 +697,15 @@ class Figures:
 
     def invariants(self) -> list[tuple[str, int, bool]]:
         """(what, value, holds) for every check the soak makes: each holds at 0."""
+        late = f"requests answered later than max(deadline_s, timeout_s) + {ANSWER_SLACK_S:g} s"
+        control = self.control["untyped"] + self.status_calls["untyped"]
         checks = [
             ("requests without an answer", self.no_answer),
             ("requests with two or more answers", self.two_answers),
             ("untyped errors (requests)", sum(self.untyped.values())),
-            (
-                f"requests answered later than max(deadline_s, timeout_s) + {ANSWER_SLACK_S:g} s",
-                self.late,
-            ),
-            (
-                "untyped errors (lifecycle events and status calls)",
-                self.control["untyped"] + self.status_calls["untyped"],
-            ),
-            ("inference answers with wrong outputs", self.wrong_outputs),
-            (
-                "completed generations with duplicated, missing or wrong tokens",
-                self.gen_token_errors,
-            ),
-            (
-                "other generations whose tokens are not a prefix of the reference",
-                self.gen_partial_errors,
-            ),
-            ("tokens or errors delivered after a stream's end", self.after_end),
-            ("successes without an execution in the traces", self.success_without_run),
-            ("successes naming a node that has no execution of them", self.wrong_node),
-            (
-                "ids run more than once with no kill, freeze or loss to explain it",
-                self.reran_unexplained,
-            ),
-            ("at_most_once ids run more than once", self.reran_at_most_once),
+            (late, self.late),
+            ("untyped errors (lifecycle events and status calls)", control),
+            *((what, getattr(self, attr)) for what, attr in INVARIANTS),
             ("actors (or their processes) alive after the client closed", len(self.leaked)),
             ("load threads that never ended", len(self.still_running)),
             (f"nodes not serving again {RECOVER_S:g} s after the load", len(self.not_serving)),
@@ -1135,7 +1098,7 @@ def _md_counts(f: Figures) -> str:
 
 def _md_header(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> list[str]:
     o = f.options
-    period_s = int(HEALTH_CHECKS["RAY_health_check_period_ms"]) / 1000
+    period_s = int(cc.HEALTH_CHECKS["RAY_health_check_period_ms"]) / 1000
     home = f"{o.spare[0]}'s raylet" if o.spare else "a raylet of its own"
     verdict = "**PASS** (every invariant below holds)" if f.passed else "**FAIL**"
     short = ")" if f.covered else "; not every kind: the run was too short or cut short)"
@@ -1146,14 +1109,15 @@ def _md_header(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -
         f"- Machine: {facts.line()}",
         f"- Load: {f.seconds:.0f} s{' (interrupted by Ctrl-C)' if f.interrupted else ''}; "
         f"seed {o.seed}; a chaos event every {0.6 * o.kill_every_s:.1f}-"
-        f"{1.4 * o.kill_every_s:.1f} s (none in the last {QUIET_END_S:g} s); never hit: "
+        f"{1.4 * o.kill_every_s:.1f} s (none in the last {cc.QUIET_END_S:g} s); never hit: "
         f"{', '.join(o.spare) or 'none'}; every request with a timeout_s drawn "
         f"log-uniformly from {TIMEOUT_S[0]:g}-{TIMEOUT_S[1]:g} s",
         f"- Cluster: a Ray head (GCS state in Redis: {'yes' if 'head' in o.kinds else 'no'}), "
         f"{len(NODES)} raylets with one edge node pinned to each (the harness's driver on "
         f"{home}), on {LOOPBACK}; the router on the head; GCS health checks every "
-        f"{period_s:g} s; router reports every {REPORT_INTERVAL_S:g} s, a node lost "
-        f"(unresponsive) after {LOST_AFTER_S:g} s, restarted after {RESTART_AFTER_S:g} s more",
+        f"{period_s:g} s; router reports every {cc.REPORT_INTERVAL_S:g} s, a node lost "
+        f"(unresponsive) after {cc.LOST_AFTER_S:g} s, restarted after "
+        f"{cc.RESTART_AFTER_S:g} s more",
         f"- Verdict: {verdict}",
         f"- Chaos events: {len(f.events)} ({_md_counts(f)}{short}",
         f"- Answer time: every request answered within max(deadline_s, timeout_s) + "
@@ -1199,34 +1163,35 @@ def _md_requests(f: Figures) -> list[str]:
     return _figures("Requests and answers", rows, *errors, *([""] if errors else []))
 
 
+EXECUTIONS = (  # (figure, Figures attribute) of the executions table
+    ("trace files (node processes)", "trace_files"),
+    ("trace lines", "trace_lines"),
+    ("lines cut short by a killed process", "truncated_lines"),
+    ("lines of ids the harness never sent", "unknown_ids"),
+    ("ids run to completion once", "ran_once"),
+    ("ids run to completion more than once", "ran_more"),
+    ("... re-run after the node that ran them was killed before answering", "reran_after_kill"),
+    ("... re-run elsewhere while the node holding them was frozen", "reran_after_freeze"),
+    (
+        "... re-run elsewhere after the node holding them did not answer the caller's probe",
+        "reran_after_loss",
+    ),
+    ("... re-run with no kill, freeze or loss to explain it", "reran_unexplained"),
+    ("requests sent at_most_once / answered NodeLost ('may have run')", "once"),
+    ("at_most_once ids run more than once", "reran_at_most_once"),
+    ("successes without an execution", "success_without_run"),
+    ("successes naming a node that has no execution of them", "wrong_node"),
+    (
+        "generations ended by the caller after their node died, every token sent",
+        "success_by_caller",
+    ),
+    ("ran on a node, yet answered with an error (its node died first)", "ran_but_error"),
+)
+
+
 def _md_executions(f: Figures) -> list[str]:
-    rows: list[list[object]] = [
-        ["trace files (node processes)", f.trace_files],
-        ["trace lines", f.trace_lines],
-        ["lines cut short by a killed process", f.truncated_lines],
-        ["lines of ids the harness never sent", f.unknown_ids],
-        ["ids run to completion once", f.ran_once],
-        ["ids run to completion more than once", f.ran_more],
-        ["... re-run after the node that ran them was killed before answering", f.reran_after_kill],
-        ["... re-run elsewhere while the node holding them was frozen", f.reran_after_freeze],
-        [
-            "... re-run elsewhere after the node holding them did not answer the caller's probe",
-            f.reran_after_loss,
-        ],
-        ["... re-run with no kill, freeze or loss to explain it", f.reran_unexplained],
-        [
-            "requests sent at_most_once / answered NodeLost ('may have run')",
-            f"{f.at_most_once_sent:,} / {f.at_most_once_lost:,}",
-        ],
-        ["at_most_once ids run more than once", f.reran_at_most_once],
-        ["successes without an execution", f.success_without_run],
-        ["successes naming a node that has no execution of them", f.wrong_node],
-        [
-            "generations ended by the caller after their node died, every token sent",
-            f.success_by_caller,
-        ],
-        ["ran on a node, yet answered with an error (its node died first)", f.ran_but_error],
-    ]
+    once = f"{f.at_most_once_sent:,} / {f.at_most_once_lost:,}"
+    rows = [[what, once if attr == "once" else getattr(f, attr)] for what, attr in EXECUTIONS]
     text = (
         "A request whose node dies after running it but before its answer leaves is run again "
         "elsewhere under the same id; one held by a node that does not answer its caller's "
@@ -1271,15 +1236,8 @@ def _md_events(f: Figures) -> list[str]:
             + [after(e.back_at, e), after(e.healthy_at, e), e.note or "-"]
             for e in f.events
         ]
-        headers = [
-            "at s",
-            "kind",
-            "target",
-            "pids",
-            "back after s",
-            "serving again after s",
-            "note",
-        ]
+        headers = ["at s", "kind", "target", "pids", "back after s", "serving again after s"]
+        headers.append("note")
         out += [md_table(headers, rows), ""]
         out += [
             "Back after: a killed raylet or head started again, a frozen process sent SIGCONT. "
@@ -1317,15 +1275,8 @@ def _md_memory(f: Figures) -> list[str]:
         "",
     ]
     if f.memory:
-        headers = [
-            "process",
-            "pid",
-            "lived s",
-            "first MB",
-            "after warm-up MB",
-            "last MB",
-            "growth %",
-        ]
+        headers = ["process", "pid", "lived s", "first MB", "after warm-up MB", "last MB"]
+        headers.append("growth %")
         rows = [
             [role, pid, fmt(lived, 0), fmt(first), fmt(warm), fmt(last)]
             + ["-" if growth is None else fmt(growth, 1, signed=True)]

@@ -115,20 +115,58 @@ def _signal(procs: list[psutil.Process], sig: signal.Signals) -> int:
     return sent
 
 
-class Fleet:
+class Raylets:
+    """A Ray head on loopback and raylets started and killed as machines come and go,
+    each in a folder of its own (bench.chaos and bench.churn)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name  # the head's folder
+        self.address = ""
+        self.dirs: dict[str, Path] = {}  # raylet -> its folder (the current one)
+        self.old: list[Path] = []  # folders of raylets that died
+
+    def add(self, name: str, **kw: Any) -> float:
+        """Start ``name``'s raylet (again) in a new folder; when it joined."""
+        directory = Path(tempfile.mkdtemp(prefix="ef-", dir="/tmp"))  # short: sockets
+        self.dirs[name] = directory
+        start_raylet(self.address, directory, **kw)
+        return time.monotonic()
+
+    def kill(self, name: str) -> tuple[int, ...]:
+        """``name``'s machine dies: every process of its raylet; their pids."""
+        directory = self.dirs.pop(name)
+        self.old.append(directory)
+        pids = tuple(p.pid for p in raylet_processes(directory))
+        kill_raylet(directory)
+        return pids
+
+    def stop(self) -> None:
+        """Disconnect; stop every raylet started here, then the head (and its Redis)."""
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        for directory in [*self.dirs.values(), *self.old]:
+            try:
+                kill_raylet(directory)
+            except Exception as exc:
+                log(f"stopping raylet {directory}: {type(exc).__name__}: {exc}")
+            shutil.rmtree(directory, ignore_errors=True)
+        try:
+            stop_head(self.name)
+        except Exception as exc:
+            log(f"stopping the head: {type(exc).__name__}: {exc}")
+
+
+class Fleet(Raylets):
     """The cluster (head, one raylet per node and one for the client, on loopback) and
     the deployed fleet."""
 
     def __init__(self, models: Path, traces: Path, *, redis: bool, spare: tuple[str, ...]) -> None:
+        super().__init__(f"chaos{os.getpid()}")  # a head folder and actor names of its own
         self.models = models
         self.traces = traces
         self.redis = redis
-        self.name = f"chaos{os.getpid()}"  # a head folder and actor names of its own
         # The driver's raylet: a spared node's (never hit), else one of its own.
         self.home = spare[0] if spare else CLIENT
-        self.address = ""
-        self.dirs: dict[str, Path] = {}  # raylet -> its folder (the current one)
-        self._old: list[Path] = []  # folders of raylets that died
         self._actors: dict[str, Any] = {}  # handles, got while the head is there
         self.client: FleetClient | None = None
         self.closed = False
@@ -192,18 +230,7 @@ class Fleet:
 
     def add_raylet(self, name: str) -> None:
         """Start ``name``'s raylet (again) in a new folder, with its resources."""
-        directory = Path(tempfile.mkdtemp(prefix="ef-", dir="/tmp"))  # short: sockets
-        self.dirs[name] = directory
-        resources = {} if name == CLIENT else {name: 1}
-        start_raylet(self.address, directory, resources=resources, num_cpus=int(name != CLIENT))
-
-    def kill_raylet(self, name: str) -> tuple[int, ...]:
-        """``name``'s machine dies: every process of its raylet; their pids."""
-        directory = self.dirs.pop(name)
-        self._old.append(directory)
-        pids = tuple(p.pid for p in raylet_processes(directory))
-        kill_raylet(directory)
-        return pids
+        self.add(name, resources={} if name == CLIENT else {name: 1}, num_cpus=int(name != CLIENT))
 
     def raylet_processes(self, name: str) -> list[psutil.Process]:
         return raylet_processes(self.dirs[name])
@@ -301,18 +328,7 @@ class Fleet:
         with contextlib.suppress(Exception):
             if self.client is not None:
                 self.client.close()
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        for directory in [*self.dirs.values(), *self._old]:
-            try:
-                kill_raylet(directory)
-            except Exception as exc:
-                log(f"stopping raylet {directory}: {type(exc).__name__}: {exc}")
-            shutil.rmtree(directory, ignore_errors=True)
-        try:
-            stop_head(self.name)
-        except Exception as exc:
-            log(f"stopping the head: {type(exc).__name__}: {exc}")
+        self.stop()
 
 
 class Controller:
@@ -472,7 +488,7 @@ class Controller:
         return Event(time.time(), "router", "router", (pid,) if pid else ())
 
     def _kill_raylet(self, name: str, pid: int | None) -> Event:
-        pids = self.fleet.kill_raylet(name)
+        pids = self.fleet.kill(name)
         down = self.rng.uniform(*DOWN_S)
         event = Event(time.time(), "raylet", name, pids, note=f"down {down:.1f} s")
         self.away[name] = event
@@ -561,5 +577,5 @@ class Controller:
             self.away.pop(name, None)
             return
         event.note += "; declared dead, it exited: started again"
-        self.fleet.kill_raylet(name)
+        self.fleet.kill(name)
         self._restore(name, event)

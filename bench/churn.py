@@ -32,76 +32,65 @@ from typing import Any
 import ray
 
 from actors.trace import read_traces
-from bench.common import Section, Target, fmt, log, percentile, utc_now, write_report
+from bench.chaos_cluster import HEAD_ENV, Raylets
+from bench.common import Section, Target, fmt, log, md_table, percentile, utc_now, write_report
 from cluster.client import FleetClient
-from cluster.head import start_head, stop_head
+from cluster.head import start_head
 from cluster.names import NAMESPACE
-from cluster.raylet import kill_raylet, start_raylet
 from edgefleet.config import parse_config
 from edgefleet.errors import EdgeFleetError
 from edgefleet.labels import DEVICE_LABEL
 from edgefleet.modelgen import make_classifier, random_inputs
-from sim.report import md_table
+from sim.workload import Workload, parse_workload
 
 TITLE = "Device churn: devices leave and come back under load"
 DEVICES = ("cam-0", "cam-1", "cam-2", "cam-3")
 POOL = "cams"
-HEALTH = {  # a killed raylet is declared dead in about 3-5 s
-    "RAY_health_check_initial_delay_ms": "1000",
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
-    "RAY_raylet_start_wait_time_s": "60",
-}
-RATE = 40.0  # requests per second
+HEALTH = {**HEAD_ENV, "RAY_health_check_timeout_ms": "1000"}  # a dead raylet found in 3-5 s
+RATE = 40.0  # requests per second (Poisson)
 AT_MOST_ONCE = 0.2  # share of the requests
 EVERY_S = (3.0, 6.0)  # between two departures
 AWAY_S = (3.0, 8.0)  # how long a device stays away
 ANSWER_S = 120.0  # every answer arrives by then after the load stops
 
 
-class Cluster:
+class Cluster(Raylets):
     """The head, the driver's raylet and the devices' raylets (each in its own folder)."""
 
     def __init__(self) -> None:
-        self.name = f"churn{os.getpid()}"
-        self.address = ""
-        self.dirs: dict[str, Path] = {}
-        self.old: list[Path] = []
+        super().__init__(f"churn{os.getpid()}")
 
     def start(self) -> None:
         self.address = start_head(self.name, 1, env=HEALTH)
         self.add("client")
         ray.init(address=self.address, _temp_dir=str(self.dirs["client"]), namespace=NAMESPACE)
 
-    def add(self, device: str) -> float:
-        """Start ``device``'s raylet; the time it joined."""
-        directory = Path(tempfile.mkdtemp(prefix="ec-", dir="/tmp"))  # short: sockets
-        self.dirs[device] = directory
+    def add(self, device: str, **_: Any) -> float:
+        """Start ``device``'s raylet with the pool's labels; the time it joined."""
         labels = {} if device == "client" else {"device": "camera", DEVICE_LABEL: device}
-        start_raylet(self.address, directory, resources={}, labels=labels, num_cpus=1)
-        return time.monotonic()
+        return super().add(device, resources={}, labels=labels, num_cpus=1)
 
-    def kill(self, device: str) -> None:
-        directory = self.dirs.pop(device)
-        self.old.append(directory)
-        kill_raylet(directory)
 
-    def stop(self) -> None:
-        ray.shutdown()
-        for directory in [*self.dirs.values(), *self.old]:
-            kill_raylet(directory)
-            shutil.rmtree(directory, ignore_errors=True)
-        stop_head(self.name)
+def workload(seconds: float, seed: int) -> Workload:
+    """The load: Poisson arrivals at RATE, foreground and background alike, a share
+    AT_MOST_ONCE of each at most once; ``seconds`` of it at most."""
+    mix = [
+        {"model": "classifier", "priority": p, "weight": share, "at_most_once": once}
+        for p in ("foreground", "background")
+        for once, share in ((False, 1 - AT_MOST_ONCE), (True, AT_MOST_ONCE))
+    ]
+    data = {"seed": seed, "duration_s": seconds, "arrivals": {"rate": RATE}, "mix": mix}
+    return parse_workload(data, source="the churn load")
 
 
 class Load:
-    """Requests at RATE in a thread: each one's id, whether it is at most once and its
-    future; when each node answered one."""
+    """The workload's requests, sent at their times in a thread: each one's id, whether
+    it is at most once and its future; when each node answered one."""
 
-    def __init__(self, client: FleetClient, seed: int) -> None:
+    def __init__(self, client: FleetClient, seed: int, seconds: float) -> None:
         self.client = client
-        self.rng = random.Random(f"{seed}/load")
+        rng, priorities = random.Random(f"{seed}/load"), client.config.priorities
+        self.arrivals = workload(seconds, seed).arrivals(rng, nodes=1, priorities=priorities)
         self.sent: list[tuple[str, bool, Any]] = []
         self.served: dict[str, list[float]] = {}  # node -> when its answers came, in order
         self.stop = threading.Event()
@@ -109,19 +98,15 @@ class Load:
         self._lock = threading.Lock()
 
     def _run(self) -> None:
-        inputs = random_inputs("classifier")
-        i, began = 0, time.monotonic()
-        while not self.stop.is_set():
-            amo = self.rng.random() < AT_MOST_ONCE
-            priority = self.rng.choice(("foreground", "background"))
-            rid = f"churn-{i}"
-            future = self.client.submit(
-                "classifier", inputs, priority=priority, request_id=rid, at_most_once=amo
-            )
+        inputs, began = random_inputs("classifier"), time.monotonic()
+        for i, a in enumerate(self.arrivals):
+            if self.stop.wait(max(0.0, began + a.at - time.monotonic())):
+                return
+            rid, once = f"churn-{i}", a.at_most_once
+            kw = {"priority": a.priority, "request_id": rid, "at_most_once": once}
+            future = self.client.submit(a.model, inputs, **kw)
             future.add_done_callback(self._done)
-            self.sent.append((rid, amo, future))
-            i += 1
-            time.sleep(max(0.0, began + i / RATE - time.monotonic()))
+            self.sent.append((rid, once, future))
 
     def _done(self, future: Any) -> None:
         node = future.result().node
@@ -199,7 +184,7 @@ def soak(models: Path, seconds: float, seed: int = 0) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the devices did not all serve within 180 s")
             time.sleep(0.5)
-        load = Load(client, seed)
+        load = Load(client, seed, seconds + ANSWER_S + 60)
         load.thread.start()
         t0 = time.monotonic()
         returns = _churn(cluster, load, seconds, seed)

@@ -52,7 +52,6 @@ def log(message: str) -> None:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100), linear interpolation; NaN when empty."""
     return float(np.percentile(values, q)) if len(values) else math.nan
 
 
@@ -62,8 +61,6 @@ def median(values: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Summary:
-    """Distribution of a sample (same unit as the sample)."""
-
     n: int
     mean: float
     p50: float
@@ -95,6 +92,15 @@ def pairs_text(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v)
 
 
+def med(items: Sequence[T], pick: Callable[[T], float]) -> float:
+    return median([pick(x) for x in items])
+
+
+def each(items: Sequence[T], pick: Callable[[T], float], digits: int = 0) -> str:
+    """``pick`` of every item, ``a / b / c``."""
+    return " / ".join(fmt(pick(x), digits) for x in items)
+
+
 # ---------------------------------------------------------------------- the report
 
 
@@ -115,10 +121,9 @@ class Target:
         return self.value >= self.threshold if self.op == ">=" else self.value <= self.threshold
 
     def markdown(self) -> str:
-        verdict = "PASS" if self.passed else "MISS"
         return (
-            f"- **{verdict}** {self.label}: {fmt(self.value, self.digits)} "
-            f"(target {self.op} {self.threshold:g})"
+            f"- **{'PASS' if self.passed else 'MISS'}** {self.label}: "
+            f"{fmt(self.value, self.digits)} (target {self.op} {self.threshold:g})"
         )
 
 
@@ -168,8 +173,6 @@ class Section:
 
 @dataclass
 class Part(Section):
-    """A titled part of a section."""
-
     level: int = 3
 
 
@@ -178,10 +181,10 @@ _ROW = re.compile(r"^\| (?P<title>.+?) \| (?P<result>.+?) \| (?P<run>.+) \|$")
 
 
 def verdict(section: Section) -> str:
-    if section.error:
-        return "did not run (error)"
     targets = section.all_targets
     missed = [t.label for t in targets if not t.passed]
+    if section.error:
+        return "did not run (error)"
     if not targets:
         return "no targets"
     if not missed:
@@ -189,31 +192,23 @@ def verdict(section: Section) -> str:
     return f"MISS ({len(targets) - len(missed)}/{len(targets)} met; missed: {'; '.join(missed)})"
 
 
-def report_header(facts: EnvFacts) -> list[str]:
-    """The lines under the report's title."""
-    return [
-        f"- Machine: {facts.line()}",
-        "- Reproduce: from the source checkout, with the project installed (`pip install "
-        "-e .`), run `python -m bench.run --out bench/RESULTS.md`; add `--quick` for a smoke "
-        "run, `--only NAME` for one scenario (its section is replaced, the others kept). "
-        "Models are generated and calibrated to this machine at the start of each run; Ray "
-        "runs embedded on 127.0.0.1.",
-        "",
-        "Every figure is a ratio of measurements taken side by side in one run: the machine "
-        "is small and shared, so absolute numbers drift between runs.",
-    ]
+REPORT_HEADER = (
+    "- Reproduce: from the source checkout, with the project installed (`pip install "
+    "-e .`), run `python -m bench.run --out bench/RESULTS.md`; add `--quick` for a smoke "
+    "run, `--only NAME` for one scenario (its section is replaced, the others kept). "
+    "Models are generated and calibrated to this machine at the start of each run; Ray "
+    "runs embedded on 127.0.0.1.\n\nEvery figure is a ratio of measurements taken side by "
+    "side in one run: the machine is small and shared, so absolute numbers drift between runs."
+)
 
 
 def write_report(path: Path, sections: Sequence[Section], run: str) -> str:
-    """The benchmark report at ``path`` with ``sections`` written in: each replaces the
-    section of its title (or comes after the others), and its row of the scenario
-    table says its verdict and ``run`` (the command and when). Sections of other runs
-    are kept as they were. Returns the text."""
-    header = report_header(EnvFacts.collect())
+    """The report at ``path`` with ``sections`` written in: each replaces the section of
+    its title (or comes after the others), its row of the scenario table saying its
+    verdict and ``run``; other sections are kept. Returns the text."""
     rows: dict[str, tuple[str, str]] = {}
     kept: dict[str, str] = {}
-    if path.is_file() and path.read_text().startswith(REPORT_TITLE):
-        text = path.read_text()
+    if path.is_file() and (text := path.read_text()).startswith(REPORT_TITLE):
         head, *parts = re.split(r"(?m)^(?=## )", text)
         for line in head.splitlines():
             if (m := _ROW.match(line)) and m["title"] not in ("scenario", "---"):
@@ -225,8 +220,8 @@ def write_report(path: Path, sections: Sequence[Section], run: str) -> str:
         kept[s.title] = s.markdown().rstrip("\n")
     table = ["| scenario | result | run |", "| --- | --- | --- |"]
     table += [f"| {t} | {rows[t][0]} | {rows[t][1]} |" for t in kept if t in rows]
-    text = "\n".join([REPORT_TITLE, "", *header, "", *table, ""]) + "\n"
-    text += "\n\n".join(kept.values()) + "\n"
+    head = [REPORT_TITLE, "", f"- Machine: {EnvFacts.collect().line()}", REPORT_HEADER, ""]
+    text = "\n".join([*head, *table, ""]) + "\n" + "\n\n".join(kept.values()) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return text
@@ -292,8 +287,6 @@ class CpuSample:
 
 @dataclass(frozen=True)
 class CpuUse:
-    """CPU used between two samples; ``foreign`` is what other processes took."""
-
     wall_s: float
     busy_s: float
     own_s: float
@@ -408,9 +401,29 @@ def calm(
     return Calm(best.value, best.foreign_cores, tries)
 
 
+def alternating(
+    measures: Mapping[str, Callable[[], T]], rounds: int, label: str = ""
+) -> dict[str, list[T]]:
+    """``rounds`` rounds of every measurement in turn (drift hits them alike), each calm."""
+    out: dict[str, list[T]] = {k: [] for k in measures}
+    for _ in range(rounds):
+        for k, measure in measures.items():
+            out[k].append(calm(measure, f"{label}{k}").value)
+    return out
+
+
 def kept(c: Calm[Any]) -> Any:
     """A kept measurement (a dataclass) stamped with its disturbance."""
     return replace(c.value, foreign_cores=c.foreign_cores, attempts=c.attempts)
+
+
+def rounds_note(runs: Sequence[Round]) -> str:
+    """How many rounds were measured again, and the most disturbed one kept."""
+    return (
+        f"Rounds measured again because other processes used more than {CALM_CORES:g} cores "
+        f"meanwhile: {sum(r.attempts - 1 for r in runs)}; most CPU other processes used during "
+        f"a kept round: {max(r.foreign_cores for r in runs):.2f} cores."
+    )
 
 
 def disturbance(runs: Mapping[str, Any]) -> str:
@@ -437,8 +450,7 @@ def embedded_ray(num_cpus: int = 2) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """One model entry of a benchmark fleet; ``batching`` adds other keys of its
-    ``batching:`` section (e.g. ``min_gain``)."""
+    """A model of a benchmark fleet; ``batching`` adds other keys of its ``batching:``."""
 
     name: str
     path: Path
@@ -464,12 +476,6 @@ def fleet_config(
     ``node_list`` gives the ``nodes:`` entries; preemption on with gap 5. ``router`` is
     the ``router:`` section; by default router shedding is off (the node-level
     scenarios measure one node's scheduler)."""
-    batching = lambda m: {  # noqa: E731
-        "window_ms": m.window_ms,
-        "max_batch_size": m.max_batch_size,
-        "only_if_faster": m.only_if_faster,
-        **m.batching,
-    }
     defaults: dict[str, Any] = {
         "queue": {"capacity": capacity},
         "preemption": {"enabled": True, "min_priority_gap": 5},
@@ -477,11 +483,16 @@ def fleet_config(
     }
     if starvation is not None:
         defaults["starvation"] = dict(starvation)
+    batching = ("window_ms", "max_batch_size", "only_if_faster")
     data: dict[str, Any] = {
         "fleet": {"name": name},
         "local": {"nodes": nodes},
         "models": {
-            m.name: {"path": str(m.path), "threads": m.threads, "batching": batching(m)}
+            m.name: {
+                "path": str(m.path),
+                "threads": m.threads,
+                "batching": {k: getattr(m, k) for k in batching} | dict(m.batching),
+            }
             for m in models
         },
         "node_defaults": defaults,
@@ -502,15 +513,14 @@ def deployed(config: FleetConfig) -> Iterator[FleetClient]:
 
 
 def node_names(client: FleetClient) -> list[str]:
-    """The fleet's node names, in config order."""
     return [spec.name for spec in client.config.node_specs()]
 
 
 def node_submit(
     client: FleetClient, node: str, model: str, inputs: Mapping[str, np.ndarray], **kw: Any
 ) -> ray.ObjectRef:
-    """Send one request straight to a node actor, bypassing placement: the request as
-    the client builds it, to the node's actor. A reference to the node's Reply."""
+    """One request as the client builds it, straight to a node actor (no placement):
+    a reference to the node's Reply."""
     request, _ = client._request(model, inputs, **kw)
     return client._node(node).infer.remote(request)
 
@@ -597,9 +607,12 @@ class Inbox:
         return [(f, f.result()) for f in out]
 
     def drain(self) -> None:
-        """Wait (bounded) for the references still out, ignoring the answers."""
         if self._refs:
             ray.wait(self._refs, num_returns=len(self._refs), timeout=GET_TIMEOUT_S)
+
+
+def _per(x: float, n: float) -> float:
+    return x / n if n else math.nan
 
 
 @dataclass(frozen=True)
@@ -615,39 +628,19 @@ class Loop:
     busy_s: float = math.nan  # machine CPU seconds in the window (every process)
     own_s: float = math.nan  # ... of which this benchmark's (the driver and its Ray)
 
-    @property
-    def rate(self) -> float:
-        return self.completed / self.seconds if self.seconds > 0 else math.nan
+    rate = property(lambda self: _per(self.completed, self.seconds))
+    engine_busy = property(lambda self: _per(self.engine_s, self.seconds))
+    mean_batch = property(lambda self: _per(self.completed, self.engine_calls))
+    cores = property(lambda self: _per(self.own_s, self.seconds))  # this benchmark's
+    cpu_ms = property(lambda self: _per(1000 * self.own_s, self.completed))  # ... per request
+    machine_cpu_ms = property(lambda self: _per(1000 * self.busy_s, self.completed))
 
     @property
     def engine_ms(self) -> float:
         """Engine ms per call (raw calls: wall ms per call)."""
         if self.engine_calls:
             return 1000 * self.engine_s / self.engine_calls
-        return 1000 * self.seconds / self.completed if self.completed else math.nan
-
-    @property
-    def engine_busy(self) -> float:
-        return self.engine_s / self.seconds if self.seconds > 0 else math.nan
-
-    @property
-    def mean_batch(self) -> float:
-        return self.completed / self.engine_calls if self.engine_calls else math.nan
-
-    @property
-    def cores(self) -> float:
-        """Cores this benchmark's processes used on average."""
-        return self.own_s / self.seconds if self.seconds > 0 else math.nan
-
-    @property
-    def cpu_ms(self) -> float:
-        """CPU ms this benchmark's processes spent per completed request."""
-        return 1000 * self.own_s / self.completed if self.completed else math.nan
-
-    @property
-    def machine_cpu_ms(self) -> float:
-        """CPU ms every process on the machine spent per completed request."""
-        return 1000 * self.busy_s / self.completed if self.completed else math.nan
+        return _per(1000 * self.seconds, self.completed)
 
 
 class _Tally:
@@ -676,16 +669,9 @@ class _Tally:
         used = cpu_since(self.cpu0)
         elapsed = min(time.perf_counter(), end) - self.start
         window = elapsed / max(elapsed, used.wall_s)
-        return Loop(
-            self.completed,
-            elapsed,
-            self.errors,
-            self.by_node,
-            self.engine_calls,
-            self.engine_s,
-            used.busy_s * window,
-            used.own_s * window,
-        )
+        counts = (self.completed, elapsed, self.errors, self.by_node)
+        cpu = (used.busy_s * window, used.own_s * window)
+        return Loop(*counts, self.engine_calls, self.engine_s, *cpu)
 
 
 @dataclass(frozen=True)
@@ -711,31 +697,23 @@ def rounds(
 ) -> list[Round]:
     """Every loop once for ``warm_s`` (warm-up), then ``count`` rounds of each loop for
     ``seconds``, the order rotating every round; a disturbed round is taken again."""
-    names = list(loops)
     for loop in loops.values():
         loop(warm_s)
     out = []
     for i in range(count):
-        order = names[i % len(names) :] + names[: i % len(names)]
-        c = calm(
-            lambda o=order: {k: loops[k](seconds) for k in o},
-            f"{label} round {i + 1}",
-            attempts=attempts,
-        )
+        order = rotated(list(loops), i)
+        measure = lambda o=order: {k: loops[k](seconds) for k in o}  # noqa: E731
+        c = calm(measure, f"{label} round {i + 1}", attempts=attempts)
         out.append(Round(c.value, c.foreign_cores, c.attempts))
         rates = ", ".join(f"{k} {x.rate:.0f}/s {x.cpu_ms:.2f} ms CPU" for k, x in c.value.items())
         log(f"  {label} round {i + 1}/{count}: {rates}")
     return out
 
 
-def med(items: Sequence[T], pick: Callable[[T], float]) -> float:
-    """The median of ``pick`` over ``items``."""
-    return median([pick(x) for x in items])
-
-
-def each(items: Sequence[T], pick: Callable[[T], float], digits: int = 0) -> str:
-    """``pick`` of every item, ``a / b / c``."""
-    return " / ".join(fmt(pick(x), digits) for x in items)
+def rotated(items: Sequence[T], i: int) -> list[T]:
+    """``items`` starting at ``i`` (modulo its length): the order of round ``i``."""
+    k = i % len(items)
+    return [*items[k:], *items[:k]]
 
 
 def closed_loop(submitters: Sequence[Submit], in_flight_each: int, seconds: float) -> Loop:
@@ -807,13 +785,21 @@ class OpenRun:
     foreign_cores: float = 0.0  # CPU other processes used meanwhile
     attempts: int = 1
 
+    @classmethod
+    def pooled(cls, runs: Sequence[OpenRun], **more: Any) -> Any:
+        """``runs`` as one: every answer, the worst lag and disturbance."""
+        lag, lost = max(r.max_lag_s for r in runs), sum(r.lost for r in runs)
+        noise = (max(r.foreign_cores for r in runs), max(r.attempts for r in runs))
+        answers = tuple(a for r in runs for a in r.answers)
+        return cls(answers, lag, lost, sum(r.seconds for r in runs), *noise, **more)
+
     def ok(self, priorities: Sequence[int] | None = None) -> list[Answer]:
-        return [
-            a
-            for a in self.answers
-            if a.reply.error is None
-            and (priorities is None or (a.arrival is not None and a.arrival.priority in priorities))
-        ]
+        def wanted(a: Answer) -> bool:
+            return priorities is None or (
+                a.arrival is not None and a.arrival.priority in priorities
+            )
+
+        return [a for a in self.answers if a.reply.error is None and wanted(a)]
 
     def latency_ms(self, priorities: Sequence[int] | None = None) -> Summary:
         return Summary.of([a.latency_s * 1000 for a in self.ok(priorities)])
@@ -841,6 +827,8 @@ def open_loop(client: Any, arrivals: Sequence[Arrival], feeds: Mapping[str, Feed
 
 # --------------------------------------------------------------------------- models
 
+LINEAR_TILE = 64  # a make_linear model works on rows this many times its input width
+
 
 @dataclass(frozen=True)
 class BenchModel:
@@ -865,9 +853,6 @@ class BenchModel:
         )
 
 
-LINEAR_TILE = 64  # a make_linear model works on rows this many times its input width
-
-
 def make_linear(path: Path, layers: int, width: int) -> Path:
     """A model whose call costs nearly in proportion to its rows: ``x`` float32
     ``[N, width]`` tiled to ``[N, width * LINEAR_TILE]``, ``layers`` element-wise Tanh
@@ -879,13 +864,9 @@ def make_linear(path: Path, layers: int, width: int) -> Path:
     nodes += [helper.make_node("Tanh", [f"h{i}"], [f"h{i + 1}"]) for i in range(layers)]
     nodes.append(helper.make_node("Slice", [f"h{layers}", "starts", "ends", "axes"], ["y"]))
     ints = {"repeats": [1, LINEAR_TILE], "starts": [0], "ends": [width], "axes": [1]}
-    graph = helper.make_graph(
-        nodes,
-        "linear",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])],
-        [helper.make_tensor(k, TensorProto.INT64, [len(v)], v) for k, v in ints.items()],
-    )
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", width]) for n in "xy"]
+    consts = [helper.make_tensor(k, TensorProto.INT64, [len(v)], v) for k, v in ints.items()]
+    graph = helper.make_graph(nodes, "linear", io[:1], io[1:], consts)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     onnx.save(model, str(path))
     return path
@@ -928,23 +909,21 @@ class ModelFactory:
 
     def _make(self, linear: bool, target_ms: float, width: int) -> BenchModel:
         key = (linear, width, target_ms)
-        if key not in self._made:
-            t0 = time.perf_counter()
-            kind = "linear" if linear else "slow"
-            path = self.directory / f"{kind}_w{width}_{target_ms:g}ms.onnx"
-            if linear:  # two probe depths: the cost per layer apart from a call's fixed cost
-                t50 = linear_call_ms(make_linear(path, 50, width), width)
-                t200 = linear_call_ms(make_linear(path, 200, width), width)
-                per_layer = max(1e-6, (t200 - t50) / 150)
-                layers = max(1, round((target_ms - max(0.0, t50 - 50 * per_layer)) / per_layer))
-                make_linear(path, layers, width)
-            else:
-                path, layers = calibrate_slow(path, target_ms, width=width)
-            self._made[key] = BenchModel(path, width, layers, target_ms, linear)
-            log(
-                f"calibrated a width-{width} {kind} model to {target_ms:g} ms: {layers} layers "
-                f"({time.perf_counter() - t0:.1f} s)"
-            )
+        if key in self._made:
+            return self._made[key]
+        t0, kind = time.perf_counter(), "linear" if linear else "slow"
+        path = self.directory / f"{kind}_w{width}_{target_ms:g}ms.onnx"
+        if linear:  # two probe depths: the cost per layer apart from a call's fixed cost
+            t50 = linear_call_ms(make_linear(path, 50, width), width)
+            t200 = linear_call_ms(make_linear(path, 200, width), width)
+            per_layer = max(1e-6, (t200 - t50) / 150)
+            layers = max(1, round((target_ms - max(0.0, t50 - 50 * per_layer)) / per_layer))
+            make_linear(path, layers, width)
+        else:
+            path, layers = calibrate_slow(path, target_ms, width=width)
+        self._made[key] = BenchModel(path, width, layers, target_ms, linear)
+        took = f"{layers} layers ({time.perf_counter() - t0:.1f} s)"
+        log(f"calibrated a width-{width} {kind} model to {target_ms:g} ms: {took}")
         return self._made[key]
 
 

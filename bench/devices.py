@@ -28,13 +28,12 @@ from typing import Any
 
 import ray
 
-from bench.common import RunContext, Section, Target, fmt, log
+from bench.common import RunContext, Section, Target, fmt, log, md_table
 from cluster.client import FleetClient
 from cluster.deploy import init_loopback_ray
 from cluster.raylet import head_and_device
 from edgefleet.config import parse_config
 from edgefleet.modelgen import random_inputs
-from sim.report import md_table
 
 REPO = Path(__file__).resolve().parents[1]
 TITLE = "Devices that differ: OpenVINO against the CPU provider, and a fast and a slow node"
@@ -138,61 +137,37 @@ def _serve(models: Path, waves: int) -> tuple[Counter[str], dict[str, float], di
 
 
 def run(ctx: RunContext) -> Section:
+    measured = (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip()
     if not OPENVINO_PYTHON.is_file():
         return Section(
-            TITLE,
-            (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip(),
-            notes=[f"Not run: no {OPENVINO_PYTHON} (`.ci/run` makes it)."],
+            TITLE, measured, notes=[f"Not run: no {OPENVINO_PYTHON} (`.ci/run` makes it)."]
         )
     from edgefleet.modelgen import make_all
 
     make_all(ctx.models.directory)
     times = provider_times(ctx.models.directory, ctx.count(200, 20))
     table = [
-        [
-            t["model"],
-            t["rows"],
-            fmt(t["openvino_ms"], 3),
-            fmt(t["cpu_ms"], 3),
-            fmt(t["openvino_ms"] / t["cpu_ms"], 2),
-            t["ran_on"]["openvino"],
-        ]
+        [t["model"], t["rows"], fmt(t["openvino_ms"], 3), fmt(t["cpu_ms"], 3)]
+        + [fmt(t["openvino_ms"] / t["cpu_ms"], 2), t["ran_on"]["openvino"]]
         for t in times
     ]
     served, cost, ran_on = split(ctx.models.directory, ctx.count(12, 3))
-    total = sum(served.values())
-    speed = {n: 1.0 / c for n, c in cost.items()}
-    fast = max(speed, key=lambda n: speed[n])
-    fleet = sum(speed.values())
+    total, speed = sum(served.values()), {n: 1.0 / c for n, c in cost.items()}
+    fast, fleet = max(speed, key=lambda n: speed[n]), sum(speed.values())
     fleet_rows = [
         [n, ran_on[n], fmt(cost[n], 1), f"{served[n] / total:.0%}", f"{speed[n] / fleet:.0%}"]
         for n in sorted(cost)
     ]
+    headers = ["model", "rows", "OpenVINO ms", "CPU ms", "OpenVINO / CPU", "session ran on"]
+    fleet_headers = ["node", "runs on", "measured ms per call", "share served", "share by speed"]
+    tables = [md_table(headers, table), md_table(fleet_headers, fleet_rows)]
+    label = f"share of requests the faster node ({fast}) served"
+    note = (
+        f"{total} requests in waves of {WAVE}. A ratio above 1 means OpenVINO is slower "
+        "here: this machine's CPU is not Intel's, and these models are small."
+    )
     return Section(
-        TITLE,
-        (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip(),
-        tables=[
-            md_table(
-                ["model", "rows", "OpenVINO ms", "CPU ms", "OpenVINO / CPU", "session ran on"],
-                table,
-            ),
-            md_table(
-                ["node", "runs on", "measured ms per call", "share served", "share by speed"],
-                fleet_rows,
-            ),
-        ],
-        targets=[
-            Target(
-                f"share of requests the faster node ({fast}) served",
-                served[fast] / total,
-                ">=",
-                0.5,
-            )
-        ],  # fmt: skip
-        notes=[
-            f"{total} requests in waves of {WAVE}. A ratio above 1 means OpenVINO is slower "
-            "here: this machine's CPU is not Intel's, and these models are small.",
-        ],
+        TITLE, measured, tables, [Target(label, served[fast] / total, ">=", 0.5)], [note]
     )
 
 

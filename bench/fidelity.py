@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import yaml
 
-from bench.common import RunContext, Section, Target, log
+from bench.common import RunContext, Section, Target, log, md_table
 from edgefleet.config import parse_config
 from edgefleet.modelgen import make_all
-from sim.report import OUTCOMES, md_table
+from sim.report import OUTCOMES
 from sim.run import simulate, workload_costs
 from sim.workload import Workload
 

@@ -17,51 +17,9 @@ from typing import Any
 
 import ray
 
-from bench.common import (
-    GET_TIMEOUT_S,
-    BenchModel,
-    Calm,
-    Feed,
-    Loop,
-    ModelEntry,
-    OpenRun,
-    Part,
-    Round,
-    RunContext,
-    Section,
-    Summary,
-    Target,
-    calm,
-    closed_loop,
-    columns,
-    cpu_count,
-    deployed,
-    disturbance,
-    each,
-    fleet_config,
-    fmt,
-    kept,
-    log,
-    md_table,
-    med,
-    median,
-    node_names,
-    node_submit,
-    open_loop,
-    pairs_text,
-    pipelined_loop,
-    reply_of,
-    rounds,
-    slow_feed,
-    timed,
-    warm,
-)
-from bench.priority_latency import (
-    FLOOD_BACKOFF,
-    FOREGROUND_COLUMNS,
-    ForegroundRun,
-    foreground,
-)
+from bench import common as bc
+from bench import priority_latency as pl
+from bench.common import GET_TIMEOUT_S, BenchModel, Feed, Part, Round, Target, each, fmt, log, med
 from cluster.client import FleetClient
 from cluster.traffic import ClosedLoop, Counts
 from edgefleet.config import FleetConfig
@@ -70,16 +28,13 @@ from policies.placement import placement_policies
 from sim.workload import Arrival, Workload, parse_workload
 
 POLICIES = placement_policies()  # the default first
-
 TITLE = "The fleet: placement in the caller (fleet)"
-
 # (a) scaling and (b) added latency: one 3-node fleet serving both models
 FLEET_NODES = 3
 SAT_MODEL, SAT_COST_MS = "slow5", 5.0
 LAT_MODEL, LAT_COST_MS = "slow1", 1.0
 IN_FLIGHT_PER_NODE = 32
 TARGET_SCALING = 0.85  # fleet / sum of single-node throughputs
-
 # (c) foreground under a background flood
 FLOOD_MODEL, FLOOD_COST_MS = "slow20", 20.0
 FLOOD_CAPACITY = 64
@@ -88,9 +43,6 @@ FLOOD_CALLERS = 2  # the same flood split over this many clients placing request
 SPLIT = "edgefleet, 2 callers"
 IDLE = "edgefleet, a second caller idle"
 FLOOD_MAX_RETRY_S = 1.0  # the router's retry hint is honoured, up to this
-TARGET_BOUND_RATIO = 1.0  # edgefleet p99 / (1.5 x alone p99 + one service time)
-TARGET_FIFO_RATIO = 8.0  # FIFO p99 / edgefleet p99
-
 # (d) placement policies on one trace: every policy of the registry, the default first
 DEFAULT_POLICY = POLICIES[0]
 CHEAP, DEAR = "cheap2", "dear10"
@@ -103,16 +55,21 @@ TRACE_SEED = 20261129
 CHEAP_NODE = "edge-cheap"
 TRACE_NODES: tuple[Mapping[str, Any], ...] = (
     {"name": CHEAP_NODE, "models": [CHEAP]},
-    {"name": "edge-1"},
-    {"name": "edge-2"},
-    {"name": "edge-3"},
+    *({"name": f"edge-{i}"} for i in (1, 2, 3)),
 )
 CAPACITY_IN_FLIGHT_PER_NODE = 8
-
 # (e) what placement costs: a tiny model at saturation
 COST_NODES = 4
 COST_MODEL = "classifier"
 COST_IN_FLIGHT_PER_NODE = 32
+
+
+def _delta(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def _added(counters: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    return dict(sum((Counter(c) for c in counters), Counter()))
 
 
 # ============================================================ (a) scaling at saturation
@@ -122,7 +79,7 @@ def _single_sum(r: Round) -> float:
     return sum(x.rate for k, x in r.loops.items() if k not in ("direct", "fleet"))
 
 
-RATIOS = {  # label -> a round's ratio
+RATIOS: dict[str, Callable[[Round], float]] = {  # label -> a round's ratio
     "**scaling** = fleet placed by the client / sum of single-node throughputs": lambda r: (
         r["fleet"].rate / _single_sum(r)
     ),
@@ -134,40 +91,38 @@ RATIOS = {  # label -> a round's ratio
 }
 
 
-def measure_scaling(ctx: RunContext, client: FleetClient, feed: Feed) -> list[Round]:
+def measure_scaling(ctx: bc.RunContext, client: FleetClient, feed: Feed) -> list[Round]:
     """Every node alone, straight to its actor; all at once, straight; the fleet placed
     by the client; in rounds."""
-    nodes = node_names(client)
-    to = {n: partial(node_submit, client, n, SAT_MODEL, feed) for n in nodes}
-    loops: dict[str, Callable[[float], Loop]] = {
-        n: partial(closed_loop, [to[n]], IN_FLIGHT_PER_NODE) for n in nodes
-    }
-    loops["direct"] = partial(closed_loop, list(to.values()), IN_FLIGHT_PER_NODE)
+    to = {n: partial(bc.node_submit, client, n, SAT_MODEL, feed) for n in bc.node_names(client)}
+    loops = {n: partial(bc.closed_loop, [f], IN_FLIGHT_PER_NODE) for n, f in to.items()}
+    loops["direct"] = partial(bc.closed_loop, list(to.values()), IN_FLIGHT_PER_NODE)
     placed = [lambda: client.submit(SAT_MODEL, feed)]
-    loops["fleet"] = partial(closed_loop, placed, IN_FLIGHT_PER_NODE * len(nodes))
+    loops["fleet"] = partial(bc.closed_loop, placed, IN_FLIGHT_PER_NODE * len(to))
     seconds, count, warm_s = ctx.pick(1.5, 0.6), ctx.count(3, 1), ctx.pick(0.5, 0.2)
-    return rounds("(a)", loops, seconds, count, warm_s=warm_s, attempts=2)
+    return bc.rounds("(a)", loops, seconds, count, warm_s=warm_s, attempts=2)
 
 
 def _scaling_tables(runs: list[Round], nodes: list[str]) -> list[str]:
     def row(label: str, key: str) -> list[object]:
-        total: Counter[str] = Counter()
-        for r in runs:
-            total.update(r[key].by_node)
+        total = Counter(_added([r[key].by_node for r in runs]))
         n = sum(total.values())
         share = (
             " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes)
             if n and key not in nodes
             else "-"
         )
-        return (
-            [label, fmt(med(runs, lambda r: r[key].rate), 0), each(runs, lambda r: r[key].rate)]
-            + [
-                fmt(med(runs, lambda r, k=k: getattr(r[key], k)), 2)
-                for k in ("engine_ms", "cores", "cpu_ms")
-            ]
-            + [share]
-        )
+        cells = [
+            fmt(med(runs, lambda r, k=k: getattr(r[key], k)), 2)
+            for k in ("engine_ms", "cores", "cpu_ms")
+        ]
+        return [
+            label,
+            fmt(med(runs, lambda r: r[key].rate), 0),
+            each(runs, lambda r: r[key].rate),
+            *cells,
+            share,
+        ]
 
     rows = [row(f"{n} alone, straight to its actor", n) for n in nodes]
     label = "**sum of single-node throughputs** (one at a time)"
@@ -180,15 +135,15 @@ def _scaling_tables(runs: list[Round], nodes: list[str]) -> list[str]:
     header += "CPU ms / request | share per node (" + " · ".join(nodes) + ")"
     ratios = [[k, fmt(med(runs, f), 2), each(runs, f, 2)] for k, f in RATIOS.items()]
     return [
-        md_table(columns(header), rows),
-        md_table(columns("ratio | median | per round"), ratios),
+        bc.md_table(bc.columns(header), rows),
+        bc.md_table(["ratio", "median", "per round"], ratios),
     ]
 
 
 def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Part:
     singles = [r[n] for r in runs for n in nodes]
     alone_cpu_ms, alone_cores = med(singles, lambda x: x.cpu_ms), med(singles, lambda x: x.cores)
-    cpus = cpu_count()
+    cpus = bc.cpu_count()
     most = cpus * 1000 / alone_cpu_ms
     measured = (
         f"{FLEET_NODES} simulated nodes on one embedded Ray, each serving a {model.describe()}, "
@@ -207,16 +162,14 @@ def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Par
         f"{cpus} cores ({alone_cpu_ms:.1f} ms of CPU per request), so the machine cannot "
         f"serve more than about {most:.0f} requests/s: a scaling ratio of at most about "
         f"{most / med(runs, _single_sum):.2f} here, whatever placement does.",
-        f"Failed replies: {sum(x.errors for r in runs for x in r.loops.values())}. Rounds "
-        f"measured again: {sum(r.attempts - 1 for r in runs)}; most CPU other processes used "
-        f"during a kept round: {max(r.foreign_cores for r in runs):.2f} cores.",
+        f"Failed replies: {sum(x.errors for r in runs for x in r.loops.values())}. "
+        + bc.rounds_note(runs),
     ]
     scaling = med(runs, next(iter(RATIOS.values())))
-    target = Target(
-        "(a) fleet throughput / sum of single-node throughputs", scaling, ">=", TARGET_SCALING
-    )
+    label = "(a) fleet throughput / sum of single-node throughputs"
     title = "(a) Fleet throughput at saturation vs the sum of its nodes"
-    return Part(title, measured, _scaling_tables(runs, nodes), [target], notes)
+    targets = [Target(label, scaling, ">=", TARGET_SCALING)]
+    return Part(title, measured, _scaling_tables(runs, nodes), targets, notes)
 
 
 # ============================================================ (b) added latency
@@ -227,20 +180,19 @@ LATENCY_PATHS = ("placed", "same node", "other node")
 def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, Any]:
     """``pairs`` sequential rounds of three requests, the order rotating: one placed by
     the client, one straight to the node it chose last, one straight to another node."""
-    names = node_names(client)
+    names = bc.node_names(client)
     last = names[0]
     out: dict[str, Any] = {p: [] for p in (*LATENCY_PATHS, "placed svc", "same svc")}
     out["nodes"], out["repeats"], out["errors"] = Counter(), 0, 0
     for i in range(pairs):
-        k = i % len(LATENCY_PATHS)
-        for path in LATENCY_PATHS[k:] + LATENCY_PATHS[:k]:
+        for path in bc.rotated(LATENCY_PATHS, i):
             others = [n for n in names if n != last]
             node = last if path == "same node" else others[i % len(others)]
             t0 = time.perf_counter()
             if path == "placed":
                 reply = client.infer_reply(LAT_MODEL, feed)
             else:
-                reply = reply_of(node_submit(client, node, LAT_MODEL, feed))
+                reply = bc.reply_of(bc.node_submit(client, node, LAT_MODEL, feed))
             elapsed = time.perf_counter() - t0
             if reply.error is not None:
                 out["errors"] += 1
@@ -255,14 +207,14 @@ def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, An
     return out
 
 
-def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
+def _latency_part(c: bc.Calm[dict[str, Any]], model: BenchModel) -> Part:
     run = c.value
-    direct, other, router = (Summary.of(run[p]) for p in ("same node", "other node", "placed"))
+    direct, other, router = (bc.Summary.of(run[p]) for p in ("same node", "other node", "placed"))
 
-    def row(label: str, x: Summary, engine: str) -> list[object]:
+    def row(label: str, x: bc.Summary, engine: str) -> list[object]:
         return [label, x.n, fmt(x.p50, 2), fmt(x.p99, 2), fmt(x.mean, 2), engine]
 
-    def adds(label: str, base: Summary) -> list[object]:
+    def adds(label: str, base: bc.Summary) -> list[object]:
         gaps = (router.p50 - base.p50, router.p99 - base.p99, router.mean - base.mean)
         return [label, "-", *(fmt(g, 2, signed=True) for g in gaps), "-"]
 
@@ -270,14 +222,14 @@ def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
         row(
             "straight to the node actor the client chose last",
             direct,
-            fmt(median(run["same svc"]), 2),
+            fmt(bc.median(run["same svc"]), 2),
         ),
         row("straight to another node actor", other, "-"),
-        row("placed by the client", router, fmt(median(run["placed svc"]), 2)),
+        row("placed by the client", router, fmt(bc.median(run["placed svc"]), 2)),
         adds("**placement adds** (ms), over the node chosen last", direct),
         adds("placement adds (ms), over another node", other),
     ]
-    table = md_table(["path", "requests", "p50 ms", "p99 ms", "mean ms", "engine p50 ms"], rows)
+    table = bc.md_table(["path", "requests", "p50 ms", "p99 ms", "mean ms", "engine p50 ms"], rows)
     measured = (
         f"The 3-node fleet of (a), unloaded, serving a {model.describe()}. Sequential "
         "requests in rounds of three, the order rotating: one placed by the client "
@@ -288,7 +240,7 @@ def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
         "On an idle fleet placement spreads sequential requests over the nodes (a placed "
         f"request went to the node the one before it went to {run['repeats']} times of "
         f"{router.n}); a node idle for longer answers later on this machine.",
-        f"Nodes the client chose: {pairs_text(run['nodes'])}. Failed requests: "
+        f"Nodes the client chose: {bc.pairs_text(run['nodes'])}. Failed requests: "
         f"{run['errors']}. Other processes used {c.foreign_cores:.2f} cores during the kept "
         f"measurement (attempts: {c.attempts}).",
     ]
@@ -301,9 +253,8 @@ def _latency_part(c: Calm[dict[str, Any]], model: BenchModel) -> Part:
 
 class FloodActor:
     """The background flood as a client of its own (a Ray actor with its own
-    ``FleetClient``, so its work does not share the measuring driver's interpreter): a
-    ``ClosedLoop`` of ``lanes`` background lanes. Without lanes it connects and sends
-    nothing (a caller's process, idle)."""
+    ``FleetClient``, off the measuring driver's interpreter): ``lanes`` background
+    lanes of a ``ClosedLoop``; without lanes it connects and sends nothing (idle)."""
 
     def __init__(self, fleet: str, feed: Feed, lanes: int) -> None:
         self._fleet, self._feed, self._lanes = fleet, feed, lanes
@@ -311,20 +262,12 @@ class FloodActor:
         self._flood: ClosedLoop | None = None
 
     async def start(self) -> None:
-        # Connecting waits on the router: off the actor's event loop.
-        loop = asyncio.get_running_loop()
-        connect = partial(FleetClient.connect, fleet=self._fleet)
-        self._client = await loop.run_in_executor(None, connect)
+        connect = partial(FleetClient.connect, fleet=self._fleet)  # waits on the router
+        self._client = await asyncio.get_running_loop().run_in_executor(None, connect)
         if self._lanes:
-            backoff = replace(FLOOD_BACKOFF, max_retry_s=FLOOD_MAX_RETRY_S)
-            self._flood = ClosedLoop(
-                self._client,
-                FLOOD_MODEL,
-                self._feed,
-                lanes=self._lanes,
-                priority=BACKGROUND,
-                backoff=backoff,
-            )
+            backoff = replace(pl.FLOOD_BACKOFF, max_retry_s=FLOOD_MAX_RETRY_S)
+            kw = {"lanes": self._lanes, "priority": BACKGROUND, "backoff": backoff}
+            self._flood = ClosedLoop(self._client, FLOOD_MODEL, self._feed, **kw)
             await self._flood.start()
 
     def counts(self) -> tuple[Counts, str | None]:
@@ -344,7 +287,7 @@ class FloodActor:
 
 @dataclass(frozen=True)
 class FleetFlood:
-    run: ForegroundRun
+    run: pl.ForegroundRun
     router: Mapping[str, int]  # placement counter deltas over the flood
     queues: tuple[int, ...]  # node queue lengths at the end
     seconds: float = 0.0  # from the flood's start to the last foreground reply
@@ -367,7 +310,7 @@ def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float 
 
 
 def _floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[Any]:
-    lanes = len(node_names(client)) * FLOOD_CAPACITY
+    lanes = len(bc.node_names(client)) * FLOOD_CAPACITY
     # Its blocking calls run on executor threads; Ray warns of any blocking get in an
     # async actor's process, whatever thread.
     quiet = {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}
@@ -377,13 +320,18 @@ def _floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[An
 
 
 def _fleet_flooded(
-    client: FleetClient, feed: Feed, count: int, label: str, bg_limit: float, **kw: int
+    client: FleetClient,
+    feed: Feed,
+    count: int,
+    label: str,
+    bg_limit: float,
+    callers: int = 1,
+    idle: int = 0,
 ) -> FleetFlood:
     """Foreground under a background flood from ``callers`` flood clients sharing the
     lanes; ``idle`` more connect and send nothing."""
-    before = client.status(GET_TIMEOUT_S)
-    started = time.perf_counter()
-    floods = _floods(client, feed, kw.get("callers", 1), kw.get("idle", 0))
+    before, started = client.status(GET_TIMEOUT_S), time.perf_counter()
+    floods = _floods(client, feed, callers, idle)
 
     def counts_now() -> Counts:
         got = ray.get([f.counts.remote() for f in floods], timeout=GET_TIMEOUT_S)
@@ -394,7 +342,7 @@ def _fleet_flooded(
         least = _wait_fleet_saturated(client, max(1, int(bg_limit * FLOOD_CAPACITY) - 5))
         log(f"  {label}: flood running, at least {least} queued on every node")
         counts0, t0 = counts_now(), time.perf_counter()
-        fg = foreground(client, feed, count, label, model=FLOOD_MODEL)
+        fg = pl.foreground(client, feed, count, label, model=FLOOD_MODEL)
         counts1 = counts_now()
         bg_rate = (counts1.completed - counts0.completed) / (time.perf_counter() - t0)
         after = client.status(GET_TIMEOUT_S)  # before the flood's leftovers are cancelled
@@ -406,18 +354,16 @@ def _fleet_flooded(
             ray.kill(f)
     if errors:
         raise RuntimeError(f"the background flood failed: {errors[0]}")
-    counters = {k: v - before.totals.get(k, 0) for k, v in after.totals.items()}
-    router = {k: v - before.router.get(k, 0) for k, v in after.router.items()}
-    run = replace(fg, flood=counts1, bg_rate=bg_rate, counters=counters)
-    return FleetFlood(run, router, tuple(n.queue_length for n in after.nodes), seconds)
+    run = replace(fg, flood=counts1, bg_rate=bg_rate, counters=_delta(after.totals, before.totals))
+    queues = tuple(n.queue_length for n in after.nodes)
+    return FleetFlood(run, _delta(after.router, before.router), queues, seconds)
 
 
 def _alone(client: FleetClient, feed: Feed, count: int) -> FleetFlood:
     before = client.status(GET_TIMEOUT_S).router
-    run = foreground(client, feed, count, "alone", model=FLOOD_MODEL)
+    run = pl.foreground(client, feed, count, "alone", model=FLOOD_MODEL)
     after = client.status(GET_TIMEOUT_S)
-    router = {k: v - before.get(k, 0) for k, v in after.router.items()}
-    return FleetFlood(run, router, tuple(n.queue_length for n in after.nodes))
+    return FleetFlood(run, _delta(after.router, before), tuple(n.queue_length for n in after.nodes))
 
 
 def background_limit(config: FleetConfig) -> float:
@@ -433,53 +379,52 @@ def _pool_floods(runs: Sequence[FleetFlood]) -> FleetFlood:
     floods = [r.flood for r in fg if r.flood is not None]
     seconds = sum(f.seconds for f in runs)
     bg_done = sum(r.bg_rate * f.seconds for r, f in zip(fg, runs, strict=True))
+    samples = {
+        k: tuple(x for r in fg for x in getattr(r, k))
+        for k in ("latencies_s", "service_s", "queue_s")
+    }
     run = replace(
         fg[0],
-        latencies_s=tuple(x for r in fg for x in r.latencies_s),
-        service_s=tuple(x for r in fg for x in r.service_s),
-        queue_s=tuple(x for r in fg for x in r.queue_s),
+        **samples,
         refused=sum(r.refused for r in fg),
         errors=sum(r.errors for r in fg),
         flood=Counts.total(floods) if floods else None,
         bg_rate=bg_done / seconds if floods else math.nan,
-        counters=dict(sum((Counter(r.counters) for r in fg), Counter())),
+        counters=_added([r.counters for r in fg]),
     )
-    router = dict(sum((Counter(f.router) for f in runs), Counter()))
     foreign, attempts = max(f.foreign_cores for f in runs), sum(f.attempts for f in runs)
-    return FleetFlood(run, router, runs[-1].queues, seconds, foreign, attempts)
+    return FleetFlood(
+        run, _added([f.router for f in runs]), runs[-1].queues, seconds, foreign, attempts
+    )
 
 
 def measure_flood(
-    ctx: RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
+    ctx: bc.RunContext, model: BenchModel, prio: FleetConfig, fifo: FleetConfig
 ) -> dict[str, FleetFlood]:
     """Foreground alone, under a flood from one caller, from ``FLOOD_CALLERS``, and from
     one with a second caller idle beside it, in interleaved rounds pooled; FIFO once."""
-    feed = slow_feed(model.width)
-    n_fg, rounds = ctx.count(120, 8), ctx.count(3, 1)
-    bg_limit = background_limit(prio)
-    with deployed(prio) as client:
-        warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
+    feed = bc.slow_feed(model.width)
+    n_fg, rounds, bg_limit = ctx.count(120, 8), ctx.count(3, 1), background_limit(prio)
+    with bc.deployed(prio) as client:
+        bc.warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
+        flooded = partial(_fleet_flooded, client, feed, n_fg, bg_limit=bg_limit)
         measures: dict[str, Callable[[], FleetFlood]] = {
             "alone": lambda: _alone(client, feed, n_fg),
-            "edgefleet": lambda: _fleet_flooded(client, feed, n_fg, "edgefleet", bg_limit),
-            SPLIT: lambda: _fleet_flooded(
-                client, feed, n_fg, SPLIT, bg_limit, callers=FLOOD_CALLERS
-            ),
-            IDLE: lambda: _fleet_flooded(client, feed, n_fg, IDLE, bg_limit, idle=1),
+            "edgefleet": lambda: flooded("edgefleet"),
+            SPLIT: lambda: flooded(SPLIT, callers=FLOOD_CALLERS),
+            IDLE: lambda: flooded(IDLE, idle=1),
         }
         runs: dict[str, list[FleetFlood]] = {name: [] for name in measures}
-        names = list(measures)
         for i in range(rounds):
-            for name in names[i % len(names) :] + names[: i % len(names)]:
+            for name in bc.rotated(list(measures), i):
                 log(f"(c) round {i + 1}/{rounds}: {name}")
-                runs[name].append(kept(calm(measures[name], f"(c) {name}", attempts=2)))
+                runs[name].append(bc.kept(bc.calm(measures[name], f"(c) {name}", attempts=2)))
     out = {name: _pool_floods(r) for name, r in runs.items()}
-    with deployed(fifo) as client:
-        warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
+    with bc.deployed(fifo) as client:
+        bc.warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
         log("(c) FIFO fleet under a background flood")  # long, with a wide margin: once
-        n_fifo = ctx.count(10, 2)
-        flood = lambda: _fleet_flooded(client, feed, n_fifo, "FIFO", 1.0)  # noqa: E731
-        out["FIFO"] = kept(calm(flood, "(c) FIFO", attempts=1))
+        flood = partial(_fleet_flooded, client, feed, ctx.count(10, 2), "FIFO", 1.0)
+        out["FIFO"] = bc.kept(bc.calm(flood, "(c) FIFO", attempts=1))
     return out
 
 
@@ -487,6 +432,14 @@ def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
     edge, split, idle = f["edgefleet"], f[SPLIT], f[IDLE]
     flooded = [x for k, x in f.items() if k != "alone"]
     edge_p99 = edge.run.latency_ms.p99
+    per_s = lambda key: edge.router.get(key, 0) / max(edge.seconds, 1e-9)  # noqa: E731
+    slowest = sorted(zip(edge.run.latencies_s, edge.run.queue_s, edge.run.service_s, strict=True))[
+        -3:
+    ]
+    spent = "; ".join(
+        f"{lat * 1000:.0f} ms = {q * 1000:.0f} + {s * 1000:.0f} + {(lat - q - s) * 1000:.0f}"
+        for lat, q, s in reversed(slowest)
+    )
     notes = [
         f"Foreground p99 over one caller's: the flood from {FLOOD_CALLERS} callers "
         f"{split.run.latency_ms.p99 / edge_p99:.2f}, from one with a second caller idle "
@@ -495,33 +448,20 @@ def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
         f"{edge.run.service_ms:.1f}.",
         "Fleet-wide placement counters over each flood (`shed`: refused by placement to "
         "keep headroom; `spilled`: a node refused and the caller tried elsewhere): "
-        + "; ".join(f"{x.run.config}: {pairs_text(x.router) or 'none'}" for x in flooded)
+        + "; ".join(f"{x.run.config}: {bc.pairs_text(x.router) or 'none'}" for x in flooded)
         + ".",
         "Node counters over each flood, added over the fleet: "
-        + "; ".join(f"{x.run.config}: {pairs_text(x.run.counters)}" for x in flooded)
+        + "; ".join(f"{x.run.config}: {bc.pairs_text(x.run.counters)}" for x in flooded)
         + f". Failed foreground requests: {sum(x.run.errors for x in f.values())}.",
-        f"Refusal churn: on the edgefleet fleet callers were refused "
-        f"{edge.router.get('rejected', 0) / max(edge.seconds, 1e-9):.0f} background requests/s "
-        f"(while completing {edge.router.get('completed', 0) / max(edge.seconds, 1e-9):.0f}/s)"
-        f": the flood offers more than the {bg_limit:.0%} of each queue placement lets "
-        "background work fill.",
+        f"Refusal churn: on the edgefleet fleet callers were refused {per_s('rejected'):.0f} "
+        f"background requests/s (while completing {per_s('completed'):.0f}/s): the flood "
+        f"offers more than the {bg_limit:.0%} of each queue placement lets background work fill.",
         "Disturbance (CPU other processes used during the kept measurement; attempts): "
-        + disturbance({x.run.config: x for x in f.values()})
+        + bc.disturbance({x.run.config: x for x in f.values()})
         + ". Alone and edgefleet: up to 2 attempts a round; FIFO: once.",
-    ]
-    slowest = sorted(
-        zip(edge.run.latencies_s, edge.run.queue_s, edge.run.service_s, strict=True),
-        reverse=True,
-    )[:3]
-    notes.append(
         "Where the edgefleet fleet's slowest foreground requests spent their time (end to "
-        "end = queued on the node + engine call + everything outside the node): "
-        + "; ".join(
-            f"{lat * 1000:.0f} ms = {q * 1000:.0f} + {s * 1000:.0f} + {(lat - q - s) * 1000:.0f}"
-            for lat, q, s in slowest
-        )
-        + " ms."
-    )
+        f"end = queued on the node + engine call + everything outside the node): {spent} ms.",
+    ]
     if edge.run.service_ms > 1.2 * f["alone"].run.service_ms:
         notes.append(
             f"A foreground call under the flood took {edge.run.service_ms:.1f} ms of engine "
@@ -545,34 +485,14 @@ def _flood_part(f: dict[str, FleetFlood], model: BenchModel, bg_limit: float) ->
         [*x.run.row(labels[k]), "-" if x.run.flood is None else " / ".join(map(str, x.queues))]
         for k, x in f.items()
     ]
-    table = md_table([*FOREGROUND_COLUMNS, "queues at end"], rows)
-    edge_p99 = edge.run.latency_ms.p99
+    table = bc.md_table([*pl.FOREGROUND_COLUMNS, "queues at end"], rows)
+    edge_p99, fifo_p99 = edge.run.latency_ms.p99, fifo.run.latency_ms.p99
+    callers = f"flood from {FLOOD_CALLERS} callers / from one"
     targets = [
-        Target(
-            "(c) edgefleet fleet p99 / (1.5 x alone p99 + one service time)",
-            edge_p99 / alone.bound_ms,
-            "<=",
-            TARGET_BOUND_RATIO,
-        ),
-        Target(
-            "(c) FIFO fleet p99 / edgefleet fleet p99",
-            fifo.run.latency_ms.p99 / edge_p99,
-            ">=",
-            TARGET_FIFO_RATIO,
-            1,
-        ),
-        Target(
-            f"(c) fg p99, flood from {FLOOD_CALLERS} callers / from one",
-            split.run.latency_ms.p99 / edge_p99,
-            "<=",
-            1.1,
-        ),
-        Target(
-            f"(c) bg refusals, flood from {FLOOD_CALLERS} callers / from one",
-            split.refusals / max(1, edge.refusals),
-            "<=",
-            1.1,
-        ),
+        Target(f"(c) edgefleet fleet p99 / {pl.BOUND}", edge_p99 / alone.bound_ms, "<=", 1.0),
+        Target("(c) FIFO fleet p99 / edgefleet fleet p99", fifo_p99 / edge_p99, ">=", 8.0, 1),
+        Target(f"(c) fg p99, {callers}", split.run.latency_ms.p99 / edge_p99, "<=", 1.1),
+        Target(f"(c) bg refusals, {callers}", split.refusals / max(1, edge.refusals), "<=", 1.1),
     ]
     measured = (
         f"{FLEET_NODES} nodes, each serving a {model.describe()}, batching off, queue "
@@ -617,7 +537,7 @@ def trace(rate: float, count: int) -> list[Arrival]:
 
 
 @dataclass(frozen=True)
-class Replay(OpenRun):
+class Replay(bc.OpenRun):
     """A policy's replays of the trace (pooled over rounds)."""
 
     policy: str = ""
@@ -628,17 +548,17 @@ class Replay(OpenRun):
 
     @property
     def engine_p50_s(self) -> float:
-        return median([a.reply.service_s for a in self.ok()])
+        return bc.median([a.reply.service_s for a in self.ok()])
 
     def round_p99(self, priorities: Sequence[int] | None = None) -> float:
         """The median over the rounds of each round's p99."""
-        return median([r.latency_ms(priorities).p99 for r in self.rounds or (self,)])
+        return bc.median([r.latency_ms(priorities).p99 for r in self.rounds or (self,)])
 
 
 def trace_config(name: str, models: Mapping[str, BenchModel], policy: str) -> FleetConfig:
-    entries = [ModelEntry(n, m.path) for n, m in models.items()]
+    entries = [bc.ModelEntry(n, m.path) for n, m in models.items()]
     router = {"placement": {"policy": policy, "seed": TRACE_SEED}}  # default shedding
-    return fleet_config(
+    return bc.fleet_config(
         name, entries, capacity=FLOOD_CAPACITY, node_list=TRACE_NODES, router=router
     )
 
@@ -646,12 +566,11 @@ def trace_config(name: str, models: Mapping[str, BenchModel], policy: str) -> Fl
 def warm_nodes(client: FleetClient, feeds: Mapping[str, Feed], calls: int) -> None:
     """``calls`` requests per model on every node, straight to the actors, all at once:
     warms sessions and the per-row costs placement reads."""
-    specs = client.config.node_specs()
-    pairs = [(s.name, m) for s in specs for m in s.models] * calls
-    ray.get([node_submit(client, n, m, feeds[m]) for n, m in pairs], timeout=GET_TIMEOUT_S)
+    pairs = [(s.name, m) for s in client.config.node_specs() for m in s.models] * calls
+    ray.get([bc.node_submit(client, n, m, feeds[m]) for n, m in pairs], timeout=GET_TIMEOUT_S)
 
 
-def measure_capacity(client: FleetClient, feeds: Mapping[str, Feed], seconds: float) -> Loop:
+def measure_capacity(client: FleetClient, feeds: Mapping[str, Feed], seconds: float) -> bc.Loop:
     """The fleet's throughput, placed by the client, at saturation on the trace's model
     mix (all at foreground priority, so nothing is shed)."""
     rng = random.Random(TRACE_SEED + 1)
@@ -661,7 +580,7 @@ def measure_capacity(client: FleetClient, feeds: Mapping[str, Feed], seconds: fl
         return client.submit(model, feeds[model])
 
     in_flight = CAPACITY_IN_FLIGHT_PER_NODE * len(client.config.node_specs())
-    return closed_loop([submit], in_flight, seconds)
+    return bc.closed_loop([submit], in_flight, seconds)
 
 
 def settle(client: FleetClient, timeout_s: float = GET_TIMEOUT_S) -> None:
@@ -681,27 +600,23 @@ def _replay_once(
 
     def one() -> Replay:
         before = client.counters()  # this caller's: the replay's own
-        run = open_loop(client, arrivals, feeds)
-        router = {k: v - before.get(k, 0) for k, v in client.counters().items()}
-        return Replay(**vars_of(run), policy=policy, router=router)
+        run = bc.open_loop(client, arrivals, feeds)
+        fields = {k: getattr(run, k) for k in bc.OpenRun.__dataclass_fields__}
+        return Replay(**fields, policy=policy, router=_delta(client.counters(), before))
 
-    return kept(calm(one, f"(d) {policy}", attempts=2))
-
-
-def vars_of(run: OpenRun) -> dict[str, Any]:
-    return {k: getattr(run, k) for k in OpenRun.__dataclass_fields__}
+    return bc.kept(bc.calm(one, f"(d) {policy}", attempts=2))
 
 
 def measure_placement(
-    ctx: RunContext, models: Mapping[str, BenchModel]
+    ctx: bc.RunContext, models: Mapping[str, BenchModel]
 ) -> tuple[list[Arrival], list[Replay]]:
     """Replay one trace under every policy on one fleet, in interleaved rounds, each
     policy from a caller of its own (``FleetClient.with_placement``); the default
     policy's capacity on the trace's mix sets the rate for all."""
-    feeds = {n: slow_feed(m.width) for n, m in models.items()}
+    feeds = {n: bc.slow_feed(m.width) for n, m in models.items()}
     rounds = ctx.count(9, 1)
     pooled: dict[str, list[Replay]] = {p: [] for p in POLICIES}
-    with deployed(trace_config("bench-trace", models, DEFAULT_POLICY)) as base:
+    with bc.deployed(trace_config("bench-trace", models, DEFAULT_POLICY)) as base:
         warm_nodes(base, feeds, 10)
         cap = measure_capacity(base, feeds, ctx.pick(1.5, 0.8))
         arrivals = trace(LOAD * cap.rate, ctx.count(600, 160))
@@ -709,10 +624,9 @@ def measure_placement(
         callers = {p: base.with_placement(policy=p, seed=TRACE_SEED) for p in POLICIES}
         try:
             for i in range(rounds):
-                k = i % len(POLICIES)
-                for policy in POLICIES[k:] + POLICIES[:k]:
+                for policy in bc.rotated(POLICIES, i):
                     r = _replay_once(callers[policy], policy, arrivals, feeds)
-                    usual = median([x.engine_p50_s for runs in pooled.values() for x in runs])
+                    usual = bc.median([x.engine_p50_s for runs in pooled.values() for x in runs])
                     if i and r.engine_p50_s > STALL_RATIO * usual:
                         log(f"  (d) {policy}: the machine stalled, once more")
                         r = replace(
@@ -728,51 +642,37 @@ def measure_placement(
 
 def _pool(policy: str, runs: Sequence[Replay], capacity: float) -> Replay:
     """One policy's replays as one: every answer, the worst disturbance."""
-    router: Counter[str] = Counter()
-    for r in runs:
-        router.update(r.router)
-    return Replay(
-        tuple(a for r in runs for a in r.answers),
-        max(r.max_lag_s for r in runs),
-        sum(r.lost for r in runs),
-        sum(r.seconds for r in runs),
-        max(r.foreign_cores for r in runs),
-        max(r.attempts for r in runs),
-        policy,
-        dict(router),
-        capacity,
-        tuple(runs),
-        sum(r.stalled for r in runs),
-    )
+    router, stalled = _added([r.router for r in runs]), sum(r.stalled for r in runs)
+    more = {"router": router, "capacity": capacity, "rounds": tuple(runs), "stalled": stalled}
+    return Replay.pooled(runs, policy=policy, **more)
 
 
 def _placement_tables(replays: list[Replay]) -> list[str]:
     nodes = [str(n["name"]) for n in TRACE_NODES]
-    rows = []
+    rows, share_rows = [], []
     for r in replays:
-        fg, every = r.latency_ms([10]), r.latency_ms()
+        fg, every, ok = r.latency_ms([10]), r.latency_ms(), r.ok()
         done, rejected, evicted = r.count(None), r.count("Rejected"), r.count("Evicted")
         rows.append(
-            [r.policy, fmt(fg.p50), fmt(fg.p99)]
-            + [fmt(r.latency_ms([p]).p99) for p in (7, 3, 0)]
+            [r.policy, fmt(fg.p50), fmt(fg.p99), *(fmt(r.latency_ms([p]).p99) for p in (7, 3, 0))]
             + [fmt(every.p50), fmt(every.p99), done, rejected, evicted]
             + [len(r.answers) - done - rejected - evicted + r.lost, fmt(r.capacity, 0)]
         )
-    headers = ["policy", "fg p50 ms", "fg p99 ms", "prio 7 p99 ms", "prio 3 p99 ms"]
-    headers += ["prio 0 p99 ms", "all p50 ms", "all p99 ms", "completed", "rejected"]
-    headers += ["evicted", "other / lost", "capacity req/s"]
-    share_rows = []
-    for r in replays:
-        ok = r.ok()
         by = {m: Counter(a.reply.node for a in ok if a.arrival.model == m) for m in (CHEAP, DEAR)}
         share = [
             f"{(by[CHEAP][n] + by[DEAR][n]) / max(1, len(ok)) * 100:.0f}% "
             f"({by[CHEAP][n]} / {by[DEAR][n]})"
             for n in nodes
         ]
-        share_rows.append([r.policy, *share, pairs_text(r.router)])
+        share_rows.append([r.policy, *share, bc.pairs_text(r.router)])
+    headers = (
+        "policy | fg p50 ms | fg p99 ms | prio 7 p99 ms | prio 3 p99 ms | prio 0 p99 ms | all "
+    )
+    headers += (
+        "p50 ms | all p99 ms | completed | rejected | evicted | other / lost | capacity req/s"
+    )
     share_headers = ["policy", *(f"{n} share (cheap / dear)" for n in nodes), "placement counters"]
-    return [md_table(headers, rows), md_table(share_headers, share_rows)]
+    return [bc.md_table(bc.columns(headers), rows), bc.md_table(share_headers, share_rows)]
 
 
 def _placement_part(
@@ -780,11 +680,8 @@ def _placement_part(
 ) -> Part:
     by = {r.policy: r for r in replays}
     default = by[DEFAULT_POLICY]
-    pairs = [
-        (label, prios, other)
-        for label, prios in (("fg p99", [10]), ("all p99", None))
-        for other in ("round_robin", "power_of_two")
-    ]
+    pairs = [(label, prios, other) for label, prios in (("fg p99", [10]), ("all p99", None))
+             for other in ("round_robin", "power_of_two")]  # fmt: skip
     targets = [
         Target(
             f"(d) {DEFAULT_POLICY} {label} / {other} {label} (all rounds pooled)",
@@ -798,26 +695,28 @@ def _placement_part(
         f"{label} / {other} {default.round_p99(prios) / by[other].round_p99(prios):.2f}"
         for label, prios, other in pairs
     )
-    rounds = len(default.rounds) or 1
-    n_fg = sum(1 for a in arrivals if a.priority == 10)
-    span = arrivals[-1].at
+    rounds, n_fg = len(default.rounds) or 1, sum(1 for a in arrivals if a.priority == 10)
+    mix = " / ".join(f"{p}" for p, _ in PRIORITY_MIX)
+    shares = " / ".join(f"{w:.0%}" for _, w in PRIORITY_MIX)
     measured = (
         f"4 nodes: {CHEAP_NODE} serves only {CHEAP} ({models[CHEAP].describe()}); "
         f"edge-1..3 serve {CHEAP} and {DEAR} ({models[DEAR].describe()}); queue capacity "
         f"{FLOOD_CAPACITY}, priority order, the default shedding. One seeded trace from "
         f"`sim.workload` (seed {TRACE_SEED}) of {len(arrivals)} requests: Poisson arrivals, "
-        f"{CHEAP_SHARE:.0%} {CHEAP} / {1 - CHEAP_SHARE:.0%} {DEAR}, priorities "
-        + " / ".join(f"{p}" for p, _ in PRIORITY_MIX)
-        + " in proportions "
-        + " / ".join(f"{w:.0%}" for _, w in PRIORITY_MIX)
-        + f" ({n_fg} foreground requests). One fleet for every policy of the registry: 10 "
-        "calls per model per node straight to the actors, then a closed loop placed by the "
-        f"default policy at saturation ({CAPACITY_IN_FLIGHT_PER_NODE} in flight per node, all "
-        "foreground; the capacity column). Each policy then places from a caller of its own "
-        f"(`FleetClient.with_placement`); in each of {rounds} round(s) every policy replays "
-        "the trace open loop (`cluster.traffic.OpenLoop`) once, the order rotating, after "
-        f"the fleet is idle. The rate is {LOAD:.0%} of that capacity: {span:.1f} s of "
-        "arrivals per replay. Latency is client end to end; nothing refused is retried."
+        f"{CHEAP_SHARE:.0%} {CHEAP} / {1 - CHEAP_SHARE:.0%} {DEAR}, priorities {mix} in "
+        f"proportions {shares} ({n_fg} foreground requests). One fleet for every policy of "
+        "the registry: 10 calls per model per node straight to the actors, then a closed "
+        f"loop placed by the default policy at saturation ({CAPACITY_IN_FLIGHT_PER_NODE} in "
+        "flight per node, all foreground; the capacity column). Each policy then places from "
+        f"a caller of its own (`FleetClient.with_placement`); in each of {rounds} round(s) "
+        "every policy replays the trace open loop (`cluster.traffic.OpenLoop`) once, the "
+        f"order rotating, after the fleet is idle. The rate is {LOAD:.0%} of that capacity: "
+        f"{arrivals[-1].at:.1f} s of arrivals per replay. Latency is client end to end; "
+        "nothing refused is retried."
+    )
+    disturbed = "; ".join(
+        f"{r.policy} {r.foreign_cores:.2f} cores, {r.attempts}, {r.max_lag_s * 1000:.0f} ms"
+        for r in replays
     )
     notes = [
         f"Share = the node's share of completed requests; in brackets the completed {CHEAP} "
@@ -826,13 +725,8 @@ def _placement_part(
         f"requests per policy. The same ratios as medians over the rounds of each round's "
         f"own p99: {per_round}.",
         "Disturbance (CPU other processes used during the kept replay; attempts; worst "
-        "submit lag behind the trace): "
-        + "; ".join(
-            f"{r.policy} {r.foreign_cores:.2f} cores, {r.attempts}, {r.max_lag_s * 1000:.0f} ms"
-            for r in replays
-        )
-        + f". Replays run again because the machine stalled (median engine call over "
-        f"{STALL_RATIO:g}x the run's): "
+        f"submit lag behind the trace): {disturbed}. Replays run again because the machine "
+        f"stalled (median engine call over {STALL_RATIO:g}x the run's): "
         + ", ".join(f"{r.policy} {r.stalled}" for r in replays)
         + ".",
     ]
@@ -849,15 +743,15 @@ def measure_routing_cost(
     """Closed loops at saturation, in rounds: all nodes straight to their actors, and as
     many in flight placed by the client, read on the loop's thread (``map_unordered``)
     and as futures (``submit``)."""
-    nodes = node_names(client)
+    nodes = bc.node_names(client)
     in_flight = COST_IN_FLIGHT_PER_NODE * len(nodes)
-    direct = [partial(node_submit, client, n, COST_MODEL, feed) for n in nodes]
-    loops: dict[str, Callable[[float], Loop]] = {
-        "direct": partial(closed_loop, direct, COST_IN_FLIGHT_PER_NODE),
-        "pipelined": partial(pipelined_loop, client, COST_MODEL, feed, in_flight),
-        "futures": partial(closed_loop, [lambda: client.submit(COST_MODEL, feed)], in_flight),
+    direct = [partial(bc.node_submit, client, n, COST_MODEL, feed) for n in nodes]
+    loops: dict[str, Callable[[float], bc.Loop]] = {
+        "direct": partial(bc.closed_loop, direct, COST_IN_FLIGHT_PER_NODE),
+        "pipelined": partial(bc.pipelined_loop, client, COST_MODEL, feed, in_flight),
+        "futures": partial(bc.closed_loop, [lambda: client.submit(COST_MODEL, feed)], in_flight),
     }
-    return rounds("(e)", loops, seconds, count, warm_s=seconds / 2, attempts=2)
+    return bc.rounds("(e)", loops, seconds, count, warm_s=seconds / 2, attempts=2)
 
 
 def _cost_part(runs: list[Round], seconds: float) -> Part:
@@ -871,10 +765,14 @@ def _cost_part(runs: list[Round], seconds: float) -> Part:
             each(runs, cpu, 3),
         ]
 
+    def over(path: str, base: str, cpu: bool) -> Callable[[Round], float]:
+        if cpu:
+            return lambda r: r[path].cpu_ms - r[base].cpu_ms
+        return lambda r: r[path].rate / r[base].rate
+
     rows = [loop_row("all nodes straight to their actors", "direct")]
     for label, path in (("`map_unordered`", "pipelined"), ("`submit`", "futures")):
-        x = lambda r, p=path: r[p].cpu_ms - r["direct"].cpu_ms  # noqa: E731
-        q = lambda r, p=path: r[p].rate / r["direct"].rate  # noqa: E731
+        x, q = over(path, "direct", True), over(path, "direct", False)
         rows += [
             loop_row(f"placed by the client ({label})", path),
             ["**placed - direct**", "-", "-", fmt(med(runs, x), 3, signed=True), each(runs, x, 3)],
@@ -891,83 +789,88 @@ def _cost_part(runs: list[Round], seconds: float) -> Part:
         "process of this benchmark, per completed request. The targets are on "
         "`map_unordered`."
     )
-    futures_cpu = med(runs, lambda r: r["futures"].cpu_ms - r["pipelined"].cpu_ms)
-    futures_rate = med(runs, lambda r: r["futures"].rate / r["pipelined"].rate)
+    futures_cpu = med(runs, over("futures", "pipelined", True))
+    futures_rate = med(runs, over("futures", "pipelined", False))
     note = (
         f"What `submit`'s futures cost beyond `map_unordered` per request: {futures_cpu:+.3f} "
         f"ms of CPU, throughput {futures_rate:.2f}x."
     )
-    extra = med(runs, lambda r: r["pipelined"].cpu_ms - r["direct"].cpu_ms)
-    ratio = med(runs, lambda r: r["pipelined"].rate / r["direct"].rate)
     targets = [
-        Target("(e) placed - direct CPU per request, ms", extra, "<=", 0.25),
-        Target("(e) placed / direct throughput", ratio, ">=", 0.9),
+        Target(
+            "(e) placed - direct CPU per request, ms",
+            med(runs, over("pipelined", "direct", True)),
+            "<=",
+            0.25,
+        ),
+        Target(
+            "(e) placed / direct throughput",
+            med(runs, over("pipelined", "direct", False)),
+            ">=",
+            0.9,
+        ),
     ]
-    table = md_table(columns(header), rows)
+    table = bc.md_table(bc.columns(header), rows)
     return Part("(e) What placement costs per request", measured, [table], targets, [note])
 
 
 # ======================================================================== the scenario
 
 
-def _parts_ab(ctx: RunContext, m5: BenchModel, m1: BenchModel) -> list[Section]:
+def _parts_ab(ctx: bc.RunContext, m5: BenchModel, m1: BenchModel) -> list[bc.Section]:
     """(a) and (b): one 3-node fleet serving the 5 ms and the 1 ms model."""
-    entries = [ModelEntry(SAT_MODEL, m5.path), ModelEntry(LAT_MODEL, m1.path)]
-    config = fleet_config("bench-fleet", entries, nodes=FLEET_NODES, router={})  # defaults
-    with deployed(config) as client:
-        nodes = node_names(client)
+    entries = [bc.ModelEntry(SAT_MODEL, m5.path), bc.ModelEntry(LAT_MODEL, m1.path)]
+    config = bc.fleet_config("bench-fleet", entries, nodes=FLEET_NODES, router={})  # defaults
+    with bc.deployed(config) as client:
+        nodes = bc.node_names(client)
         log("(a) fleet throughput at saturation")
-        feed5 = slow_feed(m5.width)
-        a = timed(lambda: _scaling_part(measure_scaling(ctx, client, feed5), nodes, m5))
+        feed5, feed1 = bc.slow_feed(m5.width), bc.slow_feed(m1.width)
+        a = bc.timed(lambda: _scaling_part(measure_scaling(ctx, client, feed5), nodes, m5))
         log("(b) latency placement adds, sequential requests")
-        feed1 = slow_feed(m1.width)
-        warm(lambda: client.submit(LAT_MODEL, feed1), 20)
-        warm(lambda: node_submit(client, nodes[0], LAT_MODEL, feed1), 20)
-        pairs = ctx.count(300, 60)
-        measure = lambda: measure_latency(client, feed1, pairs)  # noqa: E731
-        b = timed(lambda: _latency_part(calm(measure, "(b) latency"), m1))
+        bc.warm(lambda: client.submit(LAT_MODEL, feed1), 20)
+        bc.warm(lambda: bc.node_submit(client, nodes[0], LAT_MODEL, feed1), 20)
+        measure = partial(measure_latency, client, feed1, ctx.count(300, 60))
+        b = bc.timed(lambda: _latency_part(bc.calm(measure, "(b) latency"), m1))
     return [a, b]
 
 
-def run(ctx: RunContext) -> Section:
-    m5, m1, m20, m2, m10 = (
-        ctx.models.calibrated(ms)
-        for ms in (SAT_COST_MS, LAT_COST_MS, FLOOD_COST_MS, CHEAP_COST_MS, DEAR_COST_MS)
-    )
+def run(ctx: bc.RunContext) -> bc.Section:
+    costs = (SAT_COST_MS, LAT_COST_MS, FLOOD_COST_MS, CHEAP_COST_MS, DEAR_COST_MS)
+    m5, m1, m20, m2, m10 = (ctx.models.calibrated(ms) for ms in costs)
     parts = _parts_ab(ctx, m5, m1)
-    entries = [ModelEntry(FLOOD_MODEL, m20.path)]
-    flood = dict(capacity=FLOOD_CAPACITY, nodes=FLEET_NODES)
-    prio = fleet_config("bench-fleet-prio", entries, router={}, **flood)
+    entries, flood = (
+        [bc.ModelEntry(FLOOD_MODEL, m20.path)],
+        {"capacity": FLOOD_CAPACITY, "nodes": FLEET_NODES},
+    )
+    prio = bc.fleet_config("bench-fleet-prio", entries, router={}, **flood)
     fifo_router = {"placement": {"policy": "round_robin", "shed": {}}}
-    fifo = fleet_config("bench-fleet-fifo", entries, order="fifo", router=fifo_router, **flood)
+    fifo = bc.fleet_config("bench-fleet-fifo", entries, order="fifo", router=fifo_router, **flood)
     bg_limit = background_limit(prio)
-    parts.append(timed(lambda: _flood_part(measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
+    parts.append(bc.timed(lambda: _flood_part(measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
     models = {CHEAP: m2, DEAR: m10}
 
-    def part_d() -> Section:
+    def part_d() -> bc.Section:
         arrivals, replays = measure_placement(ctx, models)
         return _placement_part(replays, arrivals, models)
 
-    parts.append(timed(part_d))
     classifier = make_classifier(ctx.models.directory / "classifier.onnx")
-    tiny = fleet_config(
-        "bench-cost", [ModelEntry(COST_MODEL, classifier)], nodes=COST_NODES, router={}
+    tiny = bc.fleet_config(
+        "bench-cost", [bc.ModelEntry(COST_MODEL, classifier)], nodes=COST_NODES, router={}
     )
 
-    def part_e() -> Section:
-        with deployed(tiny) as client:
+    def part_e() -> bc.Section:
+        with bc.deployed(tiny) as client:
             log("(e) what placement costs per request, tiny model at saturation")
             seconds = ctx.pick(2.0, 0.8)
-            feed = random_inputs(COST_MODEL)
-            return _cost_part(
-                measure_routing_cost(client, feed, seconds, ctx.count(16, 1)), seconds
+            runs = measure_routing_cost(
+                client, random_inputs(COST_MODEL), seconds, ctx.count(16, 1)
             )
+            return _cost_part(runs, seconds)
 
-    parts.append(timed(part_e))
+    parts += [bc.timed(part_d), bc.timed(part_e)]
     measured = (
         "The fleet as clients see it: requests placed by the client (`FleetClient.submit`; "
         "in (e) also `FleetClient.map_unordered`) compared, in the same run, with requests "
         "sent straight to the node actors. Five parts, each with its own fleet(s) on the "
         "one embedded Ray; every ratio is of measurements taken side by side."
     )
-    return Section(TITLE, measured, parts=parts)
+    return bc.Section(TITLE, measured, parts=parts)

@@ -15,21 +15,8 @@ from typing import Any
 import numpy as np
 
 from actors.decoder import DecoderEngine, Generation
-from bench.common import (
-    Part,
-    RunContext,
-    Section,
-    Summary,
-    Target,
-    calm,
-    deployed,
-    fmt,
-    log,
-    md_table,
-    median,
-    raw_session,
-    timed,
-)
+from bench import common as bc
+from bench.common import Part, RunContext, Target, deployed, fmt, log, md_table, median
 from cluster.client import FleetClient
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.errors import EdgeFleetError
@@ -121,7 +108,7 @@ def _foreground_run(client: FleetClient, n: int, with_background: bool) -> dict[
     for t in threads:
         if t.is_alive():
             t.join()
-    return {"ttft": Summary.of(ttft), "total": Summary.of(total), "bg": done[0]}
+    return {"ttft": bc.Summary.of(ttft), "total": bc.Summary.of(total), "bg": done[0]}
 
 
 def _latency(ctx: RunContext, model: Path, step_s: float) -> Part:
@@ -273,7 +260,7 @@ def _reprefill(ctx: RunContext, model: Path) -> Part:
 
 def _bare_loop(path: Path, prompt: tuple[int, ...], n: int) -> Callable[[], float]:
     """The plainest ONNX Runtime greedy decode loop; returns seconds for ``n`` tokens."""
-    session = raw_session(path)
+    session = bc.raw_session(path)
     inputs = {i.name: i.shape for i in session.get_inputs()}
     past = [x for x in inputs if x.startswith("past_key_values.")]
     outs = ["logits", *(x.replace("past_key_values.", "present.") for x in past)]
@@ -324,12 +311,9 @@ def _throughput(ctx: RunContext, models: dict[str, Path]) -> Part:
     rows, targets = [], []
     for label, path in models.items():
         loops = {"bare": _bare_loop(path, prompt, n), "engine": _engine_loop(path, prompt, n)}
-        times: dict[str, list[float]] = {k: [] for k in loops}
         for loop in loops.values():
             loop()  # warm up
-        for _ in range(rounds):  # alternate, so drift hits both alike
-            for k, loop in loops.items():
-                times[k].append(calm(loop, f"{k} {label}").value)
+        times = bc.alternating(loops, rounds, f"{label} ")
         bare, ours = median(times["bare"]), median(times["engine"])
         node_tps = _through_node(path, prompt, n, label)
         rows.append(
@@ -376,13 +360,15 @@ def _batched_row(
     _, _, batched = _batch_run(engine, prompts, n, True)
     same = [g.generated for g in batched] == [g.generated for g in alone]
     assert same, "decoding together must not change any generation's tokens"
-    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for _ in range(rounds):  # alternate, so drift hits both alike
-        for together in (False, True):
-            measure = lambda t=together: _batch_run(engine, prompts, n, t)[:2]  # noqa: E731
-            runs[together].append(calm(measure, f"{label} together={together}").value)
-    total = {k: median([p + d for p, d in v]) for k, v in runs.items()}
-    decode = {k: median([d for _, d in v]) for k, v in runs.items()}
+
+    def measure(together: bool) -> Callable[[], tuple[float, float]]:
+        return lambda: _batch_run(engine, prompts, n, together)[:2]
+
+    runs = bc.alternating(
+        {"False": measure(False), "True": measure(True)}, rounds, f"{label} together="
+    )
+    total = {k == "True": median([p + d for p, d in v]) for k, v in runs.items()}
+    decode = {k == "True": median([d for _, d in v]) for k, v in runs.items()}
     ratio = decode[False] / decode[True]
     log(f"  (e) {label}: decoding together {ratio:.2f}x the tokens/s of one at a time")
     lengths = sorted(len(p) for p in prompts)
@@ -460,12 +446,9 @@ def _batched_on_a_node(
         deployed(_config("gen-batch-1", model, decode_batch=1)) as alone,
         deployed(_config("gen-batch-4", model, decode_batch=BATCH_GENS)) as together,
     ):
-        clients = {"alone": alone, "together": together}
-        rates: dict[str, list[float]] = {k: [] for k in clients}
         assert run(alone)[1] == run(together)[1], "decoding together must not change tokens"
-        for _ in range(rounds):
-            for label, client in clients.items():
-                rates[label].append(calm(partial(run, client), f"node {label}").value[0])
+        runs = {"alone": partial(run, alone), "together": partial(run, together)}
+        rates = {k: [r[0] for r in v] for k, v in bc.alternating(runs, rounds, "node ").items()}
     one, many = median(rates["alone"]), median(rates["together"])
     log(f"  (e) through a node: {many / one:.2f}x the tokens/s of one at a time")
     return one, many
@@ -474,7 +457,7 @@ def _batched_on_a_node(
 # ------------------------------------------------------------------------- run
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: RunContext) -> bc.Section:
     directory = ctx.models.directory
     chat = make_tiny_lm(directory / "chat_lm.onnx", **CHAT_SIZE)
     tiny = make_tiny_lm(directory / "tiny_lm.onnx")
@@ -485,7 +468,7 @@ def run(ctx: RunContext) -> Section:
         engine.advance(gen)
     step_s = gen.engine_s / 64
     log(f"  chat model: {step_s * 1e3:.2f} ms a token")
-    builds: list[Callable[[], Section]] = [
+    builds: list[Callable[[], bc.Section]] = [
         lambda: _latency(ctx, chat, step_s),
         lambda: _resume(ctx, chat),
         lambda: _reprefill(ctx, chat),
@@ -496,4 +479,4 @@ def run(ctx: RunContext) -> Section:
         "The third seed's on-device language-model workload on one node, and the costs "
         "of pausing, trimming and decoding, each measured side by side in one run."
     )
-    return Section(TITLE, measured, parts=[timed(build) for build in builds])
+    return bc.Section(TITLE, measured, parts=[bc.timed(build) for build in builds])

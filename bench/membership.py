@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RunContext, Section, Target, fmt
+from bench.common import RunContext, Section, Target, fmt, md_table
 from cluster.membership import RayNodeRow
 from cluster.nodes import RayNodeTable
 from cluster.router import Router
@@ -27,7 +27,6 @@ from edgefleet.clock import FakeClock
 from edgefleet.config import parse_config
 from edgefleet.labels import DEVICE_LABEL
 from edgefleet.messages import NodeState, NodeStatus
-from sim.report import md_table
 
 TITLE = "The cost of watching: pool membership at 5,000 Ray nodes"
 MAX_SHARE = 0.05  # of one core at the default reconcile interval, steady state
@@ -154,34 +153,25 @@ def watch_cost(nodes: int = 5000, passes: int = 21, churned: int = 50) -> WatchC
 def run(ctx: RunContext) -> Section:
     cost = watch_cost(passes=5 if ctx.quick else 21)
     pct = lambda ms: f"{cost.share(ms) * 100:.1f} %"  # noqa: E731
+    parse = f"... plus parsing the GCS reply's {cost.nodes:,} node infos"
+    churn = f"{cost.churned} Ray nodes dead and {cost.churned} new devices joined, every pass"
     rows = [
         ["nothing changed (the usual pass)", f"{fmt(cost.steady_ms)} ms", pct(cost.steady_ms)],
-        [
-            f"... plus parsing the GCS reply's {cost.nodes:,} node infos",
-            f"+{fmt(cost.parse_ms)} ms",
-            f"+{pct(cost.parse_ms)}",
-        ],
-        [
-            f"{cost.churned} Ray nodes dead and {cost.churned} new devices joined, every pass",
-            f"{fmt(cost.churn_ms)} ms",
-            pct(cost.churn_ms),
-        ],
+        [parse, f"+{fmt(cost.parse_ms)} ms", f"+{pct(cost.parse_ms)}"],
+        [churn, f"{fmt(cost.churn_ms)} ms", pct(cost.churn_ms)],
         [f"the first pass: all {cost.nodes:,} devices join (once)", f"{fmt(cost.join_ms)} ms", "-"],
     ]
     steady = cost.share(cost.steady_ms + cost.parse_ms)
+    measured = __doc__.split("\n\n", 1)[1].replace("\n", " ").strip()
+    measured += " Median of the passes; the share is of one core at the default "
+    measured += f"`router.membership.interval_s` of {cost.interval_s:g} s."
+    target = Target(
+        "steady watch cost with the parse, share of one core", steady, "<=", MAX_SHARE, 3
+    )
+    note = (
+        "Not measured: the GCS's own work and the RPC (another process), and what "
+        "callers pay when members change (each receives every member's spec once)."
+    )
     return Section(
-        TITLE,
-        __doc__.split("\n\n", 1)[1].replace("\n", " ").strip()
-        + f" Median of the passes; the share is of one core at the default "
-        f"`router.membership.interval_s` of {cost.interval_s:g} s.",
-        tables=[md_table(["pass", "CPU per pass", "of one core"], rows)],
-        targets=[
-            Target(
-                "steady watch cost with the parse, share of one core", steady, "<=", MAX_SHARE, 3
-            )
-        ],
-        notes=[
-            "Not measured: the GCS's own work and the RPC (another process), and what "
-            "callers pay when members change (each receives every member's spec once)."
-        ],
+        TITLE, measured, [md_table(["pass", "CPU per pass", "of one core"], rows)], [target], [note]
     )

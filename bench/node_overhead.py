@@ -1,7 +1,6 @@
-"""(b) Node overhead: a saturated node's throughput over raw ONNX Runtime's, same model,
-in rounds; in the unbatched rows a *Ray floor* (the smallest async Ray actor doing the
-same job) beside them, and the machine CPU per request of node and Ray floor on the
-tiny classifier."""
+"""(b) Node overhead: a saturated node's throughput over raw ONNX Runtime's and over a
+*Ray floor* (the smallest async Ray actor doing the same job), and the machine CPU per
+request of node and Ray floor on the tiny classifier."""
 
 from __future__ import annotations
 
@@ -14,31 +13,8 @@ from typing import Any
 import ray
 
 from actors.engine import open_session
-from bench.common import (
-    GET_TIMEOUT_S,
-    Feed,
-    Loop,
-    ModelEntry,
-    Round,
-    RunContext,
-    Section,
-    Target,
-    closed_loop,
-    columns,
-    deployed,
-    each,
-    fleet_config,
-    fmt,
-    log,
-    md_table,
-    med,
-    node_costs_ms,
-    node_submit,
-    only_node,
-    raw_session,
-    rounds,
-    slow_feed,
-)
+from bench import common as bc
+from bench.common import Feed, Loop, ModelEntry, Round, Section, Target, fmt, log, med
 from edgefleet.messages import Reply
 from edgefleet.modelgen import make_classifier, random_inputs
 from edgefleet.request import InferRequest
@@ -55,8 +31,8 @@ TARGET_EXTRA_CPU_MS = 0.3  # node - Ray floor machine CPU per request on the cla
 
 
 class RayFloor:
-    """The smallest async Ray actor doing a node's job: one ONNX Runtime session on one
-    engine thread, ``InferRequest`` in, ``Reply`` out; no admission, queue or batching."""
+    """The smallest async Ray actor doing a node's job: one session on one engine
+    thread, ``InferRequest`` in, ``Reply`` out; no admission, queue or batching."""
 
     def __init__(self, path: str) -> None:
         self._session = open_session("floor", Path(path), threads=1)
@@ -64,10 +40,9 @@ class RayFloor:
         self._executor = ThreadPoolExecutor(1)
 
     async def infer(self, request: InferRequest) -> Reply:
-        t0 = time.monotonic()
-        values = await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._session.run, self._names, dict(request.inputs)
-        )
+        t0, run = time.monotonic(), self._session.run
+        loop = asyncio.get_running_loop()
+        values = await loop.run_in_executor(self._executor, run, self._names, dict(request.inputs))
         outputs = dict(zip(self._names, values, strict=True))
         return Reply(request.id, "ray-floor", outputs=outputs, service_s=time.monotonic() - t0)
 
@@ -78,55 +53,51 @@ class RayFloor:
 def raw_loop(session: Any, feed: Feed, seconds: float) -> Loop:
     """Batch-1 calls back to back on an in-process session for ``seconds``."""
     calls, start = 0, time.perf_counter()
-    now = start
-    while now < start + seconds:
+    while (now := time.perf_counter()) < start + seconds:
         session.run(None, feed)
         calls += 1
-        now = time.perf_counter()
     return Loop(calls, now - start)
 
 
 def _loops(client: Any, floor: Any, model: str, feed: Feed) -> dict[str, Any]:
     """Closed loops straight to the Ray floor and to the node (``IN_FLIGHT`` each)."""
-    node, request = only_node(client).node, InferRequest(model=model, inputs=feed)
+    node, request = bc.only_node(client).node, InferRequest(model=model, inputs=feed)
+    to_floor, to_node = floor.infer.remote, bc.node_submit
     return {
-        "floor": lambda s: closed_loop([lambda: floor.infer.remote(request)], IN_FLIGHT, s),
-        "node": lambda s: closed_loop(
-            [lambda: node_submit(client, node, model, feed)], IN_FLIGHT, s
+        "floor": lambda s: bc.closed_loop([lambda: to_floor(request)], IN_FLIGHT, s),
+        "node": lambda s: bc.closed_loop(
+            [lambda: to_node(client, node, model, feed)], IN_FLIGHT, s
         ),
     }
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: bc.RunContext) -> Section:
     m5, m1 = ctx.models.calibrated(5.0), ctx.models.calibrated(1.0)
     classifier = make_classifier(m5.path.parent / f"{CPU_MODEL}.onnx")
-    entries = [
-        ModelEntry("slow5", m5.path),
-        ModelEntry("slow1", m1.path),
-        ModelEntry("slow1_batched", m1.path, window_ms=2.0, max_batch_size=8),
-        ModelEntry(CPU_MODEL, classifier),
-    ]
+    batched = ModelEntry("slow1_batched", m1.path, window_ms=2.0, max_batch_size=8)
+    entries = [ModelEntry("slow5", m5.path), ModelEntry("slow1", m1.path), batched]
+    entries.append(ModelEntry(CPU_MODEL, classifier))
     models = {"slow5": m5, "slow1": m1, "slow1_batched": m1}
     floor_cls = ray.remote(RayFloor).options(max_concurrency=1024, num_cpus=0)
     floors = {p: floor_cls.remote(str(p)) for p in (m5.path, m1.path, classifier)}
     timing = {"seconds": ctx.pick(2.0, 0.5), "count": ctx.count(5, 2), "warm_s": ctx.pick(0.5, 0.2)}
     results: dict[str, list[Round]] = {}
     try:
-        ray.get([f.ready.remote() for f in floors.values()], timeout=GET_TIMEOUT_S)
-        with deployed(fleet_config("bench-overhead", entries)) as client:
+        ray.get([f.ready.remote() for f in floors.values()], timeout=bc.GET_TIMEOUT_S)
+        with bc.deployed(bc.fleet_config("bench-overhead", entries)) as client:
             for label, model, with_floor, *_ in ROWS:
                 log(f"node overhead: {label}")
-                feed, path = slow_feed(models[model].width), models[model].path
-                session = raw_session(path)
+                feed, path = bc.slow_feed(models[model].width), models[model].path
+                session = bc.raw_session(path)
                 loops = {"raw": lambda s, x=session, f=feed: raw_loop(x, f, s)}
                 loops |= _loops(client, floors[path], model, feed)
                 if not with_floor:
                     del loops["floor"]
-                results[label] = rounds(label, loops, **timing)
+                results[label] = bc.rounds(label, loops, **timing)
             log("node overhead: machine CPU per request, classifier")
             cpu_loops = _loops(client, floors[classifier], CPU_MODEL, random_inputs(CPU_MODEL))
-            cpu = rounds("CPU per request", cpu_loops, **timing)
-            status = client.status(GET_TIMEOUT_S)
+            cpu = bc.rounds("CPU per request", cpu_loops, **timing)
+            status = client.status(bc.GET_TIMEOUT_S)
     finally:
         for handle in floors.values():
             ray.kill(handle)
@@ -146,17 +117,13 @@ def run(ctx: RunContext) -> Section:
     return _section(results, cpu, status, measured)
 
 
-def _ratio(r: Round) -> float:
-    return r["node"].rate / r["raw"].rate
-
-
-def _floor_ratio(r: Round) -> float:
-    return r["node"].rate / r["floor"].rate
+def _ratio(r: Round, over: str = "raw") -> float:
+    return r["node"].rate / r[over].rate
 
 
 def _extra(r: Round, own: bool = False) -> float:
-    """CPU per request the node takes over the Ray floor, in ms: every process on the
-    machine, or (``own``) this benchmark's only."""
+    """CPU ms per request the node takes over the Ray floor: every process on the
+    machine's, or (``own``) this benchmark's only."""
     if own:
         return r["node"].cpu_ms - r["floor"].cpu_ms
     return r["node"].machine_cpu_ms - r["floor"].machine_cpu_ms
@@ -167,32 +134,26 @@ def _overhead_table(results: dict[str, list[Round]]) -> str:
     for label, r in results.items():
         floor = "floor" in r[0].loops
         rows.append(
-            [
-                label,
-                fmt(med(r, lambda x: x["raw"].rate), 0),
-                fmt(med(r, lambda x: x["node"].rate), 0),
-            ]
-            + [fmt(med(r, _ratio), 2), each(r, _ratio, 2)]
+            [label, *(fmt(med(r, lambda x, k=k: x[k].rate), 0) for k in ("raw", "node"))]
+            + [fmt(med(r, _ratio), 2), bc.each(r, _ratio, 2)]
             + [fmt(med(r, lambda x: x["floor"].rate / x["raw"].rate), 2) if floor else "-"]
-            + [fmt(med(r, _floor_ratio), 2) if floor else "-"]
+            + [fmt(med(r, lambda x: _ratio(x, "floor")), 2) if floor else "-"]
             + [fmt(med(r, lambda x: x["node"].mean_batch), 2)]
             + [fmt(med(r, lambda x, k=k: x[k].engine_ms), 2) for k in ("raw", "node")]
             + [f"{med(r, lambda x: x['node'].engine_busy) * 100:.0f}%"]
         )
     header = "model / node config | raw calls/s | node calls/s | node / raw (median) | "
     header += "per-round ratios | Ray floor / raw | node / Ray floor | mean batch | "
-    return md_table(
-        columns(header + "raw ms / call | node engine ms / call | node engine busy"), rows
-    )
+    header += "raw ms / call | node engine ms / call | node engine busy"
+    return bc.md_table(bc.columns(header), rows)
 
 
 def _cpu_table(cpu: list[Round]) -> str:
     def line(name: str, get: Any) -> list[object]:
         cells = [fmt(get(lambda x, k=k: x[k].rate), 0) for k in ("floor", "node")]
         cells += [fmt(get(lambda x, k=k: x[k].machine_cpu_ms), 3) for k in ("floor", "node")]
-        return [name, *cells, fmt(get(_extra), 3, signed=True)] + [
-            fmt(get(lambda x: _extra(x, own=True)), 3, signed=True)
-        ]
+        own = get(lambda x: _extra(x, own=True))
+        return [name, *cells, fmt(get(_extra), 3, signed=True), fmt(own, 3, signed=True)]
 
     rows = [
         [*line(str(i + 1), lambda f, r=r: f(r)), fmt(r.foreign_cores, 2)] for i, r in enumerate(cpu)
@@ -200,7 +161,7 @@ def _cpu_table(cpu: list[Round]) -> str:
     rows.append([*line("median", lambda f: med(cpu, f)), ""])
     header = "round | Ray floor calls/s | node calls/s | Ray floor CPU ms / request | node CPU ms "
     header += "/ request | node - Ray floor ms | same, own processes only | other processes, cores"
-    return md_table(columns(header), rows)
+    return bc.md_table(bc.columns(header), rows)
 
 
 def _section(
@@ -209,13 +170,10 @@ def _section(
     targets = []
     for label, _, _, raw_target, floor_target in ROWS:
         if raw_target is not None:
-            targets.append(
-                Target(
-                    f"node / raw throughput, {label}", med(results[label], _ratio), ">=", raw_target
-                )
-            )
+            value = med(results[label], _ratio)
+            targets.append(Target(f"node / raw throughput, {label}", value, ">=", raw_target))
         if floor_target is not None:
-            value = med(results[label], _floor_ratio)
+            value = med(results[label], lambda x: _ratio(x, "floor"))
             targets.append(
                 Target(f"node / Ray floor throughput, {label}", value, ">=", floor_target)
             )
@@ -224,7 +182,7 @@ def _section(
     every = [x for r in results.values() for x in r]
     limit = {m.name: m.batch_limit for n in status.nodes for m in n.models}.get("slow1_batched")
     cost = ", ".join(
-        f"{label}: {fmt(node_costs_ms(status, model).get(1, float('nan')), 2)} ms"
+        f"{label}: {fmt(bc.node_costs_ms(status, model).get(1, float('nan')), 2)} ms"
         for label, model, *_ in ROWS
     )
     notes = [
@@ -235,10 +193,8 @@ def _section(
         "call rate: above 1 is what batching recovers. Batch limit the node chose for it: "
         f"{limit}.",
         f"The node's own warm-up cost of a batch-1 call: {cost}.",
-        f"Failed replies during measurement: {sum(x['node'].errors for x in every)}. Rounds "
-        f"measured again because other processes used more than 0.2 cores meanwhile: "
-        f"{sum(x.attempts - 1 for x in every)}; most CPU other processes used during a kept "
-        f"round: {max(x.foreign_cores for x in every):.2f} cores.",
+        f"Failed replies during measurement: {sum(x['node'].errors for x in every)}. "
+        + bc.rounds_note(every),
         "Machine CPU per request counts every process on the machine ('own processes only': "
         "this benchmark's process tree). Failed replies in that row: "
         f"{sum(x['node'].errors + x['floor'].errors for x in cpu)}; rounds measured again: "

@@ -1,12 +1,7 @@
-"""Run the benchmarks and print a Markdown report.
-
-    python -m bench.run [--quick] [--only NAME ...] [--out PATH]
-
-Progress goes to stderr, the report to stdout and to ``--out``: in a report already
-there, each section of this run replaces the one of its title and the others are
-kept (the project keeps its figures in ``bench/RESULTS.md``). Exit status: 0 when every scenario ran
-(a missed target is reported, not an error), 1 when a scenario failed to run.
-"""
+"""Run the benchmarks and print a Markdown report: progress on stderr, the report on
+stdout and in ``--out``, where each section of this run replaces the one of its title
+and the others are kept (the project keeps its figures in ``bench/RESULTS.md``). Exit
+status 1 when a scenario failed to run (a missed target is reported, not an error)."""
 
 from __future__ import annotations
 
@@ -29,19 +24,8 @@ from bench import (
     priority_latency,
     simulation,
 )
-from bench.common import (
-    EnvFacts,
-    RunContext,
-    Section,
-    cpu_sample,
-    cpu_since,
-    embedded_ray,
-    log,
-    model_dir,
-    timed,
-    utc_now,
-    write_report,
-)
+from bench import common as bc
+from bench.common import RunContext, Section, log
 
 SCENARIOS = {  # name -> (run, title)
     "node_overhead": (node_overhead.run, node_overhead.TITLE),
@@ -65,20 +49,14 @@ def build_parser(prog: str = "python -m bench.run") -> argparse.ArgumentParser:
         "to stderr). Without --only, every scenario runs.",
         epilog=f"example: {prog} --quick --only priority_latency --out /tmp/results.md",
     )
+    quick = "short durations: a smoke run in a few minutes"
+    parser.add_argument("--quick", action="store_true", help=quick)
+    only = f"run only these scenarios ({', '.join(SCENARIOS)})"
     parser.add_argument(
-        "--quick", action="store_true", help="short durations: a smoke run in a few minutes"
+        "--only", nargs="+", action="extend", choices=list(SCENARIOS), metavar="NAME", help=only
     )
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        action="extend",
-        choices=list(SCENARIOS),
-        metavar="NAME",
-        help=f"run only these scenarios ({', '.join(SCENARIOS)})",
-    )
-    parser.add_argument(
-        "--out", type=Path, metavar="PATH", help="also write the report to this file"
-    )
+    out = "also write the report to this file"
+    parser.add_argument("--out", type=Path, metavar="PATH", help=out)
     return parser
 
 
@@ -90,11 +68,10 @@ def _run_one(name: str, ctx: RunContext) -> Section:
         try:
             return run(ctx)
         except Exception:
-            return Section(
-                title, "The scenario raised before completing.", error=traceback.format_exc()
-            )
+            raised = "The scenario raised before completing."
+            return Section(title, raised, error=traceback.format_exc())
 
-    section = timed(attempt)
+    section = bc.timed(attempt)
     verdict = "error" if section.error else ("all targets met" if section.passed else "misses")
     log(f"scenario {name}: done in {section.seconds:.0f} s ({verdict}); {section.cpu.describe()}")
     return section
@@ -103,21 +80,21 @@ def _run_one(name: str, ctx: RunContext) -> Section:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     chosen = [name for name in SCENARIOS if name in set(args.only or SCENARIOS)]
-    started, t0, cpu, facts = utc_now(), time.perf_counter(), cpu_sample(), EnvFacts.collect()
-    log(f"{len(chosen)} scenario(s), {'quick' if args.quick else 'full'} mode; {facts.line()}")
-    with embedded_ray(num_cpus=2), model_dir() as models:
+    started, t0, cpu = bc.utc_now(), time.perf_counter(), bc.cpu_sample()
+    mode = "quick" if args.quick else "full"
+    log(f"{len(chosen)} scenario(s), {mode} mode; {bc.EnvFacts.collect().line()}")
+    with bc.embedded_ray(num_cpus=2), bc.model_dir() as models:
         sections = [_run_one(name, RunContext(args.quick, models)) for name in chosen]
     seconds = time.perf_counter() - t0
     shown = " ".join(argv if argv is not None else sys.argv[1:])
     mode = " (quick: a smoke run, figures are rough)" if args.quick else ""
     run = (
         f"`python -m bench.run{' ' + shown if shown else ''}`{mode}, {started}, "
-        f"{seconds:.0f} s; other processes {cpu_since(cpu).foreign_cores:.2f} cores"
+        f"{seconds:.0f} s; other processes {bc.cpu_since(cpu).foreign_cores:.2f} cores"
     )
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-")) / "RESULTS.md"
-    print(write_report(out, sections, run), end="")
-    log(f"report written to {out}")
-    log(f"finished in {seconds:.0f} s")
+    print(bc.write_report(out, sections, run), end="")
+    log(f"report written to {out}; finished in {seconds:.0f} s")
     return 1 if any(s.error for s in sections) else 0
 
 

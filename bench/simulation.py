@@ -27,25 +27,8 @@ from typing import Any
 
 import yaml
 
-from bench.common import (
-    GET_TIMEOUT_S,
-    BenchModel,
-    OpenRun,
-    Part,
-    RunContext,
-    Section,
-    Target,
-    calm,
-    deployed,
-    error_name,
-    fmt,
-    log,
-    md_table,
-    open_loop,
-    percentile,
-    slow_feed,
-    timed,
-)
+from bench import common as bc
+from bench.common import OpenRun, Part, RunContext, Target, fmt, log, md_table, percentile, timed
 from bench.fleet import (
     CHEAP,
     CHEAP_COST_MS,
@@ -83,17 +66,11 @@ COMPLETED = OUTCOMES.index("completed")
 COUNT_TOLERANCE = 0.05
 SCALE_NODES, SCALE_REQUESTS = 10_000, 1_000_000
 SCALE_MINUTES, SCALE_RSS_GIB = 10.0, 4.0
-WARMUP, OBSERVED, ANYWHERE, RECORDED = (
-    "warm-up costs, shared cores",
-    "costs observed in the run",
-    "recorded run, drawn anywhere",
-    "recorded run",
-)
-SHORT = {
-    WARMUP: "warm-up, shared",
-    OBSERVED: "observed costs",
-    ANYWHERE: "recorded, anywhere",
-    RECORDED: "recorded run",
+SHORT = {  # variant -> its short name
+    (WARMUP := "warm-up costs, shared cores"): "warm-up, shared",
+    (OBSERVED := "costs observed in the run"): "observed costs",
+    (ANYWHERE := "recorded run, drawn anywhere"): "recorded, anywhere",
+    (RECORDED := "recorded run"): "recorded run",
 }
 
 # ------------------------------------------------------------------ (a) fidelity
@@ -143,15 +120,15 @@ class Fidelity:
 
 
 def _real_runs(
-    ctx: RunContext, models: Mapping[str, BenchModel], record_dir: Path
+    ctx: RunContext, models: Mapping[str, bc.BenchModel], record_dir: Path
 ) -> tuple[Any, ...]:
     """The trace replayed on the real fleet, its caller keeping a call record: the
     replays, their windows (unix times), the workload, the rate and capacity and the
     nodes' warm-up status."""
-    feeds = {n: slow_feed(m.width) for n, m in models.items()}
+    feeds = {n: bc.slow_feed(m.width) for n, m in models.items()}
     config = trace_config("bench-sim", models, POLICIES[0])
     router = config.router.model_copy(update={"record_dir": record_dir})
-    with deployed(config.model_copy(update={"router": router})) as client:
+    with bc.deployed(config.model_copy(update={"router": router})) as client:
         warm_nodes(client, feeds, 10)
         cap = measure_capacity(client, feeds, ctx.pick(1.5, 0.8))
         rate = FIDELITY_LOAD * cap.rate
@@ -160,22 +137,22 @@ def _real_runs(
         arrivals = list(workload.arrivals(rng, nodes=4, priorities=config.priorities))
         rounds = 2 * ctx.count(RECORDED_RUNS, 1)  # recorded runs and held-out ones alternate
         log(f"  (a) capacity {cap.rate:.0f}/s; {len(arrivals)} requests at {rate:.0f}/s")
-        warm = client.status(GET_TIMEOUT_S)
+        warm = client.status(bc.GET_TIMEOUT_S)
 
         def timed_run() -> tuple[OpenRun, tuple[float, float]]:
             start = time.time()
-            return open_loop(client, arrivals, feeds), (start, time.time())
+            return bc.open_loop(client, arrivals, feeds), (start, time.time())
 
         runs, windows = [], []
         for i in range(rounds):
             settle(client)
-            run, window = calm(timed_run, f"(a) round {i + 1}").value
+            run, window = bc.calm(timed_run, f"(a) round {i + 1}").value
             runs.append(run)
             windows.append(window)
     return runs, windows, workload, rate, cap.rate, warm, config
 
 
-def measure_fidelity(ctx: RunContext, models: Mapping[str, BenchModel]) -> Fidelity:
+def measure_fidelity(ctx: RunContext, models: Mapping[str, bc.BenchModel]) -> Fidelity:
     with tempfile.TemporaryDirectory() as tmp:
         record_dir = Path(tmp) / "calls"
         runs, windows, workload, rate, capacity, warm, config = _real_runs(ctx, models, record_dir)
@@ -335,7 +312,7 @@ def _latency_tables(f: Fidelity) -> tuple[str, str, str, list[Target]]:
 
 def _count_table(f: Fidelity) -> tuple[str, list[Target]]:
     held = f.answers(True)
-    real = Counter(error_name(a.reply) for a in held)
+    real = Counter(bc.error_name(a.reply) for a in held)
     n_held = len(f.rounds) // 2
     total = sum(real.values()) / n_held
     rows, targets = [], []
@@ -495,37 +472,24 @@ def measure_scale(nodes: int, requests: int, out: Path) -> dict[str, Any]:
         except (IndexError, ValueError):
             return math.nan
 
-    return {
-        "nodes": nodes,
-        "requests": requests,
-        "wall_s": wall,
-        "rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-        "events": number_before("events/s"),
-        "answered": int(number_before("answered") or 0),
-        "failed": (done.stdout + done.stderr)[-2000:] if done.returncode else "",
-    }
+    rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    failed = (done.stdout + done.stderr)[-2000:] if done.returncode else ""
+    answered, events = int(number_before("answered") or 0), number_before("events/s")
+    out = {"nodes": nodes, "requests": requests, "wall_s": wall, "rss_mib": rss_mib}
+    return out | {"events": events, "answered": answered, "failed": failed}
 
 
 def _scale_part(run: dict[str, Any], target: bool) -> Part:
-    table = md_table(
-        ["nodes", "requests", "answered", "wall time s", "peak RSS MiB", "events/s"],
-        [
-            [f"{run['nodes']:,}", f"{run['requests']:,}", f"{run['answered']:,}"]
-            + [fmt(run["wall_s"], 0), fmt(run["rss_mib"], 0), f"{run['events']:,.0f}"]
-        ],
-    )
-    targets = []
-    if target:
-        targets = [
-            Target("(b) wall time, minutes", run["wall_s"] / 60, "<=", SCALE_MINUTES),
-            Target("(b) peak RSS, GiB", run["rss_mib"] / 1024, "<=", SCALE_RSS_GIB),
-            Target(
-                "(b) every request answered (answered / requests)",
-                run["answered"] / run["requests"],
-                ">=",
-                1.0,
-            ),
-        ]
+    row = [f"{run[k]:,}" for k in ("nodes", "requests", "answered")]
+    row += [fmt(run["wall_s"], 0), fmt(run["rss_mib"], 0), f"{run['events']:,.0f}"]
+    headers = ["nodes", "requests", "answered", "wall time s", "peak RSS MiB", "events/s"]
+    table = md_table(headers, [row])
+    answered = "(b) every request answered (answered / requests)"
+    targets = [
+        Target("(b) wall time, minutes", run["wall_s"] / 60, "<=", SCALE_MINUTES),
+        Target("(b) peak RSS, GiB", run["rss_mib"] / 1024, "<=", SCALE_RSS_GIB),
+        Target(answered, run["answered"] / run["requests"], ">=", 1.0),
+    ]
     notes = [f"The run failed:\n\n```\n{run['failed']}\n```"] if run["failed"] else []
     measured = (
         f"`edgefleet simulate` in a child process: {run['nodes']:,} nodes (every node serves "
@@ -535,7 +499,7 @@ def _scale_part(run: dict[str, Any], target: bool) -> Part:
         "counts them."
     )
     title = "(b) Scale: 10,000 nodes and 1,000,000 requests"
-    return Part(title, measured, [table], targets, notes)
+    return Part(title, measured, [table], targets if target else [], notes)
 
 
 # ---------------------------------------------------------------- (c) the table
@@ -650,7 +614,7 @@ def _part_c(ctx: RunContext) -> Part:
     return _table_part(measure_table(sizes), table_config().router.placement.policy)
 
 
-def run(ctx: RunContext) -> Section:
+def run(ctx: RunContext) -> bc.Section:
     chosen = os.environ.get("EDGEFLEET_BENCH_SIM_PARTS", "abc")
     parts = []
     if "a" in chosen:
@@ -669,4 +633,4 @@ def run(ctx: RunContext) -> Section:
         "scheduler and the real placement in simulated time, engine time from cost tables "
         "or drawn from a recorded run."
     )
-    return Section(TITLE, measured, parts=parts)
+    return bc.Section(TITLE, measured, parts=parts)
