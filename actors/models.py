@@ -174,7 +174,7 @@ class ModelManager:
         artifact = None
         if self._resolve is not None:
             config, artifact = self._resolve(name, config)
-        need = config.memory_mb or _estimate_mb(config)
+        need = config.memory_mb or _estimate_mb(config, artifact)
         if need > self._budget_mb:
             raise EngineError(
                 f"model {name!r} needs about {need:.0f} MB, more than the node's memory "
@@ -213,8 +213,11 @@ def _batch_limit(info: ModelInfo) -> int:
     return configured_batch_limit(info.config, info.signature.batchable, info.costs_s)
 
 
-def _estimate_mb(config: ModelConfig) -> float:
-    # Weights plus ONNX Runtime's working memory, which is of the same order.
+def _estimate_mb(config: ModelConfig, artifact: ModelArtifact | None = None) -> float:
+    # Weights plus ONNX Runtime's working memory, which is of the same order. The
+    # artifact's files include the weights kept as external data.
+    if artifact is not None:
+        return max(1.0, 2 * artifact.size / MiB)
     try:
         return max(1.0, 2 * config.path.stat().st_size / MiB)
     except OSError:

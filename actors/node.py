@@ -111,7 +111,7 @@ class NodeRuntime:
             node=spec.name,
             resolve=self._from_cache if spec.artifacts else None,
         )
-        self._cache: ModelCache | None = None  # opened at the first fetch
+        self._cache: ModelCache | None = None  # opened at the first load
         self._sched = LocalScheduler.for_node(spec, self._clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
