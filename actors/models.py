@@ -217,7 +217,9 @@ def _estimate_mb(config: ModelConfig, artifact: ModelArtifact | None = None) -> 
     # Weights plus ONNX Runtime's working memory, which is of the same order. The
     # artifact's files include the weights kept as external data.
     if artifact is not None:
-        return max(1.0, 2 * artifact.size / MiB)
+        others = set(artifact.variants.values()) - {artifact.path}  # other providers' files
+        size = sum(f.size for f in artifact.files if f.name not in others)
+        return max(1.0, 2 * size / MiB)
     try:
         return max(1.0, 2 * config.path.stat().st_size / MiB)
     except OSError:
