@@ -934,6 +934,40 @@ def make_genai_lm(
     return path
 
 
+def make_genai_int4(
+    source: PathLike, folder: PathLike, *, accuracy_level: int = 4, block_size: int = 32
+) -> Path:
+    """Quantize the GenAI folder ``source`` (see :func:`make_genai_lm`) to int4 in a new
+    folder ``folder``, as ONNX Runtime GenAI's builder makes its CPU int4 models: every
+    MatMul with a constant weight becomes a ``com.microsoft.MatMulNBits`` (symmetric,
+    blocks of ``block_size``) by ONNX Runtime's own ``MatMulNBitsQuantizer``;
+    ``accuracy_level`` 4 (the builder's CPU default) computes with int8 activations
+    quantized per call. The embedding stays float32. ``genai_config.json`` is copied
+    unchanged. Returns the path of the new ``model.onnx``. Needs the ``onnx-ir``
+    package (the quantizer imports it).
+    """
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    src = Path(source)
+    if not (src / GENAI_CONFIG).is_file():
+        raise ValueError(f"{src} is not a GenAI folder: no {GENAI_CONFIG}")
+    # The quantizer logs a line per MatMul at INFO.
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    quantizer = MatMulNBitsQuantizer(
+        onnx.load(str(src / "model.onnx")),
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=accuracy_level,
+    )
+    quantizer.process()
+    root = Path(folder)
+    path = _write_atomic(quantizer.model.model.SerializeToString(), root / "model.onnx")
+    _write_atomic((src / GENAI_CONFIG).read_bytes(), root / GENAI_CONFIG)
+    return path
+
+
 # --------------------------------------------------------------------------- registry
 
 
