@@ -1,6 +1,7 @@
 """Generation on a real Ray node actor with a generated decoder: streaming, pause and
 resume with the KV cache, trimming to the shared prefix, the token budget governor,
-sessions, and clear errors."""
+sessions, and clear errors. Then the same on a GenAI folder (float32 and int4), each
+generation token for token what ONNX Runtime GenAI's Generator makes alone."""
 
 from __future__ import annotations
 
