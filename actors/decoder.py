@@ -346,8 +346,14 @@ class DecoderEngine:
         self._positions = np.arange(0, dtype=np.int64)[None]
         self._grow(self.max_context or 1024)
         # Decode steps of a GroupQueryAttention graph write the cache in place (see
-        # _decode_shared): the token and the logits go through these arrays.
-        self._share_buffer = self.batch_layout == "right" and not self._cache_branch
+        # _decode_shared): the token and the logits go through these arrays. Only on
+        # the CPU provider alone: the buffers are host memory, which another provider
+        # would copy to its device and back, so past and present would not be shared.
+        self._share_buffer = (
+            self.batch_layout == "right"
+            and not self._cache_branch
+            and self._session.get_providers() == [CPU.ort_name]
+        )
         self._ids = np.zeros((1, 1), dtype=self._ids_dtype)
         self._logits_dtype = next(s for s in self._sig.outputs if s.name == "logits").dtype
         self._logits: np.ndarray | None = None  # [1, 1, vocab], once the vocabulary is known
