@@ -329,7 +329,7 @@ def test_generate_chat_on_the_command_line(chat_lm, cli_on_ray, monkeypatch):
 # accuracy_level 4: int8 activations quantized per call, so edgefleet replays the
 # Generator's grouping of tokens into calls when it rebuilds a cache).
 
-GENAI_NEW = 800  # the trim test's background generation (the context is 1024)
+GENAI_NEW = 950  # background generations: long, so the foreground finds them running
 GENAI_KV_TOKENS = 300  # the node's KV budget, in tokens of either model (4 KiB a token)
 GENAI_TOKEN_BYTES = 4 * 2 * 4 * 32 * 4  # layers x (key, value) x kv heads x head size x fp32
 # What a trim keeps of a paused generation: its declared prefix. An int4 cache can only
@@ -433,11 +433,11 @@ def test_greedy_generation_equals_onnxruntime_genai(genai, genai_reference, mode
 
 @pytest.mark.parametrize("model", GENAI_MODELS)
 def test_a_paused_and_resumed_generation_equals_onnxruntime_genai(genai, genai_reference, model):
-    bg = genai.generate(model, PROMPT, max_new_tokens=400, priority="background")
+    bg = genai.generate(model, PROMPT, max_new_tokens=GENAI_NEW, priority="background")
     next(bg)  # running
     fg = genai.generate(model, PROMPT[:20], max_new_tokens=20, priority="foreground")
     assert fg.collect() == genai_reference(model, PROMPT[:20], 20)
-    assert bg.collect() == genai_reference(model, PROMPT, 400)
+    assert bg.collect() == genai_reference(model, PROMPT, GENAI_NEW)
     assert bg.result.pauses >= 1
 
 
@@ -489,7 +489,7 @@ def test_a_sessions_second_turn_equals_onnxruntime_genai(genai, genai_reference,
 @pytest.mark.parametrize("model", GENAI_MODELS)
 def test_four_generations_decoded_together_equal_onnxruntime_genai(genai, genai_reference, model):
     prompts = [tuple(range(5 + i, 25 + 3 * i)) for i in range(4)]
-    lengths = [120, 90, 150, 60]  # rows leave at different tokens
+    lengths = [360, 270, 450, 180]  # rows leave at different tokens
     streams = [
         genai.generate(model, p, max_new_tokens=n) for p, n in zip(prompts, lengths, strict=True)
     ]
