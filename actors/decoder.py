@@ -103,7 +103,9 @@ class _KVBuffer:
 class KVCache:
     """Keys and values of the first ``length`` tokens of a sequence, one array per
     past input of the model (``[1, heads, length, head_dim]``). Immutable: the engine
-    makes a new cache each step, and a trim copies."""
+    makes a new cache each step, and a trim copies. A decode step in place makes one
+    whose arrays view a decode buffer (``buffer``), whose later columns only the next
+    steps write: the columns it views never change."""
 
     arrays: tuple[np.ndarray, ...]
     length: int
