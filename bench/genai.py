@@ -5,8 +5,10 @@ its int4 build ``make_genai_int4``), both on one intra-op thread."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 PROMPT = tuple(range(3, 35))  # 32 tokens
 TARGET_RATIO = 0.9  # engine tokens/s >= 0.9 x the Generator's
+MIN_RUN_S = 0.5
 
 
 def _parameters(folder: Path) -> int:
@@ -86,6 +89,15 @@ def _engine_loop(folder: Path, n: int, *, in_place: bool = True) -> Run:
     return run
 
 
+def _repeated(loop: Run, times: int) -> tuple[float, float]:
+    """Wall and CPU seconds of ``times`` generations."""
+    wall = cpu = 0.0
+    for _ in range(times):
+        w, c, _tokens = loop()
+        wall, cpu = wall + w, cpu + c
+    return wall, cpu
+
+
 def _models(ctx: RunContext) -> list[tuple[str, Path, int]]:
     """The GenAI folders, float32 and int4 of each size: label, folder, parameters."""
     root = ctx.models.directory / "genai"
@@ -115,12 +127,16 @@ def run(ctx: RunContext) -> Section:
             "engine": _engine_loop(folder, n),
             "copying": _engine_loop(folder, n, in_place=False),
         }
-        tokens = {k: loop()[2] for k, loop in loops.items()}  # warm up; the tokens made
-        runs: dict[str, list[tuple[float, float, list[int]]]] = {k: [] for k in loops}
+        first = {k: loop() for k, loop in loops.items()}  # warm up; the tokens made
+        tokens = {k: r[2] for k, r in first.items()}
+        # A measurement is at least MIN_RUN_S of generations: a tiny model's one is a
+        # few ms, which a scheduler tick of another process would swamp.
+        times = max(1, math.ceil(MIN_RUN_S / first["generator"][0]))
+        runs: dict[str, list[tuple[float, float]]] = {k: [] for k in loops}
         for _ in range(rounds):  # alternate, so drift hits both alike
             for k, loop in loops.items():
-                runs[k].append(calm(loop, f"{k} {label}").value)
-        made = len(tokens["generator"])
+                runs[k].append(calm(partial(_repeated, loop, times), f"{k} {label}").value)
+        made = len(tokens["generator"]) * times
         wall = {k: made / median([r[0] for r in v]) for k, v in runs.items()}
         cpu = {k: made / median([r[1] for r in v]) for k, v in runs.items()}
         same = tokens["engine"] == tokens["generator"] == tokens["copying"]
@@ -142,7 +158,8 @@ def run(ctx: RunContext) -> Section:
         "included), batch 1, one intra-op thread in both: ONNX Runtime GenAI's Generator "
         "(its genai_config.json's session options overlaid with intra_op_num_threads 1) and "
         "edgefleet's DecoderEngine (advance, as a node runs it), on the same folders. "
-        f"Medians of {rounds} alternating rounds: tokens/s on the wall clock, and tokens per "
+        f"Medians of {rounds} alternating rounds (each of at least {MIN_RUN_S:g} s of "
+        "generations): tokens/s on the wall clock, and tokens per "
         "second of the calling thread's CPU time (both run there), which other processes "
         "on a shared machine disturb less; the target is on the latter. int4: MatMulNBits, "
         "block 32, accuracy_level 4 (ONNX Runtime's quantizer, as the GenAI builder does for "
