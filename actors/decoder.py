@@ -29,12 +29,19 @@ takes them padded on the right, as that op requires (see ``_Batch``). Logits mat
 decoding alone to float rounding (the padding changes the order of a few sums), so
 tokens are those made alone unless two candidates tie that closely. A generation leaves
 the group, with its own cache, at the token where it ends.
+
+A decode step of a ``GroupQueryAttention`` graph alone writes the new token's keys and
+values in place: past and present are bound (ONNX Runtime's IO binding) to one
+preallocated buffer, as ONNX Runtime GenAI does with ``past_present_share_buffer``, so
+no step copies the whole cache (see ``_decode_shared``). The buffer grows geometrically;
+the engine hands caches back to the node in arrays of their own size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import threading
 import time
@@ -51,6 +58,8 @@ from edgefleet.errors import EngineError, InvalidInput
 from edgefleet.providers import CPU, SessionPlan
 from edgefleet.request import GenerateRequest
 
+log = logging.getLogger(__name__)
+
 PAST = "past_key_values."
 PRESENT = "present."
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
@@ -66,20 +75,54 @@ MATMUL_NBITS = b"MatMulNBits"
 NBITS_GROUPING_LEVEL = 2
 # ONNX Runtime's attention op of GenAI builds: it finds each row's past from column 0.
 GROUP_QUERY_ATTENTION = b"GroupQueryAttention"
+# A decode buffer's columns: twice those needed when it is made (or this many more), so
+# a generation's decode steps copy its cache O(log n) times, not once a token.
+BUFFER_SLACK = 64
+
+
+@dataclass(eq=False)
+class _KVBuffer:
+    """Preallocated KV arrays (``[1, heads, capacity, head_dim]``, one per past input)
+    that one engine's decode steps write in place (see ``DecoderEngine._decode_shared``),
+    with the IO binding that runs them: past and present inputs and outputs bound to the
+    same arrays. Columns ``0 .. filled - 1`` hold keys and values. Only a cache that
+    covers exactly those columns appends (writes column ``filled``), so every
+    ``KVCache`` viewing the first ``n <= filled`` columns stays as it was: immutable."""
+
+    arrays: tuple[np.ndarray, ...]
+    filled: int
+    binding: ort.IOBinding
+    session: ort.InferenceSession  # the binding's: a reloaded model makes its own buffers
+
+    @property
+    def capacity(self) -> int:
+        return int(self.arrays[0].shape[2])
 
 
 @dataclass(frozen=True)
 class KVCache:
     """Keys and values of the first ``length`` tokens of a sequence, one array per
     past input of the model (``[1, heads, length, head_dim]``). Immutable: the engine
-    makes a new cache each step, and a trim copies."""
+    makes a new cache each step, and a trim copies. A decode step in place makes one
+    whose arrays view a decode buffer (``buffer``), whose later columns only the next
+    steps write: the columns it views never change."""
 
     arrays: tuple[np.ndarray, ...]
     length: int
+    # Set when ``arrays`` view the first ``length`` columns of a decode buffer.
+    buffer: _KVBuffer | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+    def compact(self) -> KVCache:
+        """This cache in arrays of its own size (a copy) when it views a decode buffer,
+        else itself: what a node keeps holds no spare columns, so its KV budget counts
+        what is really held."""
+        if self.buffer is None:
+            return self
+        return KVCache(tuple(np.ascontiguousarray(a) for a in self.arrays), self.length)
 
     def prefix(self, n: int) -> KVCache | None:
         """A copy that covers the first ``n`` tokens only (None for n == 0)."""
@@ -214,7 +257,7 @@ def sample(
 ) -> int:
     """Greedy for temperature 0, else softmax sampling over the ``top_k`` best (0: all)."""
     if temperature <= 0 or rng is None:
-        return int(np.argmax(logits))
+        return int(logits.argmax())
     z = logits.astype(np.float64) / temperature
     ids = None
     if 0 < top_k < z.shape[0]:
@@ -304,6 +347,18 @@ class DecoderEngine:
         self._ones = np.ones((1, 0), dtype=self._mask_dtype)
         self._positions = np.arange(0, dtype=np.int64)[None]
         self._grow(self.max_context or 1024)
+        # Decode steps of a GroupQueryAttention graph write the cache in place (see
+        # _decode_shared): the token and the logits go through these arrays. Only on
+        # the CPU provider alone: the buffers are host memory, which another provider
+        # would copy to its device and back, so past and present would not be shared.
+        self._share_buffer = (
+            self.batch_layout == "right"
+            and not self._cache_branch
+            and self._session.get_providers() == [CPU.ort_name]
+        )
+        self._ids = np.zeros((1, 1), dtype=self._ids_dtype)
+        self._logits_dtype = next(s for s in self._sig.outputs if s.name == "logits").dtype
+        self._logits: np.ndarray | None = None  # [1, 1, vocab], once the vocabulary is known
 
     # --------------------------------------------------------------- Engine protocol
 
@@ -346,6 +401,8 @@ class DecoderEngine:
         except RunAborted:
             return None  # a prefill aborted for a pause: its cache is as it was
         finally:
+            if gen.cache is not None:
+                gen.cache = gen.cache.compact()
             gen.engine_s += time.perf_counter() - t0
             gen.engine_cpu_s += time.thread_time() - cpu0
 
@@ -362,8 +419,7 @@ class DecoderEngine:
             end = len(gen.tokens)
             if 0 < self.prefill_chunk < end - start:
                 end = start + self.prefill_chunk
-        logits, arrays = self.forward(gen.tokens[start:end], start, gen.cache, stop)
-        gen.cache = KVCache(arrays, end)
+        logits, gen.cache = self._extend(gen.tokens[start:end], start, gen.cache, stop)
         gen.fed += end - start
         if end < len(gen.tokens):
             return None  # a prefill chunk, or a call replayed to rebuild a cache
@@ -389,6 +445,101 @@ class DecoderEngine:
         if self.prefill_chunk > 0:
             return start, min(start + self.prefill_chunk, prompt)
         return start, prompt
+
+    def _extend(
+        self,
+        ids: Sequence[int],
+        start: int,
+        cache: KVCache | None,
+        stop: threading.Event | None = None,
+    ) -> tuple[np.ndarray, KVCache]:
+        """``forward``, returning the cache that covers ``ids`` too. A decode step (one
+        token after a cache) of a graph that takes it writes the cache in place."""
+        refused: Exception | None = None
+        if len(ids) == 1 and cache is not None and self._share_buffer and self.vocab:
+            try:
+                return self._decode_shared(ids[0], cache)
+            except Exception as exc:  # ONNX Runtime's own error types
+                refused = exc
+        logits, arrays = self.forward(ids, start, cache, stop)
+        if refused is not None:
+            # The graph runs, but not on shared buffers: decode with a copy per token.
+            self._share_buffer = False
+            log.warning(
+                "model %r: decoding in a shared KV buffer failed (%s); copying the cache "
+                "each step instead",
+                self.name,
+                refused,
+            )
+        return logits, KVCache(arrays, start + len(ids))
+
+    def _decode_shared(self, token: int, cache: KVCache) -> tuple[np.ndarray, KVCache]:
+        """One decode step that writes the new token's keys and values into the cache's
+        decode buffer in place, through ONNX Runtime's IO binding. GroupQueryAttention
+        takes past and present bound to one buffer wider than the mask (ONNX Runtime
+        GenAI's ``past_present_share_buffer``): it then reads the row's past from its
+        first ``seqlens_k`` columns, as it does from a past of their width, and writes
+        the new token's column instead of copying the past to a new present. Logits are
+        those of ``forward`` (the same kernels, the same columns attended to). A cache
+        without a buffer it may append to is first copied into a new one."""
+        n = cache.length
+        buffer = cache.buffer
+        if (
+            buffer is None
+            or buffer.session is not self._session
+            or buffer.filled != n
+            or n >= buffer.capacity
+        ):
+            buffer = self._buffer_for(cache)
+        if n + 1 > self._ones.shape[1]:
+            self._grow(2 * (n + 1))
+        self._ids[0, 0] = token
+        binding = buffer.binding
+        binding.bind_input(
+            "attention_mask", "cpu", 0, self._mask_dtype.type, [1, n + 1], self._ones_at
+        )
+        if self._has_positions:
+            at = self._positions_at + n * self._positions.itemsize
+            binding.bind_input("position_ids", "cpu", 0, np.int64, [1, 1], at)
+        self._session.run_with_iobinding(binding)
+        buffer.filled = n + 1
+        arrays = tuple(a[:, :, : n + 1] for a in buffer.arrays)
+        assert self._logits is not None  # bound by _buffer_for
+        return self._logits[0, -1].copy(), KVCache(arrays, n + 1, buffer)
+
+    def _buffer_for(self, cache: KVCache) -> _KVBuffer:
+        """A new decode buffer holding ``cache`` in its first columns, with room to grow
+        (up to the model's context), and its IO binding."""
+        need = cache.length + 1
+        capacity = max(2 * need, need + BUFFER_SLACK)
+        if self.max_context is not None:
+            capacity = max(need, min(capacity, self.max_context))
+        arrays = []
+        for a in cache.arrays:
+            # Zeros, not garbage: the columns past the row are never attended to, but
+            # keep NaNs out of any kernel that touches them.
+            out = np.zeros((1, a.shape[1], capacity, a.shape[3]), a.dtype)
+            out[:, :, : cache.length] = a
+            arrays.append(out)
+        if self._logits is None:  # once: every binding writes here (the vocabulary is fixed)
+            self._logits = np.zeros((1, 1, int(self.vocab or 0)), self._logits_dtype)
+        binding = self._session.io_binding()
+        for past, present, array in zip(self._past, self._present, arrays, strict=True):
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_output(present, value)
+        binding.bind_input(
+            "input_ids", "cpu", 0, self._ids_dtype.type, [1, 1], self._ids.ctypes.data
+        )
+        binding.bind_output(
+            "logits",
+            "cpu",
+            0,
+            self._logits_dtype.type,
+            list(self._logits.shape),
+            self._logits.ctypes.data,
+        )
+        return _KVBuffer(tuple(arrays), cache.length, binding, self._session)
 
     def forward(
         self,
@@ -479,6 +630,10 @@ class DecoderEngine:
             self._decode_in_turn(ready, stop)
         except RunAborted:
             pass  # a prefill aborted for a pause: its cache is as it was
+        finally:
+            for gen in gens:
+                if gen.cache is not None:
+                    gen.cache = gen.cache.compact()
         return {gen.request.id: gen.end_reason() for gen in gens}
 
     def forward_rows(
@@ -583,6 +738,9 @@ class DecoderEngine:
     def _grow(self, n: int) -> None:
         self._ones = np.ones((1, n), dtype=self._mask_dtype)
         self._positions = np.arange(n, dtype=np.int64)[None]
+        # Their addresses, for decode steps that bind them (read once: ctypes is slow).
+        self._ones_at = self._ones.ctypes.data
+        self._positions_at = self._positions.ctypes.data
 
     def _kv_shape(
         self, shape: tuple[Any, ...], meta: Mapping[str, Any], name: str

@@ -748,9 +748,14 @@ def make_genai_lm(
     the right). The MLP is SiLU-gated (``Sigmoid``, ``Mul``) of width ``2 * hidden``;
     an untied ``lm_head`` gives the logits. Weights are random (``default_rng(seed)``).
 
-    ``genai_config.json`` holds what the builder writes that the decoder reads:
-    ``context_length``, ``eos_token_id``, ``pad_token_id``, ``vocab_size``, ``type``
-    and the decoder's file, sizes and tensor names. The graph uses ONNX Runtime's
+    ``genai_config.json`` is what the builder writes for such a model (no tokenizer:
+    the folder is fed token ids): ``bos_token_id``, ``context_length``,
+    ``eos_token_id``, ``pad_token_id``, ``vocab_size``, ``type``, the decoder's file,
+    sizes and tensor names, and the builder's ``search`` defaults with
+    ``past_present_share_buffer`` on (GroupQueryAttention writes a preallocated cache in
+    place). So ``onnxruntime_genai.Model(folder)`` loads it and its ``Generator`` gives
+    reference outputs; edgefleet's decoder reads the facts it needs from the same
+    file. The graph uses ONNX Runtime's
     contrib ops, so it is checked by loading it in ONNX Runtime, not by onnx.checker
     (which knows no ``SimplifiedLayerNormalization`` in the default domain).
     """
@@ -905,9 +910,61 @@ def make_genai_lm(
             "type": GENAI_LM_MODEL_TYPE,
             "vocab_size": vocab,
         },
-        "search": {"do_sample": False, "max_length": max_context, "num_beams": 1},
+        # The builder's search defaults (for a config.json that sets none of them). A
+        # GroupQueryAttention graph shares past and present buffers: the runtime gives
+        # every past input a buffer of max_length columns the op writes in place.
+        "search": {
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": max_context,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": True,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 50,
+            "top_p": 1.0,
+        },
     }
     _write_atomic((json.dumps(config, indent=4) + "\n").encode(), root / GENAI_CONFIG)
+    return path
+
+
+def make_genai_int4(
+    source: PathLike, folder: PathLike, *, accuracy_level: int = 4, block_size: int = 32
+) -> Path:
+    """Quantize the GenAI folder ``source`` (see :func:`make_genai_lm`) to int4 in a new
+    folder ``folder``, as ONNX Runtime GenAI's builder makes its CPU int4 models: every
+    MatMul with a constant weight becomes a ``com.microsoft.MatMulNBits`` (symmetric,
+    blocks of ``block_size``) by ONNX Runtime's own ``MatMulNBitsQuantizer``;
+    ``accuracy_level`` 4 (the builder's CPU default) computes with int8 activations
+    quantized per call. The embedding stays float32. ``genai_config.json`` is copied
+    unchanged. Returns the path of the new ``model.onnx``. Needs the ``onnx-ir``
+    package (the quantizer imports it).
+    """
+    import logging
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    src = Path(source)
+    if not (src / GENAI_CONFIG).is_file():
+        raise ValueError(f"{src} is not a GenAI folder: no {GENAI_CONFIG}")
+    # The quantizer logs a line per MatMul at INFO.
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    quantizer = MatMulNBitsQuantizer(
+        onnx.load(str(src / "model.onnx")),
+        block_size=block_size,
+        is_symmetric=True,
+        accuracy_level=accuracy_level,
+    )
+    quantizer.process()
+    root = Path(folder)
+    path = _write_atomic(quantizer.model.model.SerializeToString(), root / "model.onnx")
+    _write_atomic((src / GENAI_CONFIG).read_bytes(), root / GENAI_CONFIG)
     return path
 
 

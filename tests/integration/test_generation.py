@@ -1,20 +1,24 @@
 """Generation on a real Ray node actor with a generated decoder: streaming, pause and
 resume with the KV cache, trimming to the shared prefix, the token budget governor,
-sessions, and clear errors."""
+sessions, and clear errors. Then the same on a GenAI folder (float32 and int4), each
+generation token for token what ONNX Runtime GenAI's Generator makes alone."""
 
 from __future__ import annotations
 
+import functools
 import io
+import json
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from actors.decoder import DecoderEngine, Generation
 from cluster.text import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from edgefleet.errors import InvalidInput
-from edgefleet.modelgen import make_tiny_lm, make_tokenizer
+from edgefleet.modelgen import make_genai_int4, make_genai_lm, make_tiny_lm, make_tokenizer
 from edgefleet.request import GenerateRequest
 
 pytestmark = pytest.mark.integration
@@ -315,3 +319,190 @@ def test_generate_chat_on_the_command_line(chat_lm, cli_on_ray, monkeypatch):
     assert talk.returncode == 0, talk.stderr[-3000:]
     assert talk.stdout == f"{first}\n{chat.send('and the boats?')}\n"
     assert talk.stderr.count("finish: ") == 2
+
+
+# ------------------------------------------------- against ONNX Runtime GenAI's Generator
+#
+# A GenAI folder (GroupQueryAttention with rotary, no position_ids) served by a fleet
+# gives exactly the tokens ONNX Runtime GenAI's own Generator makes alone, greedy: in
+# float32, and quantized to int4 as the builder does for the CPU (MatMulNBits,
+# accuracy_level 4: int8 activations quantized per call, so edgefleet replays the
+# Generator's grouping of tokens into calls when it rebuilds a cache).
+
+GENAI_NEW = 950  # background generations: long, so the foreground finds them running
+GENAI_KV_TOKENS = 300  # the node's KV budget, in tokens of either model (4 KiB a token)
+GENAI_TOKEN_BYTES = 4 * 2 * 4 * 32 * 4  # layers x (key, value) x kv heads x head size x fp32
+# What a trim keeps of a paused generation: its declared prefix. An int4 cache can only
+# be cut back to the end of a call (the prompt was one), so it keeps the whole prompt.
+GENAI_PREFIX = {"fp32": SYSTEM, "int4": len(PROMPT)}
+GENAI_MODELS = ("fp32", "int4")
+
+
+@pytest.fixture(scope="module")
+def og():
+    return pytest.importorskip(
+        "onnxruntime_genai",
+        reason="onnxruntime-genai is not installed (pip install -e '.[dev]'): its Generator "
+        "gives the reference outputs",
+    )
+
+
+@pytest.fixture(scope="module")
+def genai_models(tmp_path_factory) -> dict[str, Path]:
+    """A float32 GenAI folder and its int4 build. Hidden 256, 4 layers and 4000 tokens:
+    large enough that int4's per-call activation scales change the output of a cache
+    rebuilt in one call (a hidden-64 build never did); about 1.5 s to make."""
+    root = tmp_path_factory.mktemp("genai")
+    fp32 = make_genai_lm(
+        root / "fp32", heads=8, kv_heads=4, head_dim=32, layers=4, vocab=4000, max_context=1024
+    )
+    return {"fp32": fp32, "int4": make_genai_int4(fp32.parent, root / "int4")}
+
+
+@pytest.fixture(scope="module")
+def genai_reference(og, genai_models):
+    """``reference(model, prompt, n)``: the greedy tokens of ONNX Runtime GenAI's
+    Generator alone on the model's folder (one thread), at most ``n`` new ones (its
+    end-of-sequence id ends it earlier, as it ends edgefleet's)."""
+    loaded = {}
+    for name, path in genai_models.items():
+        config = og.Config(str(path.parent))
+        one_thread = {"session_options": {"intra_op_num_threads": 1, "inter_op_num_threads": 1}}
+        config.overlay(json.dumps({"model": {"decoder": one_thread}}))
+        loaded[name] = og.Model(config)
+
+    @functools.cache
+    def reference(model: str, prompt: tuple[int, ...], n: int) -> list[int]:
+        params = og.GeneratorParams(loaded[model])
+        params.set_search_options(do_sample=False, max_length=len(prompt) + n)
+        generator = og.Generator(loaded[model], params)
+        generator.append_tokens(np.array([prompt], dtype=np.int32))
+        tokens = []
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        return tokens
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def _module_genai_fleet(_shared_ray, genai_models):
+    """One node serving both builds, for every test of this section. Its KV budget is
+    GENAI_KV_TOKENS tokens: a session's cache and a paused generation's early in its
+    run fit, a paused generation hundreds of tokens in does not (it is trimmed to its
+    prefix). The default budget never trims a model this small, so the module's other
+    fleet cannot serve here."""
+    import ray
+
+    from cluster.client import FleetClient
+    from cluster.deploy import init_loopback_ray
+    from edgefleet.config import MiB, parse_config
+
+    if not ray.is_initialized():
+        init_loopback_ray(num_cpus=4)
+    models = {m: {"path": str(p), "kind": "decoder"} for m, p in genai_models.items()}
+    config = parse_config(
+        {
+            "fleet": {"name": "genai"},
+            "local": {"nodes": 1},
+            "models": models,
+            "node_defaults": {"kv_budget_mb": GENAI_KV_TOKENS * GENAI_TOKEN_BYTES / MiB},
+        },
+        genai_models["fp32"].parent.parent,
+    )
+    with FleetClient.local(config) as fleet:
+        yield fleet
+
+
+@pytest.fixture
+def genai(_module_genai_fleet):
+    """The section's fleet, idle (a test that passed left it so)."""
+    fleet = _module_genai_fleet
+    wait_for(lambda: (lambda n: n.running is None and not n.paused)(node_status(fleet)), 60)
+    return fleet
+
+
+@pytest.mark.parametrize("model", GENAI_MODELS)
+def test_greedy_generation_equals_onnxruntime_genai(genai, genai_reference, model):
+    stream = genai.generate(model, PROMPT, max_new_tokens=120)
+    expected = genai_reference(model, PROMPT, 120)
+    assert len(expected) == 120  # no end-of-sequence: the whole run is compared
+    assert stream.collect() == expected and stream.finish_reason == "length"
+
+
+@pytest.mark.parametrize("model", GENAI_MODELS)
+def test_a_paused_and_resumed_generation_equals_onnxruntime_genai(genai, genai_reference, model):
+    bg = genai.generate(model, PROMPT, max_new_tokens=GENAI_NEW, priority="background")
+    next(bg)  # running
+    fg = genai.generate(model, PROMPT[:20], max_new_tokens=20, priority="foreground")
+    assert fg.collect() == genai_reference(model, PROMPT[:20], 20)
+    assert bg.collect() == genai_reference(model, PROMPT, GENAI_NEW)
+    assert bg.result.pauses >= 1
+
+
+@pytest.mark.parametrize("model", GENAI_MODELS)
+def test_a_trimmed_and_reprefilled_generation_equals_onnxruntime_genai(
+    genai, genai_reference, genai_models, model
+):
+    expected = genai_reference(model, PROMPT, GENAI_NEW)
+    trimmed = node_status(genai).counters["kv_trimmed"]
+    prefix = GENAI_PREFIX[model]
+    bg = genai.generate(
+        model, PROMPT, max_new_tokens=GENAI_NEW, priority="background", prefix_len=prefix
+    )
+    for made, _ in enumerate(bg, 1):
+        if made == GENAI_KV_TOKENS:  # its cache no longer fits the budget once it pauses
+            break
+    genai.generate(model, PROMPT[:8], max_new_tokens=200, priority="foreground").collect()
+    assert bg.collect() == expected
+    assert bg.result.pauses >= 1 and node_status(genai).counters["kv_trimmed"] > trimmed
+    assert bg.result.fed_tokens > len(PROMPT) + GENAI_NEW - 1  # fed again after the prefix
+    if model == "int4":
+        # The grouping matters here: a rebuild in one call (a float model's) diverges.
+        engine = DecoderEngine("naive", genai_models[model])
+        engine.exact_grouping = False
+        stop = threading.Event()
+        gen = Generation(
+            GenerateRequest("naive", PROMPT, max_new_tokens=200),
+            limit=200,
+            emit=lambda t: stop.set() if len(gen.generated) >= 60 else None,
+        )
+        assert engine.advance(gen, stop) is None and gen.cache is not None
+        gen.cache = gen.cache.prefix(prefix)
+        assert engine.advance(gen) == "length" and gen.generated != expected[:200]
+
+
+@pytest.mark.parametrize("model", GENAI_MODELS)
+def test_a_sessions_second_turn_equals_onnxruntime_genai(genai, genai_reference, model):
+    session = f"genai-{model}"
+    first = genai.generate(model, PROMPT, max_new_tokens=12, session=session).collect()
+    assert first == genai_reference(model, PROMPT, 12)
+    prompt = (*PROMPT, *first, 5, 6, 7)
+    turn = genai.generate(model, prompt, max_new_tokens=12, session=session)
+    assert turn.collect() == genai_reference(model, prompt, 12)
+    # The float model starts from the first turn's KV; int4 prefills all of it, as the
+    # Generator does (a cache built by other calls would change its numbers).
+    assert turn.result.reused_tokens == (len(PROMPT) + len(first) - 1 if model == "fp32" else 0)
+
+
+@pytest.mark.parametrize("model", GENAI_MODELS)
+def test_four_generations_decoded_together_equal_onnxruntime_genai(genai, genai_reference, model):
+    prompts = [tuple(range(5 + i, 25 + 3 * i)) for i in range(4)]
+    lengths = [360, 270, 450, 180]  # rows leave at different tokens
+    streams = [
+        genai.generate(model, p, max_new_tokens=n) for p, n in zip(prompts, lengths, strict=True)
+    ]
+    threads = [threading.Thread(target=s.collect) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for stream, prompt, n in zip(streams, prompts, lengths, strict=True):
+        assert stream.tokens == genai_reference(model, prompt, n)
+    # Together: every generation made tokens while each other one did.
+    spans = [
+        (s.result.arrival + s.result.token_times[0], s.result.arrival + s.result.token_times[-1])
+        for s in streams
+    ]
+    assert max(first for first, _ in spans) < min(last for _, last in spans)

@@ -839,3 +839,34 @@ def test_genai_lm_rejects_sizes_its_attention_cannot_take(tmp_path: Path) -> Non
         modelgen.make_genai_lm(tmp_path / "a", head_dim=24)
     with pytest.raises(ValueError, match="kv_heads"):
         modelgen.make_genai_lm(tmp_path / "b", heads=4, kv_heads=3)
+
+
+def test_genai_config_is_the_builders_and_onnxruntime_genai_loads_the_folder(
+    genai_path: Path,
+) -> None:
+    import json
+
+    config = json.loads((genai_path.parent / modelgen.GENAI_CONFIG).read_text())
+    search = config["search"]
+    assert search["past_present_share_buffer"] is True and search["do_sample"] is False
+    assert search["max_length"] == config["model"]["context_length"] == modelgen.GENAI_LM_CONTEXT
+    assert config["model"]["bos_token_id"] == 1 and config["model"]["type"] == "llama"
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+    og.Model(str(genai_path.parent))
+
+
+def test_genai_int4_is_the_folder_quantized_with_matmul_nbits(
+    tmp_path: Path, genai_path: Path
+) -> None:
+    from actors.decoder import dynamically_quantized
+
+    path = modelgen.make_genai_int4(genai_path.parent, tmp_path / "int4")
+    ops = list(onnx.load(str(path)).graph.node)
+    nbits = [n for n in ops if n.op_type == "MatMulNBits"]
+    assert nbits and not [n for n in ops if n.op_type == "MatMul"]
+    levels = {a.i for n in nbits for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {4} and dynamically_quantized(path)
+    config = modelgen.GENAI_CONFIG
+    assert (path.parent / config).read_text() == (genai_path.parent / config).read_text()
+    with pytest.raises(ValueError, match="not a GenAI folder"):
+        modelgen.make_genai_int4(tmp_path, tmp_path / "again")
