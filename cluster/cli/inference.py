@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cluster.cli.common import (
     RawHelpFormatter,
@@ -166,13 +166,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stream = client.generate(
             args.model,
             args.prompt if text else args.prompt_ids,
-            max_new_tokens=args.max_new_tokens,
-            priority=args.priority,
             session=args.session,
             prefix_len=args.prefix_len,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
+            **_sampling(args),
         )
         try:
             if text:
@@ -189,6 +185,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """What a generation's options say of its length, priority and sampling."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "priority": args.priority,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "seed": args.seed,
+    }
+
+
 def _check_generate(args: argparse.Namespace) -> None:
     if args.chat and args.prompt_ids is not None:
         raise InvalidInput("--chat takes text (--prompt, or turns on standard input), not ids")
@@ -202,16 +209,7 @@ def _chat(args: argparse.Namespace) -> int:
     """One turn (``--prompt``), or a conversation read from standard input, a turn a
     line: each answer printed as it comes, the conversation kept under one session."""
     with fleet_client(args) as client:
-        chat = client.chat(
-            args.model,
-            system=args.system,
-            session=args.session,
-            max_new_tokens=args.max_new_tokens,
-            priority=args.priority,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
-        )
+        chat = client.chat(args.model, system=args.system, session=args.session, **_sampling(args))
         for turn in [args.prompt] if args.prompt is not None else _turns():
             answer = chat.stream(turn)
             try:

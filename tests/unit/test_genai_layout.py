@@ -7,55 +7,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import onnx
 import pytest
 
 from actors.decoder import DecoderEngine, genai_facts
 from edgefleet.errors import EngineError
-from edgefleet.modelgen import make_tiny_lm
+from edgefleet.modelgen import make_genai_lm
 
 
 def genai_folder(tmp_path: Path, **decoder_names: str) -> Path:
-    """The tiny LM without its ONNX metadata, with a genai_config.json as the builder
-    writes one (trimmed to what matters here)."""
-    path = make_tiny_lm(tmp_path / "source.onnx")
-    model = onnx.load(str(path))
-    del model.metadata_props[:]  # what it knows comes from genai_config.json alone
-    folder = tmp_path / "phi-tiny"
-    folder.mkdir()
-    onnx.save(model, str(folder / "model.onnx"))
-    config = {
-        "model": {
-            "context_length": 96,
-            "eos_token_id": [7, 9],
-            "pad_token_id": 0,
-            "vocab_size": 512,
-            "type": "llama",
-            "decoder": {
-                "filename": "model.onnx",
-                "head_size": 32,
-                "hidden_size": 128,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 4,
-                "num_hidden_layers": 4,
-                "inputs": {
-                    "input_ids": "input_ids",
-                    "attention_mask": "attention_mask",
-                    "past_key_names": "past_key_values.%d.key",
-                    "past_value_names": "past_key_values.%d.value",
-                    **decoder_names,
-                },
-                "outputs": {
-                    "logits": "logits",
-                    "present_key_names": "present.%d.key",
-                    "present_value_names": "present.%d.value",
-                },
-            },
-        },
-        "search": {"max_length": 96},
-    }
-    (folder / "genai_config.json").write_text(json.dumps(config))
-    return folder / "model.onnx"
+    """A GenAI builder's folder (the project's generator writes one), its
+    genai_config.json saying two end-of-sequence ids and tensor names of
+    ``decoder_names``."""
+    path = make_genai_lm(tmp_path / "phi-tiny", max_context=96, kv_heads=2)
+    file = path.parent / "genai_config.json"
+    config = json.loads(file.read_text())
+    config["model"]["eos_token_id"] = [7, 9]
+    config["model"]["decoder"]["inputs"].update(decoder_names)
+    file.write_text(json.dumps(config))
+    return path
 
 
 def test_a_genai_folder_loads_with_what_its_genai_config_says(tmp_path):
@@ -64,7 +33,7 @@ def test_a_genai_folder_loads_with_what_its_genai_config_says(tmp_path):
     engine = DecoderEngine("phi", path)
     assert engine.max_context == 96
     assert engine.stop_ids == (7, 9)
-    assert genai_facts(path)["num_key_value_heads"] == 4
+    assert genai_facts(path)["num_key_value_heads"] == 2
 
 
 def test_tensor_names_edgefleet_does_not_run_by_are_a_clear_error(tmp_path):
