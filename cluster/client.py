@@ -425,14 +425,29 @@ class FleetClient:
         saying it takes token ids when it has none."""
         self._check_model(model)
         name, _ = split_version(model)
-        return tokenizer_for(name, self.config.models[name].path)
+        return tokenizer_for(name, self._text_files(name))
 
     def chat_template(self, model: str) -> ChatTemplate:
         """The chat template of ``model`` (its folder's ``tokenizer_config.json``);
         InvalidInput saying it has none."""
         self._check_model(model)
         name, _ = split_version(model)
-        return chat_template_for(name, self.config.models[name].path)
+        return chat_template_for(name, self._text_files(name))
+
+    def _text_files(self, name: str) -> Path:
+        """Where ``name``'s tokenizer files are read from: beside its file, as the fleet
+        file gives it, or, where this machine has no copy, from the fleet's store into
+        this machine's model cache (the deploy published them)."""
+        path = self.config.models[name].path
+        artifact = self.config.artifacts.get(name)
+        side = artifact.side_files() if artifact is not None else None
+        if path.parent.is_dir() or side is None or self.config.store is None:
+            return path
+        from actors.cache import ModelCache, StoreSource, default_cache_dir
+
+        cache = ModelCache(default_cache_dir(), int(self.config.node_defaults.model_cache_mb) << 20)
+        tree = cache.ensure(side, StoreSource.named(self.config.store)).tree
+        return tree / side.path
 
     def chat(
         self,

@@ -6,8 +6,9 @@ renders them.
 
 The caller tokenizes, not the node: nodes keep speaking token ids, which is what their
 caches, sessions, shared prefixes and the continuation of a generation whose node was
-lost are keyed by, and a small device spends no CPU on text. The caller needs the
-tokenizer file: the deployer's model folder, or a copy at the same path.
+lost are keyed by, and a small device spends no CPU on text. The caller reads the
+tokenizer files from the model's folder, or, on a machine without it, fetches them
+from the fleet's store (``FleetClient`` does: the deploy published them).
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,7 @@ SIDE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
 )
 
 
@@ -72,6 +74,18 @@ class ModelArtifact:
 
     def describe(self) -> str:
         return f"{self.model}@{self.version} (sha256 {self.short}, {_mib(self.size)})"
+
+    def side_files(self) -> ModelArtifact | None:
+        """The files read beside the model's ONNX file (a decoder's config and tokenizer
+        files) as a tree of their own, or None when there are none: what a caller that
+        tokenizes needs of a model it has no copy of."""
+        folder = posixpath.dirname(self.path)
+        side = tuple(
+            f for f in self.files if f.name in {posixpath.join(folder, n) for n in SIDE_FILES}
+        )
+        if not side:
+            return None
+        return replace(self, digest=tree_digest(side), files=side, variants={})
 
 
 def sha256_file(path: Path) -> str:

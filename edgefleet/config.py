@@ -693,6 +693,11 @@ class FleetConfig(_Strict):
         """Each served model's files as the deploy published them (empty before)."""
         return dict(self._artifacts)
 
+    @property
+    def store(self) -> str | None:
+        """The name of the store actor the models were published to (None before)."""
+        return self._store
+
     def with_artifacts(self, artifacts: Mapping[str, ModelArtifact], store: str) -> FleetConfig:
         """This config with its models published to the store actor named ``store``:
         its nodes load them from their caches."""

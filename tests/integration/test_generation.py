@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -235,6 +236,27 @@ def test_text_in_and_out_through_the_client(lm, slow_lm):
     text = "".join(stream.texts())
     assert stream.tokens == reference(slow_lm, tokenizer.encode("the heron saw déjà vu"), 16)
     assert text == tokenizer.decode(stream.tokens)
+
+
+def test_a_caller_without_the_model_folder_reads_the_tokenizer_from_the_store(
+    make_fleet, slow_lm, tmp_path
+):
+    # The deploy published the tokenizer with the model: a caller on another machine
+    # (here: a view of the fleet whose model path does not exist) fetches it.
+    from cluster.client import FleetClient
+
+    make_tokenizer(slow_lm.parent / TOKENIZER_FILE)
+    fleet = lm_fleet(make_fleet)
+    here = fleet.config.models["lm"]
+    away = here.model_copy(update={"path": tmp_path / "not-here" / "slow_lm.onnx"})
+    remote = FleetClient(
+        fleet.config.model_copy(update={"models": {"lm": away}}), fleet._router, fleet._nodes
+    )
+    tokenizer = remote.tokenizer("lm")
+    assert tokenizer.path.is_relative_to(os.environ["XDG_CACHE_HOME"])
+    assert tokenizer.encode("déjà vu") == fleet.tokenizer("lm").encode("déjà vu")
+    stream = remote.generate("lm", "the heron saw déjà vu", max_new_tokens=8)
+    assert "".join(stream.texts()) == fleet.tokenizer("lm").decode(stream.tokens)
 
 
 @pytest.fixture
