@@ -22,6 +22,13 @@ def pytest_configure(config: pytest.Config) -> None:
     """Model caches (nodes' and stores') under a folder of this test process, not the
     user's: every Ray process and command the tests start inherits it."""
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="edgefleet-cache-")
+    # A thread a test left behind that calls Ray after the test shut it down must fail,
+    # not start a Ray of its own (Ray's auto-init), racing the next test's start of the
+    # shared one ("ray.init twice").
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    import ray._private.auto_init_hook as auto_init
+
+    auto_init.enable_auto_connect = False
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -19,6 +19,17 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "local.yaml")
 
 
+@pytest.fixture(autouse=True)
+def _no_ray() -> None:
+    """No Ray in this process as each test starts (a test file that ran before on this
+    worker may have left the session's up; the next that needs it starts it again), so
+    that a refusal is seen to start and connect nothing."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def _workload(tmp_path: Path, mix: str, head: str = "") -> str:
     path = tmp_path / "w.yaml"
     path.write_text(
