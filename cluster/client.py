@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures as cf
 import contextlib
 import logging
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -99,6 +101,19 @@ class FleetClient:
             member_handle=lambda spec: RayNode(node_actor_name(fleet, spec), NAMESPACE),
         )
         self._feed = _ViewFeed(router, self._dispatcher, config, caller)
+        self._closed = False
+        # A script that ends without close(): its feed thread must stop before Ray's own
+        # exit handler shuts Ray down (registered at ray.init, so it runs after this
+        # one), or its next call to a shut-down Ray ends the process with status 1.
+        client = weakref.ref(self)
+
+        def at_exit() -> None:
+            alive = client()
+            if alive is not None:
+                alive.close()
+
+        self._at_exit = at_exit
+        atexit.register(at_exit)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -160,6 +175,10 @@ class FleetClient:
 
     def close(self) -> None:
         """Tear down what this client started (nodes, and Ray if it started it)."""
+        atexit.unregister(self._at_exit)
+        if self._closed:
+            return
+        self._closed = True
         self._feed.stop()
         self._dispatcher.close()
         if self._owns_fleet and self._router is not None:
