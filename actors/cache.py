@@ -112,6 +112,15 @@ class ModelCache:
             self._verified.add(artifact.digest)
             return Fetched(tree)
         done = Fetched(tree, refetched=len(bad or []))
+        # Files of the tree found whole were hashed there: no need again for the blob
+        # that is the same file (a hard link; not a copy).
+        checked = {
+            f.name
+            for f in artifact.files
+            if bad is not None
+            and f.name not in bad
+            and _same_file(tree / f.name, self._blobs / f.sha256)
+        }
         if bad:  # a corrupted tree: its bad files' blobs are the same inodes, so both go
             log.warning("model cache: %s does not match its digests; fetching again", bad)
             shutil.rmtree(tree, ignore_errors=True)
@@ -122,7 +131,7 @@ class ModelCache:
         for f in artifact.files:
             blob = self._blobs / f.sha256
             if blob.is_file() and blob.stat().st_size == f.size:
-                if not verify or sha256_file(blob) == f.sha256:
+                if not verify or f.name in checked or sha256_file(blob) == f.sha256:
                     continue
                 blob.unlink()
                 done.refetched += 1
@@ -287,6 +296,13 @@ class StoreSource:
             ) from None
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.samefile(b)
+    except OSError:
+        return False
+
+
 def in_tree(config: ModelConfig, artifact: ModelArtifact, tree: Path) -> ModelConfig:
     """``config`` loading its files from ``tree`` (the cache's copy of ``artifact``)."""
     variants = {p: tree / name for p, name in artifact.variants.items()}
@@ -294,7 +310,7 @@ def in_tree(config: ModelConfig, artifact: ModelArtifact, tree: Path) -> ModelCo
 
 
 def file_source(files: dict[str, Path], chunk_bytes: int = 1 << 20) -> ChunkSource:
-    """A source reading blobs from local files by digest (tests, and a deployer's view)."""
+    """A source reading blobs from local files by digest (the tests' store)."""
 
     class _Files:
         def chunks(self, sha256: str, size: int) -> Iterator[bytes]:

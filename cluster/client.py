@@ -102,6 +102,7 @@ class FleetClient:
         )
         self._feed = _ViewFeed(router, self._dispatcher, config, caller)
         self._closed = False
+        self._fetched_text: dict[str, Path] = {}  # model -> its tokenizer files, fetched
         # A script that ends without close(): its feed thread must stop before Ray's own
         # exit handler shuts Ray down (registered at ray.init, so it runs after this
         # one), or its next call to a shut-down Ray ends the process with status 1.
@@ -464,9 +465,16 @@ class FleetClient:
             return path
         from actors.cache import ModelCache, StoreSource, default_cache_dir
 
-        cache = ModelCache(default_cache_dir(), int(self.config.node_defaults.model_cache_mb) << 20)
-        tree = cache.ensure(side, StoreSource.named(self.config.store)).tree
-        return tree / side.path
+        fetched = self._fetched_text.get(name)
+        if fetched is None:  # once per client: ensure() checks every file's sha256
+            limit = int(self.config.node_defaults.model_cache_mb) << 20
+            tree = (
+                ModelCache(default_cache_dir(), limit)
+                .ensure(side, StoreSource.named(self.config.store))
+                .tree
+            )
+            fetched = self._fetched_text[name] = tree / side.path
+        return fetched
 
     def chat(
         self,

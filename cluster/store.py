@@ -20,7 +20,7 @@ import contextlib
 import json
 import os
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.cache import CHUNK_BYTES, CHUNK_TIMEOUT_S, READ_GROUP, default_cache_dir
 from cluster.names import NAMESPACE
-from edgefleet.artifacts import ArtifactFile, ModelArtifact, describe_files, sha256_file
+from edgefleet.artifacts import ModelArtifact, describe_files, sha256_file
 from edgefleet.config import FleetConfig
 from edgefleet.errors import FleetStartError
 
@@ -113,14 +113,6 @@ class ModelStore:
             return {}
         data: dict[str, dict[str, Any]] = json.loads(self._published.read_text())
         return data
-
-    def where(self) -> str:
-        return str(self.root)
-
-
-def artifact_from(data: Mapping[str, Any]) -> ModelArtifact:
-    files = tuple(ArtifactFile(**f) for f in data["files"])
-    return ModelArtifact(**{**data, "files": files})
 
 
 def start_store(config: FleetConfig) -> ActorHandle:

@@ -149,12 +149,15 @@ def _age(cache: ModelCache, seconds: float) -> None:
             os.utime(p, (old, old))
 
 
+def _two_models(tmp_path: Path):
+    """Two models' artifacts (a classifier, a detector) and a source of their files."""
+    a, a_files = describe_files("a", make_classifier(tmp_path / "a" / "m.onnx"), {}, "tensor")
+    b, b_files = describe_files("b", make_detector(tmp_path / "b" / "m.onnx"), {}, "tensor")
+    return a, b, _source_of(a_files, b_files)
+
+
 def test_past_its_limit_the_cache_removes_the_least_recently_used_model_not_one_in_use(tmp_path):
-    a_path = make_classifier(tmp_path / "a" / "m.onnx")
-    b_path = make_detector(tmp_path / "b" / "m.onnx")
-    a, a_files = describe_files("a", a_path, {}, "tensor")
-    b, b_files = describe_files("b", b_path, {}, "tensor")
-    source = _source_of(a_files, b_files)
+    a, b, source = _two_models(tmp_path)
     cache = ModelCache(tmp_path / "cache", limit_bytes=max(a.size, b.size) + 1)
     cache.ensure(a, source)
     _age(cache, 3600)
@@ -167,11 +170,7 @@ def test_past_its_limit_the_cache_removes_the_least_recently_used_model_not_one_
 
 
 def test_a_model_another_node_used_just_now_is_not_evicted(tmp_path):
-    a_path = make_classifier(tmp_path / "a" / "m.onnx")
-    b_path = make_detector(tmp_path / "b" / "m.onnx")
-    a, a_files = describe_files("a", a_path, {}, "tensor")
-    b, b_files = describe_files("b", b_path, {}, "tensor")
-    source = _source_of(a_files, b_files)
+    a, b, source = _two_models(tmp_path)
     cache = ModelCache(tmp_path / "cache", limit_bytes=1)
     cache.ensure(a, source)
     cache.ensure(b, source)
