@@ -32,9 +32,9 @@ from actors.metrics import (
     MetricDef,
     Recorder,
     Sink,
-    bucket_quantile,
 )
 from edgefleet.clock import Clock
+from edgefleet.messages import bucket_quantile
 from edgefleet.priorities import DEFAULT_PRIORITIES
 from edgefleet.request import GenerateRequest, InferRequest
 

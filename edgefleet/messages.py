@@ -35,6 +35,24 @@ LATENCY_BUCKETS = (
 )
 
 
+def bucket_quantile(q: float, bounds: tuple[float, ...], cumulative: tuple[int, ...]) -> float:
+    """The ``q`` quantile from cumulative bucket counts, interpolated as Prometheus's
+    ``histogram_quantile`` does (NaN without observations)."""
+    total = cumulative[-1] if cumulative else 0
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    i = next(i for i, c in enumerate(cumulative) if c >= rank)
+    if i >= len(bounds):  # in the +Inf bucket: the highest finite bound
+        return bounds[-1]
+    lower = 0.0 if i == 0 else bounds[i - 1]
+    below = 0 if i == 0 else cumulative[i - 1]
+    count = cumulative[i] - below
+    if count <= 0:
+        return bounds[i]
+    return lower + (bounds[i] - lower) * (rank - below) / count
+
+
 @dataclass(frozen=True)
 class MetricsSummary:
     """What a node reports about its metrics in its status: cumulative latency bucket

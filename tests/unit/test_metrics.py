@@ -18,7 +18,6 @@ from actors.metrics import (
     NodeMetrics,
     NullSink,
     RaySink,
-    bucket_quantile,
     default_sink,
 )
 from actors.node import NodeRuntime
@@ -26,7 +25,7 @@ from cluster import dashboard
 from cluster.metrics import OverviewWindow, RouterMetrics
 from edgefleet.config import parse_config
 from edgefleet.errors import Rejected
-from edgefleet.messages import FleetStatus, NodeStatus
+from edgefleet.messages import FleetStatus, NodeStatus, bucket_quantile
 from edgefleet.priorities import DEFAULT_PRIORITIES
 from edgefleet.request import InferRequest
 from tests.fakes import FakeLoader, LocalFleet, fake_spec, x
