@@ -103,7 +103,8 @@ class Served:
     def __sub__(self, other: Served) -> Served:
         """Since ``other`` (an earlier reading of the same counters); a counter that went
         back (the node restarted) counts from zero."""
-        if other.failed > self.failed or any(a < b for a, b in zip(self.latency, other.latency)):
+        went_back = any(a < b for a, b in zip(self.latency, other.latency, strict=False))
+        if other.failed > self.failed or went_back:
             return self
         return Served(
             self.failed - other.failed, _zip(self.latency, other.latency, -1), self.bounds
