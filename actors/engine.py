@@ -97,6 +97,12 @@ class Signature:
     def describe(self) -> str:
         return ", ".join(f"{s.name} ({s.describe()})" for s in self.inputs)
 
+    def text(self) -> str:
+        """Inputs and outputs on one line: two versions of a model take the same
+        requests when theirs are equal."""
+        ins = ", ".join(f"{s.name} {s.describe()}" for s in self.inputs)
+        return f"{ins} -> " + ", ".join(f"{s.name} {s.describe()}" for s in self.outputs)
+
     @cached_property
     def input_names(self) -> frozenset[str]:
         return frozenset(s.name for s in self.inputs)

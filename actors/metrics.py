@@ -26,6 +26,7 @@ import bisect
 import itertools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -551,6 +552,8 @@ class NodeMetrics(Recorder):
             {"fleet": fleet, "node": node}, priorities, sink, flush_s=flush_s, clock=clock
         )
         self._latency = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in self.classes}
+        self._model_latency: dict[str, list[int]] = {}  # model -> latency bucket counts
+        self._model_failed: Counter[str] = Counter()
 
     def start(self, models: Iterable[str], decoders: Iterable[str]) -> None:
         """The node serves ``models`` (``decoders`` among them): its counters start at
@@ -583,8 +586,11 @@ class NodeMetrics(Recorder):
             latency = max(0.0, now - r.arrival)
             self._observe(LATENCY, latency, label, r.model)
             self._observe(SERVICE, service_s, label, r.model)
-            counts = self._latency.setdefault(label, [0] * (len(LATENCY_BUCKETS) + 1))
-            counts[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
+            bucket = bisect.bisect_left(LATENCY_BUCKETS, latency)
+            self._latency.setdefault(label, [0] * (len(LATENCY_BUCKETS) + 1))[bucket] += 1
+            self._model_latency.setdefault(r.model, [0] * (len(LATENCY_BUCKETS) + 1))[bucket] += 1
+        elif outcome.state is RequestState.FAILED:
+            self._model_failed[r.model] += 1
 
     def preempted(self, plan: Plan) -> None:
         """The call ``plan`` was aborted for more urgent work; its requests requeue."""
@@ -667,6 +673,13 @@ class NodeMetrics(Recorder):
         device = status.device
         self.emit(NODE_ONNXRUNTIME, 1, build=device.build or "unknown", version=device.version)
         self.emit(RSS_BYTES, status.rss_mb * 1024 * 1024)
+
+    def served(self, model: str) -> tuple[int, tuple[int, ...]]:
+        """What the node served of ``model``: the requests that failed, and the completed
+        ones' cumulative latency bucket counts (``+Inf`` last)."""
+        return self._model_failed[model], tuple(
+            itertools.accumulate(self._model_latency.get(model, []))
+        )
 
     def summary(self) -> MetricsSummary:
         latency = {}

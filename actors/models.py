@@ -15,7 +15,7 @@ from actors.engine import Engine, OnnxEngine, Signature, available_providers
 from actors.scheduler import configured_batch_limit
 from edgefleet.artifacts import ModelArtifact
 from edgefleet.config import MiB, ModelConfig
-from edgefleet.errors import EdgeFleetError, EngineError, ModelNotFound
+from edgefleet.errors import EdgeFleetError, EngineError, ModelNotFound, VersionFailed
 from edgefleet.providers import ProviderUnavailable, ProviderUse, plan_session
 
 Loader = Callable[[str, ModelConfig], Engine]
@@ -113,23 +113,54 @@ class ModelManager:
         """Load every model once: read its signature, warm it up, measure its cost per
         batch size, and keep it resident while the budget allows (in config order)."""
         for name in self._configs:
-            # Probing may briefly exceed the budget by one model: residents stay put.
-            engine = self._load(name, evict=False)
-            info = self._info[name]
+            self._probe(name)
             if progress:
-                progress(f"{name}: loaded in {info.load_s * 1000:.0f} ms")
-            if isinstance(engine, DecoderEngine):  # generations run one at a time
-                if info.config.warmup or engine.vocab is None:
-                    info.costs_s = engine.warmup()
-                info.vocab, info.max_context = engine.vocab, engine.max_context
-                info.stop_ids = engine.stop_ids
-                info.exact_grouping = engine.exact_grouping
-            else:
-                if info.config.warmup:
-                    info.costs_s = measure_costs(engine, info.config)
-                info.batch_limit = _batch_limit(info)
-            if sum(self._info[m].memory_mb for m in self._resident) > self._budget_mb:
-                self.unload(name)
+                progress(f"{name}: loaded in {self._info[name].load_s * 1000:.0f} ms")
+
+    def _probe(self, name: str) -> None:
+        # Probing may briefly exceed the budget by one model: residents stay put.
+        engine = self._load(name, evict=False)
+        info = self._info[name]
+        if isinstance(engine, DecoderEngine):  # generations run one at a time
+            if info.config.warmup or engine.vocab is None:
+                info.costs_s = engine.warmup()
+            info.vocab, info.max_context = engine.vocab, engine.max_context
+            info.stop_ids = engine.stop_ids
+            info.exact_grouping = engine.exact_grouping
+        else:
+            if info.config.warmup:
+                info.costs_s = measure_costs(engine, info.config)
+            info.batch_limit = _batch_limit(info)
+        if sum(self._info[m].memory_mb for m in self._resident) > self._budget_mb:
+            self.unload(name)
+
+    def replace(self, name: str, config: ModelConfig) -> ModelInfo:
+        """Serve ``name`` from ``config`` (another version of its files) from now on:
+        unload it, then load, warm up and measure the new one. When that fails, or its
+        warm-up fails where the old version's ran, the old version comes back (loaded
+        again) and VersionFailed says why; when even the old one does not load again,
+        EngineError."""
+        old_config, old_info = self._configs[name], self.info(name)
+        self.unload(name)
+        self._configs[name] = config
+        del self._info[name]
+        try:
+            self._probe(name)
+            info = self._info[name]
+            if old_info.costs_s and config.warmup and not info.costs_s:
+                raise EngineError("its warm-up failed on inputs the old version ran")
+        except EdgeFleetError as exc:
+            self.unload(name)
+            self._configs[name], self._info[name] = old_config, old_info
+            try:
+                self.ensure(name)
+            except EdgeFleetError as again:
+                raise EngineError(
+                    f"model {name!r}: the new version failed ({exc}) and the old one did "
+                    f"not load again: {again}"
+                ) from None
+            raise VersionFailed(f"model {name!r}: the new version failed: {exc}") from None
+        return info
 
     def info(self, name: str) -> ModelInfo:
         try:

@@ -36,7 +36,7 @@ from actors.engine import RunAborted, check_inputs, device_providers
 from actors.executor import Call, EngineThread, Outputs, Waker
 from actors.generations import NodeGenerations
 from actors.metrics import NodeMetrics
-from actors.models import Loader, ModelManager, load_onnx
+from actors.models import Loader, ModelInfo, ModelManager, load_onnx
 from actors.replies import RecentReplies
 from actors.scheduler import LocalScheduler, Outcome, Plan, rules_for
 from actors.trace import NodeTrace
@@ -50,6 +50,7 @@ from edgefleet.errors import (
     EngineTimeout,
     InvalidInput,
     Rejected,
+    VersionFailed,
 )
 from edgefleet.messages import (
     MAX_REPORTED_SESSIONS,
@@ -111,7 +112,11 @@ class NodeRuntime:
             node=spec.name,
             resolve=self._from_cache if spec.artifacts else None,
         )
+        self._artifacts = dict(spec.artifacts)  # the files each model loads, as published
         self._cache: ModelCache | None = None  # opened at the first load
+        self._cache_lock = threading.Lock()  # a fetch for a rollout runs beside loads
+        self._updating: dict[str, str] = {}  # model -> the version it is moving to
+        self._versioning: asyncio.Lock | None = None  # one version change at a time
         self._sched = LocalScheduler.for_node(spec, self._clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
         self._engine = EngineThread(spec.name, self._models, self._clock, self._model_loaded)
@@ -195,15 +200,16 @@ class NodeRuntime:
     def _from_cache(self, name: str, config: ModelConfig) -> tuple[ModelConfig, ModelArtifact]:
         """``name``'s config loading from this device's model cache, its files fetched
         from the fleet's store first where the cache lacks them (engine thread)."""
-        artifact = self.spec.artifacts[name]
-        if self._cache is None:
-            limit = int(self.spec.model_cache_mb * MiB)
-            self._cache = ModelCache(self.spec.model_cache, limit)
+        artifact = self._artifacts[name]
         if self.spec.store is None:
             raise ArtifactError(f"model {name!r}: the node was given no store to fetch from")
         source = StoreSource.named(self.spec.store)
-        keep = [a.digest for a in self.spec.artifacts.values()]
-        done = self._cache.ensure(artifact, source, keep)
+        with self._cache_lock:
+            if self._cache is None:
+                limit = int(self.spec.model_cache_mb * MiB)
+                self._cache = ModelCache(self.spec.model_cache, limit)
+            keep = [a.digest for a in self._artifacts.values()]
+            done = self._cache.ensure(artifact, source, [*keep, artifact.digest])
         if done.bytes_fetched:
             self._fetched[name] += done.bytes_fetched
             log.info(
@@ -306,6 +312,60 @@ class NodeRuntime:
         self._switches.append((model, done))
         self._wake.set()
         await done
+        return self.status()
+
+    async def set_version(
+        self, model: str, config: ModelConfig, artifact: ModelArtifact, drain_s: float = 60.0
+    ) -> NodeStatus:
+        """Serve ``model`` from another version of its files (``config`` and ``artifact``,
+        as published to the fleet's store): fetch them into the cache while serving on,
+        then refuse new work for the model (Rejected: callers place it on other nodes),
+        let what the node holds of it finish (at most ``drain_s``), load the new version,
+        warm it up and measure it, and admit again. VersionFailed when the new version
+        does not load or warm up: the old one serves again. Idempotent."""
+        self._models.info(model)  # ModelNotFound for a model this node does not serve
+        self._check_serving()
+        if self.spec.store is None:
+            raise InvalidInput(f"node {self.spec.name} serves unpublished models")
+        if self._versioning is None:
+            self._versioning = asyncio.Lock()
+        async with self._versioning:
+            if self._artifacts[model].digest == artifact.digest:
+                return self.status()
+            old = self._artifacts[model]
+            self._artifacts[model] = artifact
+            try:
+                await asyncio.to_thread(self._from_cache, model, config)  # fetch, serving on
+                self._updating[model] = artifact.version
+                held_since = self._clock.now()
+                while True:
+                    with self._lock:
+                        held = self._sched.holds(model)
+                    if not held:
+                        break
+                    if self._clock.now() - held_since > drain_s:
+                        raise VersionFailed(
+                            f"node {self.spec.name}: {held} request(s) for {model} did not "
+                            f"finish within {drain_s:g} s; it serves @{old.version} on"
+                        )
+                    await asyncio.sleep(0.01)
+                for entry in self._gens.kv.entries(model):  # the old version's KV
+                    self._gens.kv.drop(entry.key)
+                info = await self._engine.call(lambda: self._models.replace(model, config))
+            except BaseException:
+                self._artifacts[model] = old
+                raise
+            finally:
+                self._updating.pop(model, None)
+        assert isinstance(info, ModelInfo)
+        with self._lock:
+            self._sched.set_rules(model, rules_for(info.config, info.batch_limit, info.costs_s))
+        if info.exact_grouping:
+            self._gens.exact_models.add(model)
+        else:
+            self._gens.exact_models.discard(model)
+        self._counters["model_loads"] += 1
+        log.info("node %s: %s now serves @%s", self.spec.name, model, artifact.version)
         return self.status()
 
     # ------------------------------------------------------------------------ intake
@@ -473,6 +533,13 @@ class NodeRuntime:
     def _check_version(self, model: str, version: str | None) -> None:
         """Rejected (another node may serve it) for a request pinned to a version of
         ``model`` other than the one this node serves."""
+        moving_to = self._updating.get(model)
+        if moving_to is not None:
+            raise Rejected(
+                f"node {self.spec.name} is moving {model} to @{moving_to}; another node may "
+                "take it",
+                retry_after_s=1.0,
+            )
         if version is None:
             return
         info = self._models.info(model)  # ModelNotFound for a model not served here
@@ -947,6 +1014,9 @@ class NodeRuntime:
                 version=i.artifact.version if i.artifact else "",
                 digest=i.artifact.digest if i.artifact else "",
                 fetched_bytes=self._fetched.get(i.name, 0),
+                failed=(served := self._metrics.served(i.name))[0],
+                latency=served[1],
+                signature=i.signature.text(),
             )
             for i in self._models.models()
         )

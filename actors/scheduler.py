@@ -698,6 +698,13 @@ class LocalScheduler:
             by_model[r.model] = by_model.get(r.model, 0) + r.rows
         return out
 
+    def holds(self, model: str) -> int:
+        """Requests of ``model`` queued, paused or in the running call."""
+        held = sum(1 for r in (*self._queued.values(), *self._paused.values()) if r.model == model)
+        if self._running is not None and self._running.model == model:
+            held += len(self._running.requests)
+        return held
+
     def paused_by_priority(self) -> dict[int, int]:
         counts: dict[int, int] = {}
         for r in self._paused.values():

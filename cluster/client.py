@@ -35,6 +35,7 @@ from cluster.deploy import (
 from cluster.dispatch import Dispatcher, FleetView, NodeGone, NodeReport
 from cluster.names import NAMESPACE, actor_name, node_actor_name
 from cluster.nodes import RayNode
+from cluster.rollout import Rollout, prepare
 from cluster.store import publish
 from cluster.text import (
     ChatTemplate,
@@ -46,10 +47,11 @@ from cluster.text import (
 )
 from edgefleet.artifacts import split_version
 from edgefleet.config import FleetConfig, load_config
-from edgefleet.errors import InvalidInput, NodeLost, TimedOut
+from edgefleet.errors import InvalidInput, NodeLost, RolloutRefused, TimedOut
 from edgefleet.messages import FleetStatus, GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.priorities import resolve_priority
 from edgefleet.request import GenerateRequest, InferRequest, check_text, new_request_id, token_ids
+from policies.rollout import DEFAULT_GATES, parse_gates, parse_share
 
 __all__ = ["Chat", "FleetClient", "FleetStatus", "TokenStream"]
 
@@ -59,6 +61,7 @@ Progress = Callable[[str], None]
 CONTROL_TIMEOUT_S = 30.0
 LARGE_INPUT_BYTES = 1024 * 1024
 SWITCH_TIMEOUT_S = 300.0
+ROLLOUT_POLL_S = 0.5
 
 
 class FleetClient:
@@ -545,6 +548,101 @@ class FleetClient:
         """Stop ``node`` taking new work and wait until its queue is empty."""
         (status,) = _get([self._node(node).drain.remote()], timeout_s, "drain")
         return status
+
+    # -------------------------------------------------------------------- rollouts
+
+    def rollout(
+        self,
+        model: str,
+        to: str | Path,
+        *,
+        version: str | None = None,
+        canary: str | int = 1,
+        step: str | int = "25%",
+        bake_s: float = 60.0,
+        gates: str = DEFAULT_GATES,
+        allow_signature_change: bool = False,
+        wait: bool = True,
+        timeout_s: float | None = None,
+        progress: Progress | None = None,
+    ) -> Rollout:
+        """Move ``model`` to the ONNX file ``to`` (its files beside it as for a deploy),
+        node by node: ``canary`` nodes first (a count, or a share such as "10%"), then
+        ``step`` at a time; after each step the moved nodes serve for ``bake_s`` while
+        ``gates`` (e.g. "error_rate<=0.01,p99<=1.5x") compare them with the nodes still
+        on the old version. A failed gate, or a node where the new version does not load
+        or warm up, moves every moved node back. ``version``: its name (default: its
+        digest's first 12 hex digits). RolloutRefused, before any node is touched, for a
+        file that is not ONNX, does not load, or takes or returns other tensors than the
+        version served (unless ``allow_signature_change``), or while another rollout of
+        the model runs. Returns the rollout, ended when ``wait`` (see
+        :meth:`wait_rollout`)."""
+        try:
+            shares = parse_share(canary, "canary"), parse_share(step, "step")
+            parse_gates(gates)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        running = next((r for r in self.rollouts() if r.model == model and r.active), None)
+        if running is not None:
+            raise RolloutRefused(f"a rollout of {model} is running: {running.summary()}")
+        served = next(
+            (m.signature for n in self.status().nodes for m in n.models if m.name == model),
+            None,
+        )
+        new = prepare(
+            self.config,
+            model,
+            Path(to),
+            version=version,
+            serving_signature=served,
+            allow_signature_change=allow_signature_change,
+            progress=progress,
+        )
+        started: Rollout = self._ask_router(
+            "rollout", CONTROL_TIMEOUT_S, model, new, *shares, bake_s, gates
+        )
+        if progress is not None:
+            progress(f"rollout: {started.summary()}")
+        if not wait:
+            return started
+        return self.wait_rollout(model, timeout_s, progress)
+
+    def rollouts(self, timeout_s: float = CONTROL_TIMEOUT_S) -> list[Rollout]:
+        """Each model's last rollout, running or ended."""
+        return cast(list[Rollout], self._ask_router("rollouts", timeout_s))
+
+    def wait_rollout(
+        self, model: str, timeout_s: float | None = None, progress: Progress | None = None
+    ) -> Rollout:
+        """Wait until ``model``'s rollout ended (done, rolled back or aborted), saying
+        each of its events to ``progress``; TimedOut after ``timeout_s`` (it runs on)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        said = 0
+        while True:
+            r = next((r for r in self.rollouts() if r.model == model), None)
+            if r is None:
+                raise InvalidInput(f"no rollout of {model}")
+            if progress is not None:
+                for event in r.events[said:]:
+                    progress(event)
+                said = len(r.events)
+            if not r.active:
+                return r
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimedOut(f"the rollout of {model} runs on: {r.summary()}")
+            time.sleep(ROLLOUT_POLL_S)
+
+    def abort_rollout(self, model: str, timeout_s: float = CONTROL_TIMEOUT_S) -> Rollout:
+        """Stop ``model``'s rollout: every node moved so far goes back to the old version."""
+        return cast(Rollout, self._ask_router("rollout_abort", timeout_s, model))
+
+    def pin(
+        self, target: str, model: str, version: str | None, timeout_s: float = CONTROL_TIMEOUT_S
+    ) -> None:
+        """Make a node or every node of a pool (``target``) serve ``model``@``version``, a
+        version the fleet knows (deployed or rolled out), whatever rollouts do; None
+        unpins it."""
+        self._ask_router("rollout_pin", timeout_s, target, model, version)
 
     def _ask_router(self, method: str, timeout_s: float, *args: Any) -> Any:
         """Call the router, waiting out a restart (Ray restarts it after a crash) with

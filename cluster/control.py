@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from edgefleet.artifacts import ModelArtifact
+from edgefleet.config import ModelConfig
 from edgefleet.messages import NodeStatus
 
 
@@ -20,6 +22,12 @@ class NodeControl(Protocol):
     async def cancel(self, request_id: str) -> bool: ...
 
     async def set_lifecycle(self, state: str) -> NodeStatus: ...
+
+    async def set_version(
+        self, model: str, config: ModelConfig, artifact: ModelArtifact, drain_s: float
+    ) -> NodeStatus:
+        """Serve another version of ``model`` (see ``NodeRuntime.set_version``)."""
+        ...
 
     async def restart(self) -> None:
         """Kill the node's process so that Ray starts the node again in place."""

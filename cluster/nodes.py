@@ -19,7 +19,8 @@ from ray.actor import ActorHandle
 from cluster.dispatch import NodeGone, NodeUnavailable
 from cluster.membership import RayNodeRow
 from cluster.names import NAMESPACE, PROBE_GROUP, node_actor_name
-from edgefleet.config import NodeSpec
+from edgefleet.artifacts import ModelArtifact
+from edgefleet.config import ModelConfig, NodeSpec
 from edgefleet.messages import GenerationResult, NodeStatus, Reply, TokenChunk
 from edgefleet.request import GenerateRequest, InferRequest
 
@@ -179,6 +180,11 @@ class RayNode:
 
     async def status(self) -> NodeStatus:
         return await self._call("status")
+
+    async def set_version(
+        self, model: str, config: ModelConfig, artifact: ModelArtifact, drain_s: float
+    ) -> NodeStatus:
+        return await self._call("set_version", model, config, artifact, drain_s)
 
     async def start(self) -> NodeStatus:
         return await self._call("start")

@@ -19,6 +19,7 @@ import logging
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from cluster.control import NodeControl
 from cluster.dispatch import FleetView, NodeGone, NodeReport
@@ -26,9 +27,10 @@ from cluster.membership import NODE_START_TIMEOUT_S, MemberActors, Membership, N
 from cluster.metrics import RouterMetrics
 from cluster.names import NAMESPACE, actor_name
 from cluster.nodes import RayMemberActors, RayNode, RayNodeTable
+from cluster.rollout import Rollout, Rollouts, Version, rollout_of
 from edgefleet.clock import Clock, MonotonicClock
 from edgefleet.config import FleetConfig, NodeSpec
-from edgefleet.errors import InvalidInput, NodeLost
+from edgefleet.errors import InvalidInput, NodeLost, RolloutRefused
 from edgefleet.messages import FleetStatus, NodeState, NodeStatus
 
 log = logging.getLogger(__name__)
@@ -60,9 +62,11 @@ class Router:
         metrics: RouterMetrics | None = None,
         table: NodeTable | None = None,
         actors: MemberActors | None = None,
+        store: Any = None,
     ) -> None:
         """``table`` and ``actors``: Ray's node table and the pool members' actors (see
-        :mod:`cluster.membership`); without them the router keeps no pools."""
+        :mod:`cluster.membership`); without them the router keeps no pools. ``store``:
+        the fleet's store actor, where the router keeps the versions rollouts made."""
         self.config = config
         self._metrics = metrics or RouterMetrics(config.fleet.name, config.priorities)
         self._metrics.watching(spec.name for spec in config.node_specs())
@@ -90,6 +94,7 @@ class Router:
             self._membership = Membership(
                 config, table, actors, self, clock=self._clock, metrics=self._metrics
             )
+        self.rollouts = Rollouts(self, store)
         scorers, picker = config.router.placement.params(config.priorities).resolved()
         weights = ", ".join(f"{n} {w:g}" for n, w in scorers.items()) or "none"
         self._placement = f"scorers: {weights}; picker: {picker}"
@@ -106,6 +111,7 @@ class Router:
                 await asyncio.gather(*(self._poll(e) for e in self._nodes.values()))
                 if self._membership is not None:
                     await self._membership.step()
+                await self.rollouts.load()
             finally:
                 for entry in list(self._nodes.values()):
                     self._watch(entry)
@@ -192,6 +198,7 @@ class Router:
         entry.healthy = True
         self._metrics.node_health(entry.spec.name, True)
         self._metrics.refresh()
+        self.rollouts.reconcile(entry)
 
     async def _silent(self, entry: NodeEntry) -> None:
         """``entry``'s node has not reported for ``lost_after_s``: unresponsive, unless
@@ -410,6 +417,32 @@ class Router:
         )
         return any(r is True for r in results)
 
+    # --------------------------------------------------------------------- rollouts
+
+    async def rollout(
+        self,
+        model: str,
+        new: Version,
+        canary: float | int,
+        step: float | int,
+        bake_s: float,
+        gates: str,
+    ) -> Rollout:
+        """Start moving ``model``'s nodes to ``new`` (see cluster/rollout.py): the nodes
+        serving it now, in order, canary first."""
+        old = self.rollouts.serving(model)
+        if old is None:
+            raise RolloutRefused(f"refused: {model} is not published in this fleet")
+        nodes = [
+            n
+            for n, e in self._nodes.items()
+            if e.healthy and e.report is not None and any(m.name == model for m in e.report.models)
+        ]
+        plan = rollout_of(
+            model, old, new, nodes, canary=canary, step=step, bake_s=bake_s, gates=gates
+        )
+        return await self.rollouts.start(plan)
+
     # ----------------------------------------------------------------------- status
 
     def status_now(self) -> FleetStatus:
@@ -449,8 +482,22 @@ class RouterActor:
             for spec in config.node_specs()
         }
         timeout_s = config.router.membership.timeout_s
+        store = None
+        if config.store is not None:
+            import ray
+
+            try:
+                store = ray.get_actor(config.store, namespace=NAMESPACE)
+            except ValueError:
+                log.warning(
+                    "the fleet's store %s is not running: rollouts are not kept", config.store
+                )
         self._router = Router(
-            config, handles, table=RayNodeTable(timeout_s), actors=RayMemberActors(timeout_s)
+            config,
+            handles,
+            table=RayNodeTable(timeout_s),
+            actors=RayMemberActors(timeout_s),
+            store=store,
         )
 
     async def stop(self) -> None:
@@ -486,3 +533,27 @@ class RouterActor:
 
     async def cancel(self, request_id: str) -> bool:
         return await self._router.cancel(request_id)
+
+    async def rollout(
+        self,
+        model: str,
+        new: Version,
+        canary: float | int,
+        step: float | int,
+        bake_s: float,
+        gates: str,
+    ) -> Rollout:
+        await self._router.start()
+        return await self._router.rollout(model, new, canary, step, bake_s, gates)
+
+    async def rollout_abort(self, model: str) -> Rollout:
+        await self._router.start()
+        return await self._router.rollouts.abort(model)
+
+    async def rollout_pin(self, target: str, model: str, version: str | None) -> None:
+        await self._router.start()
+        await self._router.rollouts.pin(target, model, version)
+
+    async def rollouts(self) -> list[Rollout]:
+        await self._router.start()
+        return self._router.rollouts.status()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
@@ -33,8 +34,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.cache import CHUNK_BYTES, CHUNK_TIMEOUT_S, READ_GROUP, default_cache_dir
 from cluster.names import NAMESPACE
 from edgefleet.artifacts import ModelArtifact, describe_files, sha256_file
-from edgefleet.config import FleetConfig
-from edgefleet.errors import FleetStartError
+from edgefleet.config import FleetConfig, ModelConfig
+from edgefleet.errors import ConfigError, FleetStartError, RolloutRefused
 
 READ_THREADS = 4  # the store's threads serving chunk reads: nodes fetch side by side
 IN_FLIGHT = 2  # chunks sent ahead: memory stays at a few chunks on either side
@@ -91,22 +92,43 @@ class ModelStore:
 
     def publish(self, artifacts: dict[str, dict[str, Any]]) -> int:
         """Record the models' current artifacts (kept on disk for a restarted store),
-        and remove the files neither these nor the ones published before hold; returns
-        the bytes removed."""
+        forget the versions rollouts made (a deploy starts from its own files), and
+        remove the files neither these, the ones published before, nor those versions
+        hold; returns the bytes removed."""
         keep = {
             f["sha256"]
             for a in (*artifacts.values(), *self.published().values())
             for f in a["files"]
         }
+        for kept in self.root.glob("*.keep"):  # the versions rollouts published
+            keep.update(json.loads(kept.read_text()))
         tmp = self._published.with_suffix(".tmp")
         tmp.write_text(json.dumps(artifacts, indent=1))
         os.replace(tmp, self._published)
+        for state in self.root.glob("*.state"):  # a deploy starts from its own files
+            state.unlink()
+            state.with_suffix(".keep").unlink(missing_ok=True)
         freed = 0
         for blob in self._blobs.iterdir():
             if blob.name not in keep:
                 freed += blob.stat().st_size
                 blob.unlink()
         return freed
+
+    def save_state(self, key: str, state: Any, keep: list[str]) -> None:
+        """Keep ``state`` (the router's record of the fleet's versions: see
+        cluster/rollout.py) under ``key``, and the blobs ``keep`` with it until the
+        next deploy."""
+        path = self.root / f"{key}.state"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(state))
+        os.replace(tmp, path)
+        path.with_suffix(".keep").write_text(json.dumps(keep))
+
+    def load_state(self, key: str) -> Any:
+        """What :meth:`save_state` kept under ``key`` since the last deploy, or None."""
+        path = self.root / f"{key}.state"
+        return pickle.loads(path.read_bytes()) if path.is_file() else None
 
     def published(self) -> dict[str, dict[str, Any]]:
         if not self._published.is_file():
@@ -164,6 +186,34 @@ def publish(config: FleetConfig, progress: Progress | None = None) -> FleetConfi
     for a in artifacts.values():
         say(f"model {a.describe()}")
     return config.with_artifacts(artifacts, store_name(config.fleet.name))
+
+
+def upload_files(
+    config: FleetConfig, name: str, model: ModelConfig, progress: Progress | None = None
+) -> ModelArtifact:
+    """Hash ``model``'s files (another version of the fleet's model ``name``) and upload
+    to the fleet's store those it lacks; the artifact nodes fetch. RolloutRefused when
+    a file is missing or the store does not take them."""
+    say = progress or (lambda _: None)
+    try:
+        artifact, files = describe_files(
+            name, model.path, model.variants, model.kind, model.version
+        )
+    except ConfigError as exc:
+        raise RolloutRefused(f"refused: {exc}") from None
+    local = {f.sha256: files[f.name] for f in artifact.files}
+    sizes = {f.sha256: f.size for f in artifact.files}
+    store = start_store(config)
+    try:
+        missing = ray.get(store.missing.remote(sorted(local)), timeout=CHUNK_TIMEOUT_S)
+        if missing:
+            total = sum(sizes[d] for d in missing)
+            say(f"uploading {len(missing)} file(s), {total / 2**20:.1f} MiB, to the store")
+        for digest in missing:
+            _upload(store, digest, local[digest], sizes[digest])
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError, ValueError) as exc:
+        raise RolloutRefused(f"could not upload {name}'s new files to the store: {exc}") from None
+    return artifact
 
 
 def _upload(store: ActorHandle, digest: str, path: Path, size: int) -> None:

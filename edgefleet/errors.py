@@ -102,6 +102,17 @@ class FleetStartError(EdgeFleetError):
     time (the message names what they ask for)."""
 
 
+class VersionFailed(EdgeFleetError):
+    """A model's new version did not load or warm up on a node, which serves the old
+    version again."""
+
+
+class RolloutRefused(EdgeFleetError):
+    """A rollout was refused before any node was touched: the new file is not ONNX, does
+    not load, has other inputs or outputs than the version served, the model or version
+    is unknown, or another rollout of the model is running. The message says which."""
+
+
 __all__ = [
     "Cancelled",
     "ConfigError",
@@ -116,6 +127,8 @@ __all__ = [
     "ModelNotFound",
     "NodeLost",
     "Rejected",
+    "RolloutRefused",
     "Superseded",
     "TimedOut",
+    "VersionFailed",
 ]

@@ -148,6 +148,11 @@ class ModelStatus:
     version: str = ""  # of the files it loads (see edgefleet/artifacts.py); "" unpublished
     digest: str = ""  # the sha256 of its files' listing
     fetched_bytes: int = 0  # fetched from the fleet's store into this device's cache
+    # What the node served of it: requests that failed, and the completed ones' cumulative
+    # latency bucket counts (LATENCY_BUCKETS, +Inf last); a rollout's gates compare them.
+    failed: int = 0
+    latency: tuple[int, ...] = ()
+    signature: str = ""  # its inputs and outputs on one line (a rollout compares them)
 
 
 @dataclass(frozen=True)

@@ -236,7 +236,9 @@ def make_stateful(path: PathLike, *, seed: int = DEFAULT_SEED) -> Path:
     return _finish(graph, path)
 
 
-def _slow_graph(layers: int, width: int, seed: int, distinct_weights: int) -> onnx.GraphProto:
+def _slow_graph(
+    layers: int, width: int, seed: int, distinct_weights: int, fail_above: float | None = None
+) -> onnx.GraphProto:
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
     if width < 1:
@@ -252,6 +254,23 @@ def _slow_graph(layers: int, width: int, seed: int, distinct_weights: int) -> on
     ]
     nodes: list[onnx.NodeProto] = []
     prev = "x"
+    if fail_above is not None:
+        # x reshaped to [-1, width + 1000 * (max(x) > fail_above)]: a call holding such
+        # an input fails (its size does not divide), any other runs unchanged.
+        weights += [
+            numpy_helper.from_array(np.array(fail_above, np.float32), "limit"),
+            numpy_helper.from_array(np.array([-1, width], np.int64), "shape"),
+            numpy_helper.from_array(np.array([0, 1000], np.int64), "bump"),
+        ]
+        nodes += [
+            helper.make_node("ReduceMax", ["x"], ["peak"], keepdims=0),
+            helper.make_node("Greater", ["peak", "limit"], ["over"]),
+            helper.make_node("Cast", ["over"], ["over_i"], to=TensorProto.INT64),
+            helper.make_node("Mul", ["bump", "over_i"], ["grow"]),
+            helper.make_node("Add", ["shape", "grow"], ["shape_x"]),
+            helper.make_node("Reshape", ["x", "shape_x"], ["x_checked"]),
+        ]
+        prev = "x_checked"
     for i in range(layers):
         out = "y" if i == layers - 1 else f"h{i}"
         nodes.append(helper.make_node("MatMul", [prev, f"w{i % pool}"], [f"m{i}"]))
@@ -273,6 +292,7 @@ def make_slow(
     width: int = SLOW_WIDTH,
     seed: int = DEFAULT_SEED,
     distinct_weights: int = SLOW_DISTINCT_WEIGHTS,
+    fail_above: float | None = None,
 ) -> Path:
     """Write a tunable-cost MLP and return its path.
 
@@ -280,9 +300,11 @@ def make_slow(
     ``layers`` repetitions of ``Tanh(h @ W_i)`` with ``W_i`` of shape ``[width, width]``
     scaled by ``1/sqrt(width)``. Cost per call grows with ``layers * width**2``; per-item
     cost falls with batch size because every weight is read once per call. Layer ``i``
-    uses weight ``i % distinct_weights`` so the file size stays bounded.
+    uses weight ``i % distinct_weights`` so the file size stays bounded. With
+    ``fail_above``, a call fails (ONNX Runtime raises) when any input value is above it:
+    a version of a model that fails some requests.
     """
-    return _finish(_slow_graph(layers, width, seed, distinct_weights), path)
+    return _finish(_slow_graph(layers, width, seed, distinct_weights, fail_above), path)
 
 
 def _session(model_bytes: bytes, threads: int) -> Any:
