@@ -1,8 +1,11 @@
-"""`edgefleet simulate`: a workload on a simulated fleet, and its report."""
+"""`edgefleet simulate`, `plan` and `simulate-rollout`: a workload on a simulated fleet
+and its report, the fewest nodes that meet targets, and a model's staged rollout in
+simulated time."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -93,6 +96,35 @@ def add_parser(sub: Subparsers) -> None:
         help="folder for plan.md and plan.png (default: %(default)s)",
     )
     plan.set_defaults(func=cmd_plan)
+
+    rollout = sub.add_parser(
+        "simulate-rollout",
+        help="a model's staged rollout in simulated time: time to finish and the capacity "
+        "it costs, by step size and bake time (and a bad version's rollback)",
+        epilog="examples:\n  edgefleet simulate-rollout\n"
+        "  edgefleet simulate-rollout --steps 5%,10% --bakes 60 --fail-at-step 3",
+        formatter_class=RawHelpFormatter,
+    )
+    rollout.add_argument("--nodes", type=int, default=1000, help="fleet size")
+    rollout.add_argument(
+        "--steps",
+        default="1%,5%,10%,25%",
+        help="step sizes to compare: nodes (20) or shares of the fleet (5%%), comma-separated",
+    )
+    rollout.add_argument(
+        "--bakes", default="0,60,300", help="bake times to compare (s), comma-separated"
+    )
+    rollout.add_argument("--canary", default="1%", help="the first step: nodes or a share")
+    rollout.add_argument("--model-mb", type=float, default=200.0, help="the model's size (MiB)")
+    rollout.add_argument("--seed", type=int, default=0, help="of the per-node draws")
+    rollout.add_argument(
+        "--fail-at-step",
+        type=int,
+        metavar="K",
+        help="a bad version: its gate fails at the end of step K's bake (0: the canary's; "
+        "the last step's when a plan has fewer) and the moved nodes roll back",
+    )
+    rollout.set_defaults(func=cmd_simulate_rollout)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -202,6 +234,50 @@ def cmd_plan(args: argparse.Namespace) -> int:
     say("\n".join(lines))
     say(f"report: {out / 'plan.md'} and {chart}")
     return 0 if result.answer is not None else 1
+
+
+def cmd_simulate_rollout(args: argparse.Namespace) -> int:
+    from edgefleet.errors import InvalidInput
+    from policies.rollout import parse_share
+    from sim.rollout import sweep, table
+
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    try:
+        parse_share(args.canary, "--canary")
+        for text in steps:
+            parse_share(text, "--steps")
+    except ValueError as exc:
+        raise InvalidInput(str(exc)) from None
+    bakes = [_seconds(b) for b in args.bakes.split(",") if b.strip()]
+    if not steps or not bakes:
+        raise InvalidInput("give at least one step size (--steps) and one bake time (--bakes)")
+    if args.nodes < 1 or args.model_mb <= 0:
+        raise InvalidInput("give --nodes 1 or more and --model-mb above 0")
+    if args.fail_at_step is not None and args.fail_at_step < 0:
+        raise InvalidInput(f"--fail-at-step is {args.fail_at_step}; give 0 (the canary) or more")
+    results = sweep(
+        args.nodes, steps, bakes, args.canary, args.seed,
+        model_mib=args.model_mb, fail_at=args.fail_at_step,
+    )  # fmt: skip
+    what = "a bad version" if args.fail_at_step is not None else "a good version"
+    say(
+        f"rollout of {what} of a {args.model_mb:g} MiB model to {args.nodes:,} nodes, "
+        f"canary {args.canary}, seed {args.seed}"
+    )
+    say(table(results))
+    return 0
+
+
+def _seconds(text: str) -> float:
+    from edgefleet.errors import InvalidInput
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:  # NaN too
+        raise InvalidInput(f"--bakes {text.strip()!r}: give seconds, 0 or more")
+    return value
 
 
 def _ms(value: float | None) -> str:

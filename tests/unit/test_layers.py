@@ -96,7 +96,7 @@ def test_callers_load_neither_the_node_runtime_nor_onnx_runtime():
 
 
 def test_the_simulator_loads_neither_ray_nor_onnx_runtime():
-    simulator = "sim.fleet, sim.run, sim.workload, sim.report"
+    simulator = "sim.fleet, sim.run, sim.workload, sim.report, sim.rollout"
     forbidden = ("ray", "onnxruntime", "actors.node", "actors.engine")
     assert loaded_after_import(simulator, forbidden) == []
 
