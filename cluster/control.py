@@ -3,10 +3,11 @@ production, :class:`cluster.nodes.RayNode`; a fake in tests)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from edgefleet.artifacts import ModelArtifact
-from edgefleet.config import ModelConfig
+from edgefleet.config import ModelConfig, NodeSpec
 from edgefleet.messages import NodeStatus
 
 
@@ -37,3 +38,13 @@ class NodeControl(Protocol):
         """Whether the node's process answers at all within ``timeout_s``, however busy;
         MUST raise NodeGone when the node died."""
         ...
+
+
+@dataclass
+class NodeEntry:
+    spec: NodeSpec
+    handle: NodeControl
+    healthy: bool = False
+    report: NodeStatus | None = None
+    reported_at: float = 0.0
+    out_since: float | None = None  # unresponsive or stuck since (router's clock)

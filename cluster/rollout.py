@@ -26,18 +26,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from cluster.control import NodeEntry
 from edgefleet.artifacts import ModelArtifact
+from edgefleet.clock import Clock
 from edgefleet.config import FleetConfig, ModelConfig, NodeSpec
 from edgefleet.errors import EdgeFleetError, InvalidInput, ModelNotFound, RolloutRefused
 from edgefleet.messages import NodeState, NodeStatus
 from policies.rollout import DEFAULT_GATES, Gate, Served, judge, parse_gates, plan_steps
-
-if TYPE_CHECKING:
-    from cluster.router import NodeEntry, Router
 
 log = logging.getLogger(__name__)
 
@@ -137,13 +137,25 @@ class Versions:
         )
 
 
+class Fleet(Protocol):
+    """What rollouts use of the router (cluster/router.py)."""
+
+    config: FleetConfig
+    _nodes: dict[str, NodeEntry]
+    _counters: Counter[str]
+    _clock: Clock
+
+    def _keep(self, entry: NodeEntry, report: NodeStatus) -> None: ...
+
+
 class Rollouts:
     """The router's side: runs rollouts (one task each, supervised), moves nodes to the
     version they should serve, and keeps :class:`Versions` in the fleet's store."""
 
-    def __init__(self, router: Router, store: Any = None) -> None:
-        """``store``: the fleet's store actor (None: nothing is kept, as in tests)."""
-        self._router = router
+    def __init__(self, fleet: Fleet, store: Any = None) -> None:
+        """``fleet``: the router's nodes and what it does with their reports; ``store``:
+        the fleet's store actor (None: nothing is kept, as in tests)."""
+        self._router = fleet
         self._store = store
         self.versions = Versions()
         self._tasks: dict[str, asyncio.Task[None]] = {}  # model -> its rollout's task

@@ -18,10 +18,9 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from cluster.control import NodeControl
+from cluster.control import NodeControl, NodeEntry
 from cluster.dispatch import FleetView, NodeGone, NodeReport
 from cluster.membership import NODE_START_TIMEOUT_S, MemberActors, Membership, NodeTable
 from cluster.metrics import RouterMetrics
@@ -38,16 +37,6 @@ log = logging.getLogger(__name__)
 CALLER_SEEN_S = 10.0  # a caller that asked for the view this recently is counted active
 CALLER_COUNTS_KEPT_S = 3600.0  # a caller's counts are known this long after it last sent them
 CALLER_REPORTS_KEPT = 4  # what a caller reports counts for this many report intervals
-
-
-@dataclass
-class NodeEntry:
-    spec: NodeSpec
-    handle: NodeControl
-    healthy: bool = False
-    report: NodeStatus | None = None
-    reported_at: float = 0.0
-    out_since: float | None = None  # unresponsive or stuck since (router's clock)
 
 
 class Router:

@@ -10,12 +10,30 @@ import argparse
 import os
 import textwrap
 
-from cluster.cli import dashboard, demo, device, drive, inference, lifecycle, models, simulate
+from cluster.cli import (
+    dashboard,
+    demo,
+    device,
+    drive,
+    inference,
+    lifecycle,
+    models,
+    rollout,
+    simulate,
+)
 from cluster.cli.common import Parser, RawHelpFormatter, err
 from cluster.cli.interrupts import exit_on_stuck_interrupt
 from edgefleet.errors import EdgeFleetError
 
-RAY_COMMANDS = ("up", "down", "status", "infer", "generate", "drive")  # they start or join a Ray
+RAY_COMMANDS = (
+    "up",
+    "down",
+    "status",
+    "infer",
+    "generate",
+    "drive",
+    "rollout",
+)  # they start or join a Ray
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
               edgefleet models make configs/models    # generate the built-in test models
               edgefleet models show configs/local.yaml  # every model's inputs and outputs
               edgefleet validate configs/local.yaml   # check a fleet file
+              edgefleet rollout configs/local.yaml classifier --to v2/classifier.onnx
               edgefleet dashboard export fleet.json   # the Grafana dashboard
               edgefleet drive configs/local.yaml --workload configs/sim/steady.yaml  # live
               edgefleet join 10.0.0.1:6379 --labels zone=dock  # on a device: join the cluster
@@ -40,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    groups = (models, lifecycle, device, inference, demo, dashboard, simulate, drive)
+    groups = (models, lifecycle, rollout, device, inference, demo, dashboard, simulate, drive)
     for group in groups:  # help's order
         group.add_parser(sub)
     return parser

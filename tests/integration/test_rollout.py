@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import ray
+import yaml
 
 from cluster.client import FleetClient
 from edgefleet.config import parse_config
@@ -51,6 +52,7 @@ def make_fleet(ray_session, tmp_path):
             "node_defaults": {"memory_budget_mb": budget_mb},
             "nodes": [{"name": f"n{i}"} for i in range(nodes)],
         }
+        (tmp_path / f"{config['fleet']['name']}.yaml").write_text(yaml.safe_dump(config))
         clients.append(FleetClient.local(parse_config(config, tmp_path)))
         return clients[-1]
 
@@ -229,3 +231,28 @@ def test_a_router_killed_mid_rollout_carries_it_on(make_fleet, tmp_path):
     assert ended.phase == "done", ended.events
     assert any("router restarted" in e for e in ended.events), ended.events
     assert set(digests(fleet).values()) == {"v2"}
+
+
+def test_the_rollout_command(make_fleet, tmp_path, cli_on_ray):
+    files = versions(tmp_path)
+    fleet = make_fleet(files["v1"], nodes=2)
+    name = fleet.config.fleet.name
+    config = tmp_path / f"{name}.yaml"
+    ran = cli_on_ray(
+        "rollout", str(config), "scaler", "--to", str(files["v2"]), "--version", "v2",
+        "--canary", "1", "--step", "1", "--bake", "0.5",
+    )  # fmt: skip
+    assert ran.returncode == 0, ran
+    assert "step 1/2: moving n0" in ran.stdout and "done: every node serves @v2" in ran.stdout
+    ran = cli_on_ray("rollout", "status", "--fleet", name)
+    assert ran.returncode == 0 and "scaler @" in ran.stdout and "-> @v2: done" in ran.stdout
+    old = fleet.rollouts()[0].old.name
+    ran = cli_on_ray("rollout", "pin", "n1", f"scaler@{old}", "--fleet", name)
+    assert ran.returncode == 0 and f"n1 serves scaler@{old}" in ran.stdout, ran
+    assert cli_on_ray("rollout", "unpin", "n1", "scaler", "--fleet", name).returncode == 0
+    ran = cli_on_ray("rollout", "pin", "n1", "scaler", "--fleet", name)
+    assert ran.returncode == 2 and "give MODEL@VERSION" in ran.stderr
+    ran = cli_on_ray("rollout", "abort", "scaler", "--fleet", name)
+    assert ran.returncode == 2 and "no rollout of scaler is running" in ran.stderr
+    ran = cli_on_ray("rollout", str(config), "scaler", "--to", str(files["v2"]), "--gate", "p99")
+    assert ran.returncode == 2 and "METRIC<=LIMIT" in ran.stderr
