@@ -447,6 +447,7 @@ class Router:
                 n: now - e.out_since for n, e in self._nodes.items() if e.out_since is not None
             },
             pools=() if self._membership is None else self._membership.status(),
+            rollouts=tuple(r.summary() for r in self.rollouts.status() if r.active),
         )
 
     async def status(

@@ -286,6 +286,7 @@ class FleetStatus:
     # nodes alive but not answering the router, or stuck: seconds they have been so
     unresponsive: dict[str, float] = field(default_factory=dict)
     pools: tuple[PoolStatus, ...] = ()  # with their devices
+    rollouts: tuple[str, ...] = ()  # the rollouts running, one line each
 
     def pool(self, name: str) -> PoolStatus:
         for p in self.pools:

@@ -37,6 +37,7 @@ def status_dict(status: FleetStatus, overview: Overview | None = None) -> dict[s
         ],
         "unresponsive": status.unresponsive,
         "pools": [dataclasses.asdict(p) for p in status.pools],
+        "rollouts": list(status.rollouts),
     }
     if overview is not None:
         out["overview"] = _no_nan(dataclasses.asdict(overview))
@@ -115,7 +116,9 @@ def status_table(status: FleetStatus, overview: Overview | None = None) -> str:
     for name in lost:
         if all(n.name != name for n in status.nodes):
             lines.append(f"{name:<{w}}{_health(status, name):<9}")
-    lines += ["", "(* = resident)", *version_lines(status), status_line(status)]
+    lines += ["", "(* = resident)", *version_lines(status)]
+    lines += [f"rollout: {r}" for r in status.rollouts]
+    lines.append(status_line(status))
     for pool in status.pools:
         lines += ["", *pool_lines(pool)]
     return "\n".join(lines)

@@ -210,6 +210,8 @@ def test_refusals_touch_no_node(make_fleet, tmp_path):
     while fleet.rollouts()[0].phase != "baking":
         assert time.monotonic() < deadline, fleet.rollouts()[0].events
         time.sleep(0.2)
+    (running,) = fleet.status().rollouts
+    assert running.startswith("scaler @") and ": baking, step 1/2, 1/2 node(s) on @" in running
     fleet.abort_rollout("scaler")
     ended = fleet.wait_rollout("scaler", timeout_s=120)
     assert ended.phase == "aborted" and digests(fleet) == before
