@@ -134,12 +134,14 @@ class ModelManager:
         if sum(self._info[m].memory_mb for m in self._resident) > self._budget_mb:
             self.unload(name)
 
-    def replace(self, name: str, config: ModelConfig) -> ModelInfo:
+    def replace(
+        self, name: str, config: ModelConfig, restore: Callable[[], None] | None = None
+    ) -> ModelInfo:
         """Serve ``name`` from ``config`` (another version of its files) from now on:
         unload it, then load, warm up and measure the new one. When that fails, or its
         warm-up fails where the old version's ran, the old version comes back (loaded
-        again) and VersionFailed says why; when even the old one does not load again,
-        EngineError."""
+        again, after ``restore`` put back what the resolver reads) and VersionFailed
+        says why; when even the old one does not load again, EngineError."""
         old_config, old_info = self._configs[name], self.info(name)
         self.unload(name)
         self._configs[name] = config
@@ -152,6 +154,8 @@ class ModelManager:
         except EdgeFleetError as exc:
             self.unload(name)
             self._configs[name], self._info[name] = old_config, old_info
+            if restore is not None:
+                restore()
             try:
                 self.ensure(name)
             except EdgeFleetError as again:

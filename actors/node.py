@@ -27,6 +27,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -201,6 +202,10 @@ class NodeRuntime:
         """``name``'s config loading from this device's model cache, its files fetched
         from the fleet's store first where the cache lacks them (engine thread)."""
         artifact = self._artifacts[name]
+        return in_tree(config, artifact, self._fetch(name, artifact)), artifact
+
+    def _fetch(self, name: str, artifact: ModelArtifact) -> Path:
+        """Fetch what the cache lacks of ``artifact`` (``name``'s files); its tree."""
         if self.spec.store is None:
             raise ArtifactError(f"model {name!r}: the node was given no store to fetch from")
         source = StoreSource.named(self.spec.store)
@@ -220,7 +225,7 @@ class NodeRuntime:
                 done.bytes_fetched / MiB,
                 self._cache.root,
             )
-        return in_tree(config, artifact, done.tree), artifact
+        return done.tree
 
     def _supervised(self, what: str) -> Callable[[asyncio.Task[None]], None]:
         """Supervision of a task that ends only when the node stops (the serve loop,
@@ -333,9 +338,17 @@ class NodeRuntime:
             if self._artifacts[model].digest == artifact.digest:
                 return self.status()
             old = self._artifacts[model]
-            self._artifacts[model] = artifact
+
+            def swap() -> ModelInfo:  # on the engine thread, where loads happen
+                self._artifacts[model] = artifact
+                try:
+                    return self._models.replace(model, config, lambda: self._restore(model, old))
+                except BaseException:
+                    self._restore(model, old)
+                    raise
+
             try:
-                await asyncio.to_thread(self._from_cache, model, config)  # fetch, serving on
+                await asyncio.to_thread(self._fetch, model, artifact)  # serving on meanwhile
                 self._updating[model] = artifact.version
                 held_since = self._clock.now()
                 while True:
@@ -351,10 +364,7 @@ class NodeRuntime:
                     await asyncio.sleep(0.01)
                 for entry in self._gens.kv.entries(model):  # the old version's KV
                     self._gens.kv.drop(entry.key)
-                info = await self._engine.call(lambda: self._models.replace(model, config))
-            except BaseException:
-                self._artifacts[model] = old
-                raise
+                info = await self._engine.call(swap)
             finally:
                 self._updating.pop(model, None)
         assert isinstance(info, ModelInfo)
@@ -367,6 +377,9 @@ class NodeRuntime:
         self._counters["model_loads"] += 1
         log.info("node %s: %s now serves @%s", self.spec.name, model, artifact.version)
         return self.status()
+
+    def _restore(self, model: str, artifact: ModelArtifact) -> None:
+        self._artifacts[model] = artifact
 
     # ------------------------------------------------------------------------ intake
 
