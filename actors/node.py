@@ -116,6 +116,9 @@ class NodeRuntime:
         self._cache: ModelCache | None = None  # opened at the first load
         self._cache_lock = threading.Lock()  # a fetch for a rollout runs beside loads
         self._updating: dict[str, str] = {}  # model -> the version it is moving to
+        # model -> the config and files of the version it is moving to: loads of that
+        # config use these files, any other (the old version again) those it serves
+        self._staged: dict[str, tuple[ModelConfig, ModelArtifact]] = {}
         self._versioning: asyncio.Lock | None = None  # one version change at a time
         self._sched = LocalScheduler.for_node(spec, self._clock)
         self._counters: Counter[str] = Counter(dict.fromkeys(NODE_COUNTERS, 0))
@@ -200,7 +203,10 @@ class NodeRuntime:
     def _from_cache(self, name: str, config: ModelConfig) -> tuple[ModelConfig, ModelArtifact]:
         """``name``'s config loading from this device's model cache, its files fetched
         from the fleet's store first where the cache lacks them (engine thread)."""
-        artifact = self._artifacts[name]
+        staged = self._staged.get(name)
+        artifact = (
+            staged[1] if staged is not None and staged[0] is config else self._artifacts[name]
+        )
         if self.spec.store is None:
             raise ArtifactError(f"model {name!r}: the node was given no store to fetch from")
         source = StoreSource.named(self.spec.store)
@@ -333,7 +339,7 @@ class NodeRuntime:
             if self._artifacts[model].digest == artifact.digest:
                 return self.status()
             old = self._artifacts[model]
-            self._artifacts[model] = artifact
+            self._staged[model] = (config, artifact)
             try:
                 await asyncio.to_thread(self._from_cache, model, config)  # fetch, serving on
                 self._updating[model] = artifact.version
@@ -352,10 +358,9 @@ class NodeRuntime:
                 for entry in self._gens.kv.entries(model):  # the old version's KV
                     self._gens.kv.drop(entry.key)
                 info = await self._engine.call(lambda: self._models.replace(model, config))
-            except BaseException:
-                self._artifacts[model] = old
-                raise
+                self._artifacts[model] = artifact
             finally:
+                self._staged.pop(model, None)
                 self._updating.pop(model, None)
         assert isinstance(info, ModelInfo)
         with self._lock:
