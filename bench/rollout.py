@@ -217,7 +217,8 @@ def row(r: Result) -> list[str]:
     steady, during = r.fg_ms(0), r.fg_ms(1)
     bake = f"{len(r.rollout.steps)} x {r.case.bake_s:g}"
     return [
-        r.case.label, f"{len(r.traffic.fg)} / {len(r.traffic.bg)}", bc.pairs_text(r.outcomes),
+        f"{r.case.label} (@{r.rollout.old.name} -> @{r.rollout.new.name})",
+        f"{len(r.traffic.fg)} / {len(r.traffic.bg)}", bc.pairs_text(r.outcomes),
         str(r.traffic.lost), f"{fmt(steady.p50)} / {fmt(during.p50)}",
         f"{fmt(steady.p99)} / {fmt(during.p99)}", fmt(r.p99_ratio, 2), fmt(r.seconds),
         bake, r.rollout.phase, str(r.wrong), r.rollout.why,
@@ -258,7 +259,7 @@ def run(ctx: RunContext) -> Section:
         return make_slow(folder / name / f"{MODEL}.onnx", width=w, **kw)
 
     bake, steady = ctx.pick(10.0, 3.0), ctx.pick(30.0, 5.0)
-    gate_bake, gate_steady = ctx.pick(30.0, 15.0), ctx.pick(10.0, 3.0)
+    gate_bake, gate_steady = ctx.pick(30.0, 10.0), ctx.pick(10.0, 3.0)
     cases = [
         Case("1: v2, same cost", "v2", version("v2", layers=n, seed=2),
              "error_rate<=0.01,p99<=1.5x", bake, "done", steady),
@@ -292,6 +293,7 @@ def run(ctx: RunContext) -> Section:
             f"{max(n, 32)} distinct weight matrices (the nodes' memory budget is "
             f"{BUDGET_MB:g} MB). Latency: from submit to reply in this process, completed "
             f"requests; steady state is the {steady:g} s (case 1) or {gate_steady:g} s window "
-            "before each rollout, during is from the rollout's start to its end."
+            "before each rollout, during is from the rollout's start to its end. Each "
+            "rollout starts from the version the fleet serves after the one before."
         ],
     )
