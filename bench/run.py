@@ -23,6 +23,7 @@ from bench import (
     membership,
     node_overhead,
     priority_latency,
+    rollout,
     simulation,
 )
 from bench import common as bc
@@ -41,6 +42,7 @@ SCENARIOS = {  # name -> (run, title)
     "devices": (devices.run, devices.TITLE),
     "fidelity": (fidelity.run, fidelity.TITLE),
     "distribution": (distribution.run, distribution.TITLE),
+    "rollout": (rollout.run, rollout.TITLE),
 }
 
 

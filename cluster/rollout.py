@@ -306,6 +306,9 @@ class Rollouts:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            # Ray hands on what the node raised wrapped, its message a remote traceback.
+            cause = getattr(exc, "cause", None)
+            exc = cause if isinstance(cause, Exception) else exc
             why = str(exc) if isinstance(exc, EdgeFleetError) else f"{type(exc).__name__}: {exc}"
             if isinstance(exc, TimeoutError):
                 why = f"node {name} did not load @{version.name} within {LOAD_TIMEOUT_S:g} s"

@@ -178,9 +178,27 @@ def test_a_version_that_does_not_load_on_the_nodes_is_rolled_back(make_fleet, tm
     ended = fleet.rollout("scaler", big, canary=1, step=1, bake_s=0.5, timeout_s=300)
     assert ended.phase == "rolled back", ended.events
     assert "memory budget" in ended.why, ended.why
+    assert "\n" not in ended.why and "did not load again" not in ended.why, ended.why
     assert set(digests(fleet).values()) == {ended.old.name}
     x = np.zeros((1, 256), np.float32)
     assert fleet.infer_reply("scaler", {"x": x}).error is None
+
+
+def test_a_version_whose_warm_up_fails_leaves_its_node_on_the_old_one(make_fleet, tmp_path):
+    files = versions(tmp_path)
+    broken = make_slow(  # every call fails, the warm-up's too
+        tmp_path / "broken" / "scaler.onnx", layers=2, width=WIDTH, seed=4, fail_above=-1e9
+    )
+    fleet = make_fleet(files["v1"], nodes=2)
+    ended = fleet.rollout("scaler", broken, canary=1, step=1, bake_s=0.5, timeout_s=300)
+    assert ended.phase == "rolled back", ended.events
+    assert ended.why.endswith("its warm-up failed on inputs the old version ran"), ended.why
+    assert set(digests(fleet).values()) == {ended.old.name}
+    x = np.zeros((1, WIDTH), np.float32)
+    for _ in range(10):
+        np.testing.assert_allclose(
+            fleet.infer("scaler", {"x": x})["y"], expected(files["v1"], x), rtol=1e-5, atol=1e-6
+        )
 
 
 def test_refusals_touch_no_node(make_fleet, tmp_path):
