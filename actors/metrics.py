@@ -32,7 +32,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from edgefleet.clock import Clock, MonotonicClock
-from edgefleet.messages import LATENCY_BUCKETS, MetricsSummary, NodeState, NodeStatus
+from edgefleet.messages import (
+    LATENCY_BUCKETS,
+    SERVICE_BUCKETS,
+    MetricsSummary,
+    NodeState,
+    NodeStatus,
+)
 from edgefleet.priorities import DEFAULT_PRIORITIES, PRIORITIES, class_name
 from edgefleet.request import TERMINAL_STATES, RequestState
 from policies.budget import LIFECYCLE_STATES
@@ -552,7 +558,7 @@ class NodeMetrics(Recorder):
             {"fleet": fleet, "node": node}, priorities, sink, flush_s=flush_s, clock=clock
         )
         self._latency = {name: [0] * (len(LATENCY_BUCKETS) + 1) for name in self.classes}
-        self._model_latency: dict[str, list[int]] = {}  # model -> latency bucket counts
+        self._model_service: dict[str, list[int]] = {}  # model -> SERVICE_BUCKETS counts
         self._model_failed: Counter[str] = Counter()
 
     def start(self, models: Iterable[str], decoders: Iterable[str]) -> None:
@@ -588,7 +594,8 @@ class NodeMetrics(Recorder):
             self._observe(SERVICE, service_s, label, r.model)
             bucket = bisect.bisect_left(LATENCY_BUCKETS, latency)
             self._latency.setdefault(label, [0] * (len(LATENCY_BUCKETS) + 1))[bucket] += 1
-            self._model_latency.setdefault(r.model, [0] * (len(LATENCY_BUCKETS) + 1))[bucket] += 1
+            served = self._model_service.setdefault(r.model, [0] * (len(SERVICE_BUCKETS) + 1))
+            served[bisect.bisect_left(SERVICE_BUCKETS, service_s)] += 1
         elif outcome.state is RequestState.FAILED:
             self._model_failed[r.model] += 1
 
@@ -676,10 +683,9 @@ class NodeMetrics(Recorder):
 
     def served(self, model: str) -> tuple[int, tuple[int, ...]]:
         """What the node served of ``model``: the requests that failed, and the completed
-        ones' cumulative latency bucket counts (``+Inf`` last)."""
-        return self._model_failed[model], tuple(
-            itertools.accumulate(self._model_latency.get(model, []))
-        )
+        ones' cumulative counts of the engine time that served them (``+Inf`` last)."""
+        counts = self._model_service.get(model, [])
+        return self._model_failed[model], tuple(itertools.accumulate(counts))
 
     def summary(self) -> MetricsSummary:
         latency = {}

@@ -1028,7 +1028,7 @@ class NodeRuntime:
                 digest=i.artifact.digest if i.artifact else "",
                 fetched_bytes=self._fetched.get(i.name, 0),
                 failed=(served := self._metrics.served(i.name))[0],
-                latency=served[1],
+                service=served[1],
                 signature=i.signature.text(),
             )
             for i in self._models.models()

@@ -437,7 +437,7 @@ def _model(report: NodeStatus | None, model: str) -> Any:
 
 def _served(report: NodeStatus | None, model: str) -> Served:
     m = _model(report, model)
-    return Served() if m is None else Served(m.failed, tuple(m.latency))
+    return Served() if m is None else Served(m.failed, tuple(m.service))
 
 
 # ------------------------------------------------------------------- the deployer

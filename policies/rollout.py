@@ -3,10 +3,12 @@ new version may go on (its gates).
 
 A rollout moves a model from one version to another node by node: a canary first, then
 steps of a share of the nodes. After each step the nodes on the new version bake: the
-gates compare what they served in that time (their error rate, their latency
-quantiles) with what the nodes still on the old version served in the same time. A gate
-that fails rolls every node moved so far back. Pure: the router (cluster/rollout.py)
-and the simulator (sim/rollout.py) drive the same decisions.
+gates compare what they served in that time (their error rate, and quantiles of the
+engine time that served each request: queueing is left out, as placement sends less
+work to a slow node and evens its queue out) with what the nodes still on the old
+version served in the same time. A gate that fails rolls every node moved so far back.
+Pure: the router (cluster/rollout.py) and the simulator (sim/rollout.py) drive the same
+decisions.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from edgefleet.messages import LATENCY_BUCKETS, bucket_quantile
+from edgefleet.messages import SERVICE_BUCKETS, bucket_quantile
 
 GATE_METRICS = ("error_rate", "p50", "p90", "p99")
-MIN_REQUESTS = 20  # requests the new version serves in a bake before a gate may fail it
+# Requests the new version serves in a bake before a gate may fail it before the bake
+# ends (a p99 of fewer is about their maximum), and at its end.
+EARLY_REQUESTS = 100
+MIN_REQUESTS = 20
 DEFAULT_GATES = "error_rate<=0.01,p99<=1.5x"
 
 _GATE = re.compile(r"^\s*(?P<metric>[a-z_0-9]+)\s*<=\s*(?P<limit>[0-9.]+)\s*(?P<unit>x|ms|s)?\s*$")
@@ -75,12 +80,12 @@ def parse_gates(text: str) -> tuple[Gate, ...]:
 @dataclass(frozen=True)
 class Served:
     """What some nodes served of one model: requests that ended (completed or failed),
-    those that failed, and the completed ones' cumulative latency bucket counts (the
-    node reports' buckets, ``+Inf`` last)."""
+    those that failed, and the completed ones' cumulative counts of the engine time that
+    served them (the node reports' buckets, ``+Inf`` last)."""
 
     failed: int = 0
     latency: tuple[int, ...] = ()
-    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    bounds: tuple[float, ...] = SERVICE_BUCKETS
 
     @property
     def completed(self) -> int:
@@ -135,17 +140,18 @@ def judge(
     *,
     final: bool,
     min_requests: int = MIN_REQUESTS,
+    early_requests: int = EARLY_REQUESTS,
 ) -> Verdict:
     """The gates on what the new version (``new``) and the old one (``old``, on the
     nodes not moved yet) served during a bake. Before the bake ends (``final`` False) a
-    gate fails only once the new version has served ``min_requests``; at the end a gate
-    without enough requests to judge passes, and says so. A relative gate with no old
+    gate fails only once the new version has served ``early_requests``; at the end a gate
+    needs ``min_requests``, and without them passes, saying so. A relative gate with no old
     requests to compare to is judged at the end on the new version alone only when it
     has absolute gates too; otherwise it passes, saying why."""
     parts = [f"new: {_describe(new)}", f"old: {_describe(old)}"]
+    if not final and new.requests < early_requests:
+        return Verdict(None, "; ".join(parts))
     if new.requests < min_requests:
-        if not final:
-            return Verdict(None, "; ".join(parts))
         return Verdict(True, f"too few requests to judge ({new.requests}); " + "; ".join(parts))
     for gate in gates:
         value = new.error_rate if gate.metric == "error_rate" else new.quantile(_q(gate.metric))
@@ -170,7 +176,7 @@ def _describe(s: Served) -> str:
     if not s.requests:
         return "no requests"
     p99 = s.quantile(0.99)
-    p99_text = "" if math.isnan(p99) else f", p99 {p99 * 1000:.1f} ms"
+    p99_text = "" if math.isnan(p99) else f", engine p99 {p99 * 1000:.1f} ms"
     return f"{s.requests} requests, {s.error_rate:.1%} failed{p99_text}"
 
 

@@ -14,7 +14,7 @@ from cluster.router import Router
 from edgefleet.artifacts import ArtifactFile, ModelArtifact
 from edgefleet.config import ModelConfig, parse_config
 from edgefleet.errors import VersionFailed
-from edgefleet.messages import LATENCY_BUCKETS, ModelStatus, NodeState, NodeStatus
+from edgefleet.messages import SERVICE_BUCKETS, ModelStatus, NodeState, NodeStatus
 from tests.fakes import fake_spec
 
 NODES = ["n0", "n1", "n2", "n3"]
@@ -53,7 +53,7 @@ class Node:
     def __init__(self, name: str) -> None:
         self.name, self.version = name, "v1"
         self.failed = 0
-        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.buckets = [0] * (len(SERVICE_BUCKETS) + 1)
         self.refuse: set[str] = set()  # versions that do not load here
         self.moves: list[str] = []
 
@@ -63,7 +63,7 @@ class Node:
                 self.failed += 1
             else:
                 latency = 0.04 if self.version in self.slow else 0.004
-                self.buckets[bisect.bisect_left(LATENCY_BUCKETS, latency)] += 1
+                self.buckets[bisect.bisect_left(SERVICE_BUCKETS, latency)] += 1
 
     async def status(self) -> NodeStatus:
         total, cumulative = 0, []
@@ -72,7 +72,7 @@ class Node:
             cumulative.append(total)
         model = ModelStatus(
             "m", True, True, 1, {}, None, 1, version=self.version,
-            digest=artifact(self.version).digest, failed=self.failed, latency=tuple(cumulative),
+            digest=artifact(self.version).digest, failed=self.failed, service=tuple(cumulative),
         )  # fmt: skip
         return NodeStatus(self.name, NodeState.SERVING, {}, 0, None, (model,))
 
