@@ -53,8 +53,8 @@ def add_parser(sub: Subparsers) -> None:
     rollout.add_argument(
         "--gate",
         default=DEFAULT_GATES,
-        help="METRIC<=LIMIT,...: error_rate (a fraction) or p50/p90/p99 as a multiple of the "
-        "old version's (1.5x) or in ms or s",
+        help="METRIC<=LIMIT,...: error_rate (a fraction) or p50/p90/p99 of the engine time "
+        "per request, as a multiple of the old version's (1.5x) or in ms or s",
     )
     rollout.add_argument(
         "--allow-signature-change",
