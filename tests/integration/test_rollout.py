@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import ray
@@ -210,6 +211,18 @@ def test_refusals_touch_no_node(make_fleet, tmp_path):
     not_onnx.write_bytes(b"not a model")
     with pytest.raises(RolloutRefused, match="not an ONNX model"):
         fleet.rollout("scaler", not_onnx)
+    unloadable = tmp_path / "unloadable" / "scaler.onnx"  # ONNX, with an op nobody has
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Scale", ["x"], ["y"], domain="com.example")],
+        "unloadable",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", WIDTH])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", WIDTH])],
+    )
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.example", 1)]
+    unloadable.parent.mkdir()
+    onnx.save(onnx.helper.make_model(graph, opset_imports=opsets), str(unloadable))
+    with pytest.raises(RolloutRefused, match="refused: model 'scaler'.*Scale"):
+        fleet.rollout("scaler", unloadable)
     other = make_classifier(tmp_path / "other" / "classifier.onnx")
     with pytest.raises(RolloutRefused, match="other inputs or outputs"):
         fleet.rollout("scaler", other)
