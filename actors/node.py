@@ -1030,6 +1030,7 @@ class NodeRuntime:
                 failed=(served := self._metrics.served(i.name))[0],
                 service=served[1],
                 signature=i.signature.text(),
+                moving=i.name in self._updating,
             )
             for i in self._models.models()
         )

@@ -208,6 +208,7 @@ class _Base:
     load_cost_s: dict[str, float] = field(default_factory=dict)
     sessions: frozenset[str] = frozenset()
     busy: dict[int, float] = field(default_factory=dict)
+    moving: frozenset[str] = frozenset()  # models it takes no work for: a new version loads
 
 
 class _Entry:
@@ -334,7 +335,7 @@ class _Entry:
         # as long as building the view.
         self._view = NodeView(
             self.name,
-            self.models,
+            self.models - b.moving if b.moving else self.models,
             b.loaded,
             self.healthy,
             b.draining,
@@ -410,6 +411,7 @@ def _base(report: NodeStatus) -> _Base:
         load_cost_s=load_cost_s,
         sessions=frozenset(report.sessions),
         busy=dict(report.busy),
+        moving=frozenset(m.name for m in report.models if m.moving),
     )
 
 
@@ -1127,12 +1129,14 @@ class Dispatcher:
                 request_id=request.id,
             )
         with self._lock:
-            open_ = [e for e in healthy if not e.base.draining]
+            open_ = [
+                e for e in healthy if not e.base.draining and request.model not in e.base.moving
+            ]
         if not open_:
             wait_s = max(DRAINING_RETRY_S, self.config.router.report_interval_s)
             return Rejected(
-                f"every node serving {request.model!r} is draining (or starting) and takes "
-                f"no new work; try again in {wait_s:g} s",
+                f"every node serving {request.model!r} is draining, starting or moving it to "
+                f"another version, and takes no new work for it; try again in {wait_s:g} s",
                 retry_after_s=wait_s,
                 request_id=request.id,
             )

@@ -158,6 +158,7 @@ class ModelStatus:
     failed: int = 0
     service: tuple[int, ...] = ()
     signature: str = ""  # its inputs and outputs on one line (a rollout compares them)
+    moving: bool = False  # the node is moving it to another version: it takes none now
 
 
 @dataclass(frozen=True)

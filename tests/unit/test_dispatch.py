@@ -701,7 +701,7 @@ def test_when_every_node_serving_the_model_drains_callers_hear_so_and_nothing_is
     f.refresh()
     reply = f.infer(req(10))
     assert isinstance(reply.error, Rejected)
-    assert "every node serving 'm' is draining" in str(reply.error)
+    assert "every node serving 'm' is draining, starting or moving it" in str(reply.error)
     assert reply.error.retry_after_s >= 1.0
     counted = f.dispatcher.counted()
     assert counted["shed"] == 0 and counted["rejected"] == 1
@@ -922,3 +922,20 @@ def test_a_request_for_model_at_version_goes_only_to_nodes_serving_that_version(
         assert isinstance(wrong.error, Rejected) and "serves m@v1, not @v2" in str(wrong.error)
     finally:
         f.close()
+
+
+def test_a_node_moving_the_model_to_another_version_is_passed_over(fleet):
+    f = fleet({"a": {}, "b": {}})
+
+    def moving(name: str) -> NodeReport:
+        s = f.node(name).status()
+        return NodeReport(
+            replace(s, models=tuple(replace(m, moving=True) for m in s.models)), True, 0.0
+        )
+
+    f.dispatcher.update(FleetView({"a": moving("a")}))
+    replies = [f.infer(req(10)) for _ in range(6)]
+    assert {r.node for r in replies} == {"b"} and f.dispatcher.counted()["spilled"] == 0
+    f.dispatcher.update(FleetView({"a": moving("a"), "b": moving("b")}))
+    reply = f.infer(req(10))
+    assert isinstance(reply.error, Rejected) and "moving it to another version" in str(reply.error)
