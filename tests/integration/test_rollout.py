@@ -105,7 +105,13 @@ class Traffic:
 
 
 def digests(fleet, model: str = "scaler") -> dict[str, str]:
-    return {n.name: m.version for n in fleet.status().nodes for m in n.models if m.name == model}
+    """The version each node serves ("moving" while it moves to another)."""
+    return {
+        n.name: "moving" if m.moving else m.version
+        for n in fleet.status().nodes
+        for m in n.models
+        if m.name == model
+    }
 
 
 def test_a_rollout_moves_every_node_and_loses_nothing(make_fleet, tmp_path):
