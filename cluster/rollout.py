@@ -289,7 +289,7 @@ class Rollouts:
         if name in self._moving:
             return
         for m in report.models:
-            want = self.versions.wanted(entry.spec, m.name)
+            want = self.versions.wanted(entry.spec, m.name) or self.deployed(m.name)
             if want is None or not m.digest or want.artifact.digest == m.digest:
                 continue
             if (name, want.artifact.digest) in self._failed:

@@ -233,6 +233,23 @@ def test_a_restarted_router_carries_the_rollout_on_from_the_store():
     run(main)
 
 
+def test_a_pinned_node_serves_its_version_and_the_deployed_one_once_unpinned():
+    async def main() -> None:
+        router, nodes, stop = await fleet()
+        await router.rollout("m", version("v2"), 1, 1, 30.0, "error_rate<=0.01")
+        await router.rollouts.abort("m")  # v2 is known now, and no node serves it
+        await ended(router)
+        await router.rollouts.pin("n1", "m", "v2")
+        await until(lambda: nodes["n1"].version == "v2")
+        await router.rollouts.pin("n1", "m", None)
+        await until(lambda: nodes["n1"].version == "v1")
+        assert {n.version for n in nodes.values()} == {"v1"}
+        stop.set()
+        await router.stop()
+
+    run(main)
+
+
 def test_pins_of_a_node_win_over_its_pool_and_rollouts():
     versions = Versions(current={"m": version("v2")})
     spec = fake_spec().model_copy(update={"name": "cams/d1", "pool": "cams"})
