@@ -393,11 +393,12 @@ class Rollouts:
                 await self._save()
             elif r.phase == "rolling back":
                 failed = await self._reach(r, list(r.moved), r.old)
-                if failed is not None:
-                    r.event(f"could not move back: {failed}")
                 r.phase = "aborted" if r.why == "aborted by the operator" else "rolled back"
                 r.moved, r.ended = [], time.time()
-                r.event(f"{r.phase}: every node serves @{r.old.name}")
+                if failed is None:
+                    r.event(f"{r.phase}: every node serves @{r.old.name}")
+                else:
+                    r.event(f"{r.phase}, but a node could not move back: {failed}")
                 await self._save()
 
     async def _bake(self, r: Rollout) -> str | None:
