@@ -25,6 +25,9 @@ GATE_METRICS = ("error_rate", "p50", "p90", "p99")
 # ends (a p99 of fewer is about their maximum), and at its end.
 EARLY_REQUESTS = 100
 MIN_REQUESTS = 20
+# A relative latency gate allows at least this over the old version's quantile: under a
+# millisecond, a busy machine's scheduling moves a p99 by more than any ratio.
+LATENCY_SLACK_S = 0.002
 DEFAULT_GATES = "error_rate<=0.01,p99<=1.5x"
 
 _GATE = re.compile(r"^\s*(?P<metric>[a-z_0-9]+)\s*<=\s*(?P<limit>[0-9.]+)\s*(?P<unit>x|ms|s)?\s*$")
@@ -145,26 +148,40 @@ def judge(
     """The gates on what the new version (``new``) and the old one (``old``, on the
     nodes not moved yet) served during a bake. Before the bake ends (``final`` False) a
     gate fails only once the new version has served ``early_requests``; at the end a gate
-    needs ``min_requests``, and without them passes, saying so. A relative gate with no old
-    requests to compare to is judged at the end on the new version alone only when it
-    has absolute gates too; otherwise it passes, saying why."""
+    needs ``min_requests``, and without them passes, saying so. A quantile is judged
+    only on enough requests to have one above it (a p99 on 100), and a relative latency
+    limit is at least ``LATENCY_SLACK_S`` above the old version's (below that, a busy
+    machine's scheduling decides). A relative gate with no old requests to compare to
+    passes, as do the gates left unjudged: the verdict says which."""
     parts = [f"new: {_describe(new)}", f"old: {_describe(old)}"]
     if not final and new.requests < early_requests:
         return Verdict(None, "; ".join(parts))
     if new.requests < min_requests:
         return Verdict(True, f"too few requests to judge ({new.requests}); " + "; ".join(parts))
+    unjudged = []
     for gate in gates:
-        value = new.error_rate if gate.metric == "error_rate" else new.quantile(_q(gate.metric))
+        if gate.metric == "error_rate":
+            value, base = new.error_rate, old.error_rate
+        else:
+            q = _q(gate.metric)
+            if new.requests < math.ceil(1 / (1 - q)):
+                unjudged.append(f"{gate.metric} (on {new.requests} requests)")
+                continue
+            value, base = new.quantile(q), old.quantile(q)
         limit = gate.limit
         if gate.relative:
-            base = old.error_rate if gate.metric == "error_rate" else old.quantile(_q(gate.metric))
             if old.requests < min_requests or math.isnan(base):
-                continue  # nothing to compare to
+                unjudged.append(f"{gate} (nothing to compare to)")
+                continue
             limit = gate.limit * base
+            if gate.metric != "error_rate":
+                limit = max(limit, base + LATENCY_SLACK_S)
         if value > limit:
             shown = f"{value:.3f}" if gate.metric == "error_rate" else f"{value * 1000:.1f} ms"
             bound = f"{limit:.3f}" if gate.metric == "error_rate" else f"{limit * 1000:.1f} ms"
             return Verdict(False, f"{gate} failed: {shown} > {bound}; " + "; ".join(parts))
+    if unjudged:
+        parts.append("not judged: " + ", ".join(unjudged))
     return Verdict(True if final else None, "; ".join(parts))
 
 
