@@ -872,6 +872,8 @@ class _ViewFeed:
         jitter = random.Random()
         delay = self._interval
         while not self._stop.wait(delay):
+            if not ray.is_initialized():  # shut down under this client: Ray ends a process
+                return  # that calls it after its shutdown, so nothing more is asked
             self._dispatcher.flush()  # metrics and recorded calls go out while idle too
             try:
                 self._fetch()

@@ -249,14 +249,16 @@ def test_a_caller_without_the_model_folder_reads_the_tokenizer_from_the_store(
     fleet = lm_fleet(make_fleet)
     here = fleet.config.models["lm"]
     away = here.model_copy(update={"path": tmp_path / "not-here" / "slow_lm.onnx"})
-    remote = FleetClient(
+    # Closed at the end: its view feed would poll the fleet's router after the fleet is
+    # gone, and call Ray after the module's cluster shut down (Ray ends such a process).
+    with FleetClient(
         fleet.config.model_copy(update={"models": {"lm": away}}), fleet._router, fleet._nodes
-    )
-    tokenizer = remote.tokenizer("lm")
-    assert tokenizer.path.is_relative_to(os.environ["XDG_CACHE_HOME"])
-    assert tokenizer.encode("déjà vu") == fleet.tokenizer("lm").encode("déjà vu")
-    stream = remote.generate("lm", "the heron saw déjà vu", max_new_tokens=8)
-    assert "".join(stream.texts()) == fleet.tokenizer("lm").decode(stream.tokens)
+    ) as remote:
+        tokenizer = remote.tokenizer("lm")
+        assert tokenizer.path.is_relative_to(os.environ["XDG_CACHE_HOME"])
+        assert tokenizer.encode("déjà vu") == fleet.tokenizer("lm").encode("déjà vu")
+        stream = remote.generate("lm", "the heron saw déjà vu", max_new_tokens=8)
+        assert "".join(stream.texts()) == fleet.tokenizer("lm").decode(stream.tokens)
 
 
 @pytest.fixture
