@@ -97,9 +97,10 @@ class Signature:
     def describe(self) -> str:
         return ", ".join(f"{s.name} ({s.describe()})" for s in self.inputs)
 
+    @cached_property
     def text(self) -> str:
-        """Inputs and outputs on one line: two versions of a model take the same
-        requests when theirs are equal."""
+        """Inputs and outputs on one line (every status report carries it): two versions
+        of a model take the same requests when theirs are equal."""
         ins = ", ".join(f"{s.name} {s.describe()}" for s in self.inputs)
         return f"{ins} -> " + ", ".join(f"{s.name} {s.describe()}" for s in self.outputs)
 

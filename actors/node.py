@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -338,13 +339,14 @@ class NodeRuntime:
             if self._artifacts[model].digest == artifact.digest:
                 return self.status()
             old = self._artifacts[model]
+            restore = functools.partial(self._artifacts.__setitem__, model, old)
 
             def swap() -> ModelInfo:  # on the engine thread, where loads happen
                 self._artifacts[model] = artifact
                 try:
-                    return self._models.replace(model, config, lambda: self._restore(model, old))
+                    return self._models.replace(model, config, restore)
                 except BaseException:
-                    self._restore(model, old)
+                    restore()
                     raise
 
             try:
@@ -377,9 +379,6 @@ class NodeRuntime:
         self._counters["model_loads"] += 1
         log.info("node %s: %s now serves @%s", self.spec.name, model, artifact.version)
         return self.status()
-
-    def _restore(self, model: str, artifact: ModelArtifact) -> None:
-        self._artifacts[model] = artifact
 
     # ------------------------------------------------------------------------ intake
 
@@ -544,8 +543,8 @@ class NodeRuntime:
         return self._gens.make(request, self._models.info(request.model), emit)
 
     def _check_version(self, model: str, version: str | None) -> None:
-        """Rejected (another node may serve it) for a request pinned to a version of
-        ``model`` other than the one this node serves."""
+        """Rejected (another node may serve it) while the node moves ``model`` to another
+        version, or for a request pinned to a version other than the one it serves."""
         moving_to = self._updating.get(model)
         if moving_to is not None:
             raise Rejected(
@@ -1029,7 +1028,7 @@ class NodeRuntime:
                 fetched_bytes=self._fetched.get(i.name, 0),
                 failed=(served := self._metrics.served(i.name))[0],
                 service=served[1],
-                signature=i.signature.text(),
+                signature=i.signature.text,
                 moving=i.name in self._updating,
             )
             for i in self._models.models()

@@ -582,6 +582,7 @@ class FleetClient:
             parse_gates(gates)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
+        # The router refuses it too; asked first, nothing is uploaded for a refusal.
         running = next((r for r in self.rollouts() if r.model == model and r.active), None)
         if running is not None:
             raise RolloutRefused(f"a rollout of {model} is running: {running.summary()}")

@@ -471,7 +471,7 @@ def prepare(
         signature = model_signature(model, new_config)
     except EdgeFleetError as exc:
         raise RolloutRefused(f"refused: {exc}") from None
-    text = signature.text()
+    text = signature.text
     if serving_signature and text != serving_signature and not allow_signature_change:
         raise RolloutRefused(
             f"refused: {to} has other inputs or outputs than the {model} served\n"

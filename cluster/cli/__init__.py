@@ -25,15 +25,8 @@ from cluster.cli.common import Parser, RawHelpFormatter, err
 from cluster.cli.interrupts import exit_on_stuck_interrupt
 from edgefleet.errors import EdgeFleetError
 
-RAY_COMMANDS = (
-    "up",
-    "down",
-    "status",
-    "infer",
-    "generate",
-    "drive",
-    "rollout",
-)  # they start or join a Ray
+# The commands that start or join a Ray.
+RAY_COMMANDS = ("up", "down", "status", "infer", "generate", "drive", "rollout")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,13 @@ from edgefleet.artifacts import split_version
 from edgefleet.errors import InvalidInput
 from policies.rollout import DEFAULT_GATES
 
-ACTIONS = ("status", "abort", "pin", "unpin")
+# Each action's arguments after it: (fewest, most), and its usage.
+ACTIONS = {
+    "status": ((0, 1), "status [MODEL]"),
+    "abort": ((1, 1), "abort MODEL"),
+    "pin": ((2, 2), "pin NODE|POOL MODEL@VERSION"),
+    "unpin": ((2, 2), "unpin NODE|POOL MODEL"),
+}
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -72,14 +78,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     action, rest = args.what[0], args.what[1:]
     if action not in ACTIONS:
         return _start(args)
-    wants = {"status": (0, 1), "abort": (1, 1), "pin": (2, 2), "unpin": (2, 2)}[action]
-    if not wants[0] <= len(rest) <= wants[1]:
-        usage = {
-            "status": "status [MODEL]",
-            "abort": "abort MODEL",
-            "pin": "pin NODE|POOL MODEL@VERSION",
-            "unpin": "unpin NODE|POOL MODEL",
-        }[action]
+    (fewest, most), usage = ACTIONS[action]
+    if not fewest <= len(rest) <= most:
         raise InvalidInput(f"usage: edgefleet rollout {usage}")
     with fleet_client(args) as client:
         if action == "abort":
