@@ -324,8 +324,8 @@ class Rollouts:
 
     async def _reach(self, r: Rollout, nodes: list[str], version: Version) -> str | None:
         """Wait until each of ``nodes`` serves ``version`` of the rollout's model; why one
-        failed (the first), or None. A node that is lost meanwhile is not waited for (it
-        is moved when it serves again)."""
+        failed (the first), or None. A node that is lost meanwhile, or not serving (a
+        drained one), is not waited for: it is moved when it serves again."""
         digest = version.artifact.digest
         for node in nodes:
             self._failed.pop((node, digest), None)
@@ -333,7 +333,9 @@ class Rollouts:
             waiting = False
             for node in nodes:
                 entry = self._router._nodes.get(node)
-                if entry is None or not entry.healthy:
+                if entry is None or not entry.healthy or entry.report is None:
+                    continue
+                if entry.report.state is not NodeState.SERVING:
                     continue
                 why = self._failed.get((node, digest))
                 if why is not None:

@@ -55,6 +55,7 @@ class Node:
         self.failed = 0
         self.buckets = [0] * (len(SERVICE_BUCKETS) + 1)
         self.refuse: set[str] = set()  # versions that do not load here
+        self.state = NodeState.SERVING
         self.moves: list[str] = []
 
     def serve(self, n: int) -> None:
@@ -74,7 +75,7 @@ class Node:
             "m", True, True, 1, {}, None, 1, version=self.version,
             digest=artifact(self.version).digest, failed=self.failed, service=tuple(cumulative),
         )  # fmt: skip
-        return NodeStatus(self.name, NodeState.SERVING, {}, 0, None, (model,))
+        return NodeStatus(self.name, self.state, {}, 0, None, (model,))
 
     async def start(self) -> NodeStatus:
         return await self.status()
@@ -154,6 +155,22 @@ def test_a_rollout_moves_the_canary_then_steps_and_a_restarted_node_follows():
         assert router.status_now().router["version_changes"] == 4
         nodes["n2"].version = "v1"  # Ray restarted it: it starts on the deployed version
         await until(lambda: nodes["n2"].version == "v2")
+        stop.set()
+        await router.stop()
+
+    run(main)
+
+
+def test_a_drained_node_is_not_waited_for_and_moves_when_it_serves_again():
+    async def main() -> None:
+        router, nodes, stop = await fleet()
+        nodes["n1"].state = NodeState.DRAINED  # healthy, but takes no work
+        await router.rollout("m", version("v2"), 1, 1, 0.05, "error_rate<=0.01")
+        r = await ended(router)
+        assert r.phase == "done", r.events
+        assert nodes["n1"].version == "v1" and nodes["n3"].version == "v2"
+        nodes["n1"].state = NodeState.SERVING
+        await until(lambda: nodes["n1"].version == "v2")
         stop.set()
         await router.stop()
 
