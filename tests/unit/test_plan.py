@@ -53,7 +53,7 @@ def _files(tmp_path: Path) -> tuple[str, str]:
     fleet = {"fleet": {"name": "plan"}, "models": {"m": {"path": "m.onnx", "warmup": False}}}
     workload = {
         "seed": 3,
-        "requests": 3000,
+        "requests": 1500,
         "arrivals": {"process": "poisson", "rate_per_node": 450},  # at the config's 1 node
         "mix": [{"model": "m", "priority": "foreground"}],
         "costs": {"m": {"call_ms": {1: 10.0}}},
