@@ -476,14 +476,12 @@ class Load:
     def _summaries(self, rng: random.Random) -> None:
         while not self.stop.is_set():
             j, priority = rng.randrange(SUMMARIES), rng.choice(("background", "offline", 2))
-            kw = {
-                "max_new_tokens": SUMMARY_TOKENS,
-                "at_most_once": rng.random() < AT_MOST_ONCE_SHARE,
-            }
-            kw |= {"timeout_s": _timeout(rng), "deadline_s": None}
-            if rng.random() < 0.25:
-                kw["deadline_s"] = rng.uniform(0.05, 1.0)
-            sent = self.ledger.new("generate", LM, priority, ("summary", j), **kw)
+            once, timeout_s = rng.random() < AT_MOST_ONCE_SHARE, _timeout(rng)
+            deadline_s = rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None
+            kw = {"at_most_once": once, "timeout_s": timeout_s, "deadline_s": deadline_s}
+            sent = self.ledger.new(
+                "generate", LM, priority, ("summary", j), max_new_tokens=SUMMARY_TOKENS, **kw
+            )
             self._generate(sent, self.refs.summaries[j][0])
             self.stop.wait(rng.uniform(0.05, 0.3))
 
@@ -719,12 +717,9 @@ class Figures:
 
     def invariants(self) -> list[tuple[str, int, bool]]:
         """(what, value, holds) for every check the soak makes: each holds at 0."""
-        n = Counter(
-            self.n,
-            untyped_requests=sum(self.untyped.values()),
-            untyped_control=self.control["untyped"] + self.status_calls["untyped"],
-            **{k: len(getattr(self, k)) for k in ("leaked", "still_running", "not_serving")},
-        )
+        n = Counter({k: len(getattr(self, k)) for k in ("leaked", "still_running", "not_serving")})
+        n.update(self.n, untyped_requests=sum(self.untyped.values()))
+        n["untyped_control"] = self.control["untyped"] + self.status_calls["untyped"]
         return [(what, v, v == 0) for what, v in rows(INVARIANTS, n)]
 
     @property
@@ -1108,7 +1103,7 @@ def report(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> Se
         f"answer time p50 / p99 / max, {api} (s) | latency_{api}\n" for api in sorted(f.latency)
     )
     apis = f.by_api.items()
-    values = ChainMap(
+    values: ChainMap[str, Any] = ChainMap(
         {
             "sent_by_api": f"{f.sent} ({', '.join(f'{k} {v}' for k, v in sorted(apis))})",
             "answered_once": f.sent - f.no_answer - f.two_answers,

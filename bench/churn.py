@@ -66,7 +66,7 @@ def workload(seconds: float, seed: int) -> Workload:
         for once, share in ((False, 1 - AT_MOST_ONCE), (True, AT_MOST_ONCE))
     ]
     per_hour = 3600 / LEAVE_EVERY_S / len(DEVICES)
-    churn = {"leave_per_device_per_hour": per_hour, "declared_dead_after_s": 4.0}
+    churn: dict[str, Any] = {"leave_per_device_per_hour": per_hour, "declared_dead_after_s": 4.0}
     churn |= {"rejoin_after_s": AWAY_S, "rejoin_distribution": "fixed"}
     data = {"seed": seed, "duration_s": seconds, "arrivals": {"rate": RATE}, "mix": mix}
     data["churn"] = churn
@@ -93,8 +93,9 @@ class Load:
             if self.stop.wait(max(0.0, began + a.at - time.monotonic())):
                 return
             rid, once = f"churn-{i}", a.at_most_once
-            kw = {"priority": a.priority, "request_id": rid, "at_most_once": once}
-            future = self.client.submit(a.model, inputs, **kw)
+            future = self.client.submit(
+                a.model, inputs, priority=a.priority, request_id=rid, at_most_once=once
+            )
             future.add_done_callback(self._done)
             self.sent.append((rid, once, future))
 
@@ -207,7 +208,7 @@ def section(
         if (t := load.first_served(f"{POOL}/{device}", joined)) is not None
     ]
     first = " / ".join(f"{fmt(percentile(to_first, q), 1)} s" for q in (50, 99))
-    rows = [
+    rows: list[list[object]] = [
         ["requests sent", len(load.sent)],
         ["answered", len(replies)],
         ["completed", sum(r.error is None for r in replies)],
