@@ -3,12 +3,12 @@ restarts, every request ends with exactly one answer, in time.
 
     python -m bench.chaos --minutes N [--seed S] [--out FILE.md] [--kinds KIND ...]
 
-Mixed load through :class:`FleetClient` (inference at every priority, chats, background
-generations, lifecycle events) on the cluster of bench/chaos_cluster.py while its
-controller kills and freezes parts of it. The report checks each request's answers
-(exactly one, typed when an error, within max(deadline_s, timeout_s) + ANSWER_SLACK_S),
-executions per id in the node traces, outputs against references, memory and leaks.
-Exit status: 0 when every invariant holds, 1 otherwise.
+Mixed load through :class:`FleetClient` (inference drawn from a ``sim.workload`` mix at
+every priority, chats, background generations, lifecycle events) on the cluster of
+bench/chaos_cluster.py while its controller kills and freezes parts of it. The report
+checks each request's answers (exactly one, typed when an error, within
+max(deadline_s, timeout_s) + ANSWER_SLACK_S), executions per id in the node traces,
+outputs against references, memory and leaks. Exit status 1 when an invariant fails.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import tempfile
 import threading
 import time
 import traceback
-from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections import ChainMap, Counter, defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import astuple, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,23 +41,29 @@ from actors.decoder import DecoderEngine, Generation
 from actors.engine import open_session
 from actors.trace import read_traces
 from bench import chaos_cluster as cc
+from bench import common as bc
 from bench.chaos_cluster import CONTROL_TIMEOUT_S, KINDS, LM, NODES, Controller, Event, Fleet
-from bench.common import EnvFacts, fmt, log, md_table, percentile, utc_now
+from bench.common import EnvFacts, Section, Target, fmt, log, md_table, percentile
 from cluster.client import FleetClient
 from cluster.head import LOOPBACK
 from edgefleet.errors import EdgeFleetError
 from edgefleet.messages import Reply
 from edgefleet.modelgen import calibrate_slow, make_classifier, make_tiny_lm, random_inputs
 from edgefleet.request import GenerateRequest
+from sim.workload import Arrival, Workload, parse_workload
 
+TITLE = (
+    "Chaos soak: exactly one answer, in time, while nodes, the router and raylets die or "
+    "freeze and the head restarts"
+)
 SLOW_MS = 4.0  # batch-1 cost the slow model is calibrated to
 FEEDS = 8  # distinct inputs per tensor model, each with a reference output
 SYSTEM = tuple(range(1, 17))  # the system prompt every generation starts with
 CHAT_THREADS, CHAT_TURNS, CHAT_TOKENS = 3, 3, 16
 SUMMARIES, SUMMARY_TOKENS = 4, 40
 PRIORITIES = ("foreground", "inline", "background", "offline", 5, 1)
-SUBMIT_RATE = 25.0  # submitted requests per second (plus bursts)
-BURST = 24  # background requests submitted at once, now and then
+SUBMIT_RATE = 25.0  # submitted requests per second, plus bursts...
+BURST, BURST_EVERY_S = 24, 4.0  # ...of about this many every BURST_EVERY_S
 AT_MOST_ONCE_SHARE = 0.5  # inference and summaries sent with at_most_once=True
 TIMEOUT_S = (2.0, 30.0)  # every request's timeout_s: log-uniform between these
 ANSWER_SLACK_S = 1.0  # an answer may come this long after max(deadline_s, timeout_s)
@@ -77,7 +84,7 @@ class Options:
     seed: int = 0
     out: Path | None = None
     answers: Path | None = None  # every request and its answers, a JSON line each
-    kill_every_s: float = 12.0  # mean interval between chaos events
+    kill_every: float = 12.0  # mean interval between chaos events
     spare: tuple[str, ...] = ("edge-0",)  # nodes never hit: they live the whole run
     kinds: tuple[str, ...] = KINDS
 
@@ -92,11 +99,11 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     )
     p.add_argument("--minutes", type=float, default=1.0, help="load duration (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seeds the load and the chaos")
-    p.add_argument("--out", type=Path, metavar="FILE", help="also write the report here")
+    out = "also write the report here (into a report like bench/RESULTS.md: its section)"
+    p.add_argument("--out", type=Path, metavar="FILE", help=out)
     p.add_argument("--answers", type=Path, metavar="FILE", help="every request, a JSON line each")
-    p.add_argument(
-        "--kill-every", type=float, default=12.0, metavar="S", help="mean s between events"
-    )
+    every = "mean s between events"
+    p.add_argument("--kill-every", type=float, default=12.0, metavar="S", help=every)
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS, metavar="KIND")
     p.add_argument("--spare", nargs="*", default=["edge-0"], choices=NODES, metavar="NODE")
     args = p.parse_args(argv)
@@ -105,8 +112,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     if set(args.spare) >= set(NODES):
         raise SystemExit("--spare: at least one node must be left to hit")
     kinds = tuple(k for k in KINDS if k in args.kinds)
-    spare = tuple(args.spare)
-    return Options(args.minutes, args.seed, args.out, args.answers, args.kill_every, spare, kinds)
+    return Options(**vars(args) | {"kinds": kinds, "spare": tuple(args.spare)})
 
 
 # ------------------------------------------------------------------ the records
@@ -144,7 +150,13 @@ class Sent:
 
     def kw(self) -> dict[str, Any]:
         """What every call of the request passes to the client."""
-        return {"priority": self.priority, "request_id": self.id, "timeout_s": self.timeout_s}
+        return {
+            "priority": self.priority,
+            "request_id": self.id,
+            "timeout_s": self.timeout_s,
+            "deadline_s": self.deadline_s,
+            "at_most_once": self.at_most_once,
+        }
 
     @property
     def limit_s(self) -> float:
@@ -181,14 +193,11 @@ class Ledger:
         """Every request and its answers, a JSON line each (times in s from ``t0``)."""
         with self._lock, path.open("w") as out:
             for s in self.sent.values():
-                answers = [
-                    [round(a.at - t0, 3), a.outcome, a.what, a.node, a.detail] for a in s.answers
-                ]
                 line = {"id": s.id, "api": s.api, "at": round(s.at - t0, 3)}
                 line |= {"timeout_s": round(s.timeout_s, 3), "deadline_s": s.deadline_s}
-                out.write(
-                    json.dumps(line | {"at_most_once": s.at_most_once, "answers": answers}) + "\n"
-                )
+                answers = [[round(a.at - t0, 3), *astuple(a)[1:]] for a in s.answers]
+                out.write(json.dumps(line | {"at_most_once": s.at_most_once, "answers": answers}))
+                out.write("\n")
 
 
 @dataclass(frozen=True)
@@ -241,18 +250,19 @@ def make_references(paths: Mapping[str, Path], seed: int) -> References:
         engine.advance(gen)
         return list(gen.generated)
 
+    def user(rng: random.Random, tokens: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(*PROMPT_RANGE) for _ in range(tokens))
+
     rng = random.Random(seed)
     chats: dict[tuple[int, int], tuple[tuple[int, ...], list[int]]] = {}
     for t in range(CHAT_THREADS):
         history = SYSTEM
         for k in range(CHAT_TURNS):
-            prompt = history + tuple(rng.randrange(*PROMPT_RANGE) for _ in range(6 + 2 * k))
+            prompt = history + user(rng, 6 + 2 * k)
             chats[(t, k)] = (prompt, greedy(prompt, CHAT_TOKENS))
             history = prompt + tuple(chats[(t, k)][1])
-    summaries = []
-    for _ in range(SUMMARIES):
-        prompt = SYSTEM + tuple(rng.randrange(*PROMPT_RANGE) for _ in range(24))
-        summaries.append((prompt, greedy(prompt, SUMMARY_TOKENS)))
+    prompts = [SYSTEM + user(rng, 24) for _ in range(SUMMARIES)]
+    summaries = [(prompt, greedy(prompt, SUMMARY_TOKENS)) for prompt in prompts]
     engine.close()
     return References(feeds, outputs, chats, summaries)
 
@@ -283,6 +293,28 @@ def token_problem(delivered: Sequence[int], expected: Sequence[int], full: bool)
 # ------------------------------------------------------------------------ the load
 
 
+def inference_workload() -> Workload:
+    """The inference traffic: classifier 70 %, slow 30 %, at every priority alike, half
+    of it at_most_once; deadlines on background and priority 1, a dedup key (of two) on
+    a third of inline; Poisson at SUBMIT_RATE, with bursts of about BURST requests."""
+    mix = []
+    models = (("classifier", 0.7), ("slow", 0.3))
+    for (model, share), priority, once in itertools.product(models, PRIORITIES, (False, True)):
+        variants: list[dict[str, Any]] = [{}]
+        if priority in ("background", 1):
+            variants = [{"deadline_ms": ms} for ms in (50, 300, 1000)]
+        elif priority == "inline":
+            variants = [{}, {}, {"keys": 2}]
+        for v in variants:
+            weight = share / len(variants)
+            mix.append(
+                {"model": model, "priority": priority, "at_most_once": once, "weight": weight} | v
+            )
+    bursts = {"every_s": BURST_EVERY_S, "length_s": 0.25, "factor": 1 + BURST / 0.25 / SUBMIT_RATE}
+    arrivals = {"process": "bursts", "rate": SUBMIT_RATE, "bursts": bursts}
+    return parse_workload({"duration_s": 1e6, "arrivals": arrivals, "mix": mix}, source="chaos")
+
+
 def _typed(exc: BaseException) -> tuple[str, str]:
     return ("typed" if isinstance(exc, EdgeFleetError) else "untyped"), type(exc).__name__
 
@@ -307,35 +339,29 @@ def _timeout(rng: random.Random) -> float:
 
 
 class Load:
-    """The mixed workload, on threads that end when ``stop`` is set."""
+    """The mixed load through the client, on threads that end when ``stop`` is set."""
 
-    def __init__(
-        self,
-        client: FleetClient,
-        refs: References,
-        ledger: Ledger,
-        stop: threading.Event,
-        seed: int,
-    ) -> None:
-        self.client, self.refs, self.ledger, self.stop, self.seed = client, refs, ledger, stop, seed
+    def __init__(self, refs: References, ledger: Ledger, seed: int) -> None:
+        self.refs, self.ledger, self.seed = refs, ledger, seed
+        self.stop = threading.Event()
         self.control: Counter[str] = Counter()  # lifecycle events: ok / typed / untyped
         self.control_errors: list[str] = []
         self.failures: list[str] = []  # load threads that raised (a harness bug)
         self.threads: list[threading.Thread] = []
 
-    def start(self) -> None:
+    def start(self, client: FleetClient) -> None:
+        self.client = client
         workers: list[tuple[str, Callable[[random.Random], None]]] = [
             ("submit", self._submitter),
-            ("infer-0", self._caller),
-            ("infer-1", self._caller),
+            *((f"infer-{i}", self._caller) for i in range(2)),
             *((f"chat-{t}", partial(self._chat, t)) for t in range(CHAT_THREADS)),
             ("summaries", self._summaries),
             ("lifecycle", self._lifecycle),
         ]
         for i, (name, work) in enumerate(workers):
             rng = random.Random(f"{self.seed}/{i}")
-            t = threading.Thread(target=self._guard, args=(name, work, rng), name=f"load-{name}")
-            t.daemon = True
+            args = (name, work, rng)
+            t = threading.Thread(target=self._guard, args=args, name=f"load-{name}", daemon=True)
             t.start()
             self.threads.append(t)
 
@@ -352,80 +378,71 @@ class Load:
             self.failures.append(f"load thread {name}: {traceback.format_exc()}")
             log(self.failures[-1])
 
-    def _submit_one(
-        self, rng: random.Random, priority: int | str, deadline_s: float | None = None
-    ) -> None:
-        model = "classifier" if rng.random() < 0.7 else "slow"
-        i, once = rng.randrange(FEEDS), rng.random() < AT_MOST_ONCE_SHARE
-        kw = {"at_most_once": once, "timeout_s": _timeout(rng), "deadline_s": deadline_s}
-        sent = self.ledger.new("submit", model, priority, (model, i), **kw)
-        key = f"camera-{rng.randrange(2)}" if priority == "inline" and rng.random() < 0.3 else None
+    def _arrivals(self, rng: random.Random) -> Iterator[Arrival]:
+        priorities = self.client.config.priorities
+        return inference_workload().arrivals(rng, nodes=len(NODES), priorities=priorities)
+
+    def _submitter(self, rng: random.Random) -> None:
+        """The arrivals, each submitted at its time."""
+        began = time.monotonic()
+        for a in self._arrivals(rng):
+            if self.stop.wait(max(0.0, began + a.at - time.monotonic())):
+                return
+            self._infer(a, rng, wait=False)
+
+    def _caller(self, rng: random.Random) -> None:
+        """The arrivals one after the other, each waited for (infer)."""
+        for a in self._arrivals(rng):
+            if self.stop.wait(rng.uniform(0.005, 0.03)):
+                return
+            self._infer(a, rng, wait=True)
+
+    def _infer(self, a: Arrival, rng: random.Random, *, wait: bool) -> None:
+        i, api = rng.randrange(FEEDS), "infer" if wait else "submit"
+        kw = {
+            "at_most_once": a.at_most_once,
+            "timeout_s": _timeout(rng),
+            "deadline_s": a.deadline_s,
+        }
+        sent = self.ledger.new(api, a.model, a.priority, (a.model, i), **kw)
+        feed = self.refs.feeds[a.model][i]
         try:
-            feed = self.refs.feeds[model][i]
-            kw = sent.kw() | {"deadline_s": deadline_s, "key": key, "at_most_once": once}
-            future = self.client.submit(model, feed, **kw)
+            if wait:
+                outputs = self.client.infer(a.model, feed, key=a.key, **sent.kw())
+                self._replied(sent, Reply(sent.id, "", outputs))
+            else:
+                future = self.client.submit(a.model, feed, key=a.key, **sent.kw())
+                future.add_done_callback(partial(self._replied, sent))
         except Exception as exc:
             self.ledger.answer(sent, _failed(exc))
-            return
-        future.add_done_callback(partial(self._replied, sent))
 
-    def _replied(self, sent: Sent, future: Any) -> None:
+    def _replied(self, sent: Sent, reply: Reply | Future[Reply]) -> None:
         try:
-            reply: Reply = future.result()
+            reply = reply if isinstance(reply, Reply) else reply.result()
         except BaseException as exc:  # a future of the public API must never fail
-            answer = Answer(time.time(), "untyped", type(exc).__name__, "", str(exc))
-            self.ledger.answer(sent, answer)
+            self.ledger.answer(
+                sent, Answer(time.time(), "untyped", type(exc).__name__, "", str(exc))
+            )
             return
-        if reply.error is None:
-            self._check(sent, reply.outputs or {}, reply.request_id)
-            self.ledger.answer(sent, Answer(time.time(), "ok", "completed", reply.node))
-        else:
+        if reply.error is not None:
             outcome, what = _typed(reply.error)
             answer = Answer(time.time(), outcome, what, reply.node, str(reply.error)[:200])
             self.ledger.answer(sent, answer)
-
-    def _check(self, sent: Sent, outputs: Mapping[str, np.ndarray], request_id: str) -> None:
+            return
         model, i = sent.ref
-        sent.wrong = same_outputs(outputs, self.refs.outputs[model][i])
-        if request_id != sent.id:
-            sent.wrong = f"answer for request {request_id}"
+        sent.wrong = same_outputs(reply.outputs or {}, self.refs.outputs[model][i])
+        if reply.request_id != sent.id:
+            sent.wrong = f"answer for request {reply.request_id}"
+        self.ledger.answer(sent, Answer(time.time(), "ok", "completed", reply.node))
 
-    def _submitter(self, rng: random.Random) -> None:
-        next_burst = time.monotonic() + rng.uniform(3, 6)
-        while not self.stop.wait(rng.expovariate(SUBMIT_RATE)):
-            priority = rng.choice(PRIORITIES)
-            self._submit_one(
-                rng, priority, rng.uniform(0.05, 1.0) if priority in ("background", 1) else None
-            )
-            if time.monotonic() >= next_burst:
-                next_burst = time.monotonic() + rng.uniform(3, 6)
-                for _ in range(BURST):
-                    self._submit_one(rng, rng.choice(("background", "offline")))
-
-    def _caller(self, rng: random.Random) -> None:
-        while not self.stop.wait(rng.uniform(0.005, 0.03)):
-            model = "classifier" if rng.random() < 0.7 else "slow"
-            i, priority = rng.randrange(FEEDS), rng.choice(PRIORITIES)
-            once, timeout_s = rng.random() < AT_MOST_ONCE_SHARE, _timeout(rng)
-            sent = self.ledger.new(
-                "infer", model, priority, (model, i), at_most_once=once, timeout_s=timeout_s
-            )
-            try:
-                feed = self.refs.feeds[model][i]
-                outputs = self.client.infer(model, feed, at_most_once=once, **sent.kw())
-            except Exception as exc:
-                self.ledger.answer(sent, _failed(exc))
-            else:
-                self._check(sent, outputs, sent.id)
-                self.ledger.answer(sent, Answer(time.time(), "ok", "completed"))
-
-    def _generate(self, sent: Sent, prompt: tuple[int, ...], **kw: Any) -> str | None:
+    def _generate(
+        self, sent: Sent, prompt: tuple[int, ...], session: str | None = None
+    ) -> str | None:
         """Stream one generation; its finish reason, or None when it ended in an error."""
         try:
-            kw |= {"at_most_once": sent.at_most_once, "deadline_s": sent.deadline_s}
-            n = sent.max_new_tokens
+            n, prefix = sent.max_new_tokens, len(SYSTEM)
             stream = self.client.generate(
-                LM, prompt, max_new_tokens=n, prefix_len=len(SYSTEM), **kw | sent.kw()
+                LM, prompt, max_new_tokens=n, prefix_len=prefix, session=session, **sent.kw()
             )
             sent.tokens.extend(stream)
             result = stream.result
@@ -458,18 +475,13 @@ class Load:
 
     def _summaries(self, rng: random.Random) -> None:
         while not self.stop.is_set():
-            j = rng.randrange(SUMMARIES)
-            priority, once = (
-                rng.choice(("background", "offline", 2)),
-                rng.random() < AT_MOST_ONCE_SHARE,
+            j, priority = rng.randrange(SUMMARIES), rng.choice(("background", "offline", 2))
+            once, timeout_s = rng.random() < AT_MOST_ONCE_SHARE, _timeout(rng)
+            deadline_s = rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None
+            kw = {"at_most_once": once, "timeout_s": timeout_s, "deadline_s": deadline_s}
+            sent = self.ledger.new(
+                "generate", LM, priority, ("summary", j), max_new_tokens=SUMMARY_TOKENS, **kw
             )
-            kw = {
-                "max_new_tokens": SUMMARY_TOKENS,
-                "at_most_once": once,
-                "timeout_s": _timeout(rng),
-            }
-            kw["deadline_s"] = rng.uniform(0.05, 1.0) if rng.random() < 0.25 else None
-            sent = self.ledger.new("generate", LM, priority, ("summary", j), **kw)
             self._generate(sent, self.refs.summaries[j][0])
             self.stop.wait(rng.uniform(0.05, 0.3))
 
@@ -484,19 +496,33 @@ class Load:
                 self.control["ok"] += 1
 
 
-# --------------------------------------------------------------- the watchers
+# --------------------------------------------------------------------- the watcher
 
 
-class Losses:
-    """When the caller held each node out of service, polled every LOSS_POLL_S: the
-    windows explain re-runs (see :func:`_rerun_cause`)."""
+class Watcher:
+    """Two threads until ``stop``: every LOSS_POLL_S, the windows in which the caller held
+    each node out of service (they explain re-runs: :func:`_rerun_cause`); every
+    SAMPLE_EVERY_S, the fleet's status (healthy nodes, their memory, the router's
+    counters) and the router process's memory, and a progress line now and then."""
 
-    def __init__(self, client: FleetClient, stop: threading.Event) -> None:
-        self.client, self.stop = client, stop
+    def __init__(self, fleet: Fleet, ledger: Ledger, controller: Controller) -> None:
+        self.fleet, self.ledger, self.controller = fleet, ledger, controller
+        self.stop = threading.Event()
         self.windows: dict[str, list[list[float]]] = defaultdict(list)  # [from, to]
-        self.thread = threading.Thread(target=self._run, name="losses", daemon=True)
+        self.samples: list[Sample] = []
+        self.healthy: dict[str, bool] = {}
+        self.status_calls: Counter[str] = Counter()  # ok / typed / untyped
+        self.status_errors: list[str] = []  # untyped ones
+        self.errors: list[str] = []  # the watcher's own failures
+        self.routers: dict[int, dict[str, int]] = {}  # by router process: its last counters
+        self.threads = [threading.Thread(target=t, daemon=True) for t in (self._poll, self._run)]
 
-    def _run(self) -> None:
+    def start(self, client: FleetClient) -> None:
+        self.client, self.t0 = client, time.monotonic()
+        for t in self.threads:
+            t.start()
+
+    def _poll(self) -> None:
         while not self.stop.wait(LOSS_POLL_S):
             now = time.time()
             for name, healthy in self.client._dispatcher.healthy().items():
@@ -506,27 +532,6 @@ class Losses:
                     held.append([now - LOSS_POLL_S, math.inf])
                 elif healthy and out:
                     held[-1][1] = now
-
-    def snapshot(self) -> dict[str, list[tuple[float, float]]]:
-        return {n: [(a, b) for a, b in w] for n, w in self.windows.items()}
-
-
-class Sampler:
-    """Every SAMPLE_EVERY_S: memory of the node actors (their status) and the router
-    (psutil), which nodes are healthy; a progress line every PROGRESS_EVERY_S."""
-
-    def __init__(
-        self, fleet: Fleet, ledger: Ledger, controller: Controller, stop: threading.Event
-    ) -> None:
-        self.fleet, self.ledger, self.controller, self.stop = fleet, ledger, controller, stop
-        self.samples: list[Sample] = []
-        self.healthy: dict[str, bool] = {}
-        self.status_calls: Counter[str] = Counter()  # ok / typed / untyped
-        self.status_errors: list[str] = []  # untyped ones
-        self.errors: list[str] = []  # the sampler's own failures
-        self.routers: dict[int, dict[str, int]] = {}  # by router process: its last counters
-        self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
-        self.t0 = time.monotonic()
 
     def _run(self) -> None:
         next_progress = time.monotonic() + PROGRESS_EVERY_S
@@ -541,48 +546,31 @@ class Sampler:
                 log(self.progress())
 
     def sample(self) -> None:
-        client = self.fleet.client
-        if client is None:
+        """The fleet's status (its counters, healthy nodes, their memory), the router's
+        memory (a new router process counts from 0: its counters are kept apart)."""
+        if self.fleet.client is None:
             return
+        pid = self.fleet.router_pid()
         try:
-            status = client.status(timeout_s=CONTROL_TIMEOUT_S)
+            status = self.fleet.client.status(timeout_s=CONTROL_TIMEOUT_S)
         except Exception as exc:  # the router restarting: next time
             _count_failure(self.status_calls, self.status_errors, "status", exc)
         else:
-            now = time.time()
             self.status_calls["ok"] += 1
-            pid = self.fleet.router_pid()
-            if pid is not None:  # counters per incarnation: a restarted router counts from 0
-                self.routers[pid] = dict(status.router)
+            self.routers.update({pid: dict(status.router)} if pid is not None else {})
             self.healthy = dict(status.healthy)
-            for node in status.nodes:
-                if status.healthy.get(node.name) and node.pid:
-                    self.samples.append(Sample(now, node.name, node.pid, node.rss_mb))
-            self._serving_again(status, now)
-        pid = self.fleet.router_pid()
-        if pid is not None:
-            now = time.time()
-            with contextlib.suppress(psutil.Error):
+            self.samples += [
+                Sample(time.time(), node.name, node.pid, node.rss_mb)
+                for node in status.nodes
+                if status.healthy.get(node.name) and node.pid
+            ]
+        with contextlib.suppress(psutil.Error):
+            if pid is not None:
                 rss = psutil.Process(pid).memory_info().rss / (1024 * 1024)
-                self.samples.append(Sample(now, "router", pid, rss))
-                for e in self.controller.snapshot():
-                    if e.kind == "router" and e.healthy_at is None and pid not in e.pids:
-                        e.healthy_at = now
+                self.samples.append(Sample(time.time(), "router", pid, rss))
 
-    def _serving_again(self, status: Any, now: float) -> None:
-        """Date the events whose target serves again: a node healthy in a new process,
-        or (a freeze) after its SIGCONT; the head once the router answers."""
-        pids = {node.name: int(node.pid) for node in status.nodes}
-        for event in self.controller.snapshot():
-            if event.healthy_at is not None or event.kind == "router":
-                continue
-            if event.kind == "head":
-                event.healthy_at = now if event.back_at is not None else None
-                continue
-            pid = pids.get(event.target, 0)
-            thawed = event.freeze and event.back_at is not None
-            if self.healthy.get(event.target) and (pid not in (0, *event.pids) or thawed):
-                event.healthy_at = now
+    def losses(self) -> dict[str, list[tuple[float, float]]]:
+        return {n: [(a, b) for a, b in w] for n, w in self.windows.items()}
 
     def router_totals(self) -> Counter[str]:
         """The fleet-wide counters over the router's incarnations: the router's own
@@ -614,72 +602,96 @@ class Sampler:
 
 # ------------------------------------------------------------------ the figures
 
+# The report's checks and tables, a row a line: "what | count" (the value of
+# Figures.n[count], or of the report's own figures), checks holding when it is 0.
+INVARIANTS = """\
+requests without an answer | no_answer
+requests with two or more answers | two_answers
+untyped errors (requests) | untyped_requests
+requests answered later than max(deadline_s, timeout_s) + {slack:g} s | late
+untyped errors (lifecycle events and status calls) | untyped_control
+inference answers with wrong outputs | wrong_outputs
+completed generations with duplicated, missing or wrong tokens | gen_token_errors
+other generations whose tokens are not a prefix of the reference | gen_partial_errors
+tokens or errors delivered after a stream's end | after_end
+successes without an execution in the traces | success_without_run
+successes naming a node that has no execution of them | wrong_node
+ids run more than once with no kill, freeze or loss to explain it | reran_unexplained
+at_most_once ids run more than once | reran_at_most_once
+actors (or their processes) alive after the client closed | leaked
+load threads that never ended | still_running
+nodes not serving again {recover:g} s after the load | not_serving"""
+REQUESTS = """\
+requests sent | sent_by_api
+answered exactly once | answered_once
+without an answer | no_answer
+with two or more answers | two_answers
+answered with a result | ok
+answered with a typed error | typed_errors
+answered with an untyped error | untyped_errors
+inference results with wrong outputs | wrong_outputs
+{latency}worst answer time minus {limit} (s) | worst_late
+answered more than {slack:g} s after {limit} (of them TimedOut) | late_timed_out
+lifecycle events (ok / typed / untyped) | lifecycle_events
+status calls (ok / typed / untyped) | status_calls"""
+EXECUTIONS = """\
+trace files (node processes) | trace_files
+trace lines | trace_lines
+lines cut short by a killed process | truncated_lines
+lines of ids the harness never sent | unknown_ids
+ids run to completion once | ran_once
+ids run to completion more than once | ran_more
+... re-run after the node that ran them was killed before answering | reran_after_kill
+... re-run elsewhere while the node holding them was frozen | reran_after_freeze
+... re-run elsewhere after the node holding them did not answer the caller's probe | \
+reran_after_loss
+... re-run with no kill, freeze or loss to explain it | reran_unexplained
+requests sent at_most_once / answered NodeLost ('may have run') | at_most_once
+at_most_once ids run more than once | reran_at_most_once
+successes without an execution | success_without_run
+successes naming a node that has no execution of them | wrong_node
+generations ended by the caller after their node died, every token sent | success_by_caller
+ran on a node, yet answered with an error (its node died first) | ran_but_error"""
+GENERATIONS = """\
+generations answered | generations
+completed (stop / length / budget) | completed
+... tokens identical to the reference run (in order, each once) | gen_exact
+... tokens duplicated, missing or wrong | gen_token_errors
+cancelled by a node | cancelled
+ended with a typed error | gen_typed
+... tokens so far not a prefix of the reference | gen_partial_errors
+tokens or errors after a stream's end | after_end"""
+TEXT = {"slack": ANSWER_SLACK_S, "recover": RECOVER_S, "limit": "max(deadline_s, timeout_s)"}
 
-INVARIANTS = (  # (what, Figures attribute): checks that hold when it is 0
-    ("inference answers with wrong outputs", "wrong_outputs"),
-    ("completed generations with duplicated, missing or wrong tokens", "gen_token_errors"),
-    ("other generations whose tokens are not a prefix of the reference", "gen_partial_errors"),
-    ("tokens or errors delivered after a stream's end", "after_end"),
-    ("successes without an execution in the traces", "success_without_run"),
-    ("successes naming a node that has no execution of them", "wrong_node"),
-    ("ids run more than once with no kill, freeze or loss to explain it", "reran_unexplained"),
-    ("at_most_once ids run more than once", "reran_at_most_once"),
-)
+
+def rows(spec: str, values: Mapping[str, Any], **text: object) -> list[tuple[str, Any]]:
+    """The rows of a table ``spec`` (see INVARIANTS), each with its value."""
+    lines = spec.format(**TEXT, **text).splitlines()
+    return [(what, values[key]) for what, key in (line.rsplit(" | ", 1) for line in lines)]
 
 
 @dataclass
 class Figures:
-    """What the soak found (every count is of requests unless it says otherwise)."""
+    """What the soak found: counts by name (``figures.late`` reads ``figures.n["late"]``;
+    every count is of requests unless its name says otherwise) and the rest."""
 
     options: Options
+    n: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0  # of load
     t_start: float = 0.0  # unix time the load started
     interrupted: bool = False
-    sent: int = 0
     by_api: Counter[str] = field(default_factory=Counter)
-    no_answer: int = 0
-    two_answers: int = 0
-    ok: int = 0
     typed: Counter[str] = field(default_factory=Counter)
     untyped: Counter[str] = field(default_factory=Counter)
-    wrong_outputs: int = 0
-    examples: list[str] = field(default_factory=list)
-    late: int = 0  # answered more than ANSWER_SLACK_S after max(deadline_s, timeout_s)
-    worst_late_s: float = -math.inf  # the largest answer time minus that
-    timed_out_late: int = 0  # of the late ones, answered TimedOut
-    trace_lines: int = 0
-    trace_files: int = 0
-    truncated_lines: int = 0
-    unknown_ids: int = 0
-    ran_once: int = 0
-    ran_more: int = 0
-    reran_after_kill: int = 0
-    reran_after_freeze: int = 0  # a node froze holding it; it ran elsewhere and after
-    reran_after_loss: int = 0  # the caller held a node that ran it out of service
-    reran_unexplained: int = 0
-    reran_at_most_once: int = 0  # at_most_once ids run more than once (for any reason)
-    at_most_once_sent: int = 0
-    at_most_once_lost: int = 0  # at_most_once requests answered NodeLost
-    success_without_run: int = 0
-    wrong_node: int = 0  # successes naming a node that has no execution of them
-    success_by_caller: int = 0  # generations the caller ended after their node died
-    ran_but_error: int = 0
-    generations: int = 0
     gen_completed: Counter[str] = field(default_factory=Counter)  # finish reason
-    gen_exact: int = 0
-    gen_token_errors: int = 0  # completed ones whose tokens are not the reference's
-    gen_partial_errors: int = 0  # ended otherwise, tokens not a prefix of the reference
-    gen_typed: int = 0
-    after_end: int = 0
-    control: Counter[str] = field(default_factory=Counter)
+    control: Counter[str] = field(default_factory=Counter)  # lifecycle events
+    status_calls: Counter[str] = field(default_factory=Counter)
+    worst_late_s: float = -math.inf  # the largest answer time minus max(deadline_s, timeout_s)
+    latency: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # p50 p99 max
     events: list[Event] = field(default_factory=list)
     losses: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
-    controller_errors: list[str] = field(default_factory=list)
     fleet_counters: Counter[str] = field(default_factory=Counter)  # over router restarts
     routers: int = 0  # router incarnations seen
-    status_calls: Counter[str] = field(default_factory=Counter)
-    control_errors: list[str] = field(default_factory=list)
-    latency: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # p50 p99 max
     # role, pid, lived s, first MB, warm MB, last MB, growth % after warm-up
     memory: list[tuple[str, int, float, float, float, float, float | None]] = field(
         default_factory=list
@@ -689,7 +701,15 @@ class Figures:
     leaked: list[str] = field(default_factory=list)
     still_running: list[str] = field(default_factory=list)  # load threads that never ended
     not_serving: list[str] = field(default_factory=list)  # nodes not back by the end
+    controller_errors: list[str] = field(default_factory=list)
+    control_errors: list[str] = field(default_factory=list)
+    examples: list[str] = field(default_factory=list)
     error: str | None = None  # the soak could not run to the end
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_") or name == "n":
+            raise AttributeError(name)
+        return self.n[name]
 
     @property
     def event_kinds(self) -> Counter[str]:
@@ -697,20 +717,10 @@ class Figures:
 
     def invariants(self) -> list[tuple[str, int, bool]]:
         """(what, value, holds) for every check the soak makes: each holds at 0."""
-        late = f"requests answered later than max(deadline_s, timeout_s) + {ANSWER_SLACK_S:g} s"
-        control = self.control["untyped"] + self.status_calls["untyped"]
-        checks = [
-            ("requests without an answer", self.no_answer),
-            ("requests with two or more answers", self.two_answers),
-            ("untyped errors (requests)", sum(self.untyped.values())),
-            (late, self.late),
-            ("untyped errors (lifecycle events and status calls)", control),
-            *((what, getattr(self, attr)) for what, attr in INVARIANTS),
-            ("actors (or their processes) alive after the client closed", len(self.leaked)),
-            ("load threads that never ended", len(self.still_running)),
-            (f"nodes not serving again {RECOVER_S:g} s after the load", len(self.not_serving)),
-        ]
-        return [(what, value, value == 0) for what, value in checks]
+        n = Counter({k: len(getattr(self, k)) for k in ("leaked", "still_running", "not_serving")})
+        n.update(self.n, untyped_requests=sum(self.untyped.values()))
+        n["untyped_control"] = self.control["untyped"] + self.status_calls["untyped"]
+        return [(what, v, v == 0) for what, v in rows(INVARIANTS, n)]
 
     @property
     def covered(self) -> bool:
@@ -737,44 +747,57 @@ def analyse(
 ) -> None:
     """Fill ``f`` from the ledger, the references, the node traces and the samples."""
     sent = list(ledger.sent.values())
-    f.sent, f.by_api = len(sent), Counter(s.api for s in sent)
+    f.n["sent"], f.by_api = len(sent), Counter(s.api for s in sent)
     _answers(f, sent)
     _generations(f, sent, refs)
     _executions(f, ledger, traces, t_start)
     _memory(f, samples, t_start, t_end)
+    for e in f.events:  # when its target served again (the head: the router answering)
+        since = e.back_at if e.kind == "head" else e.at
+        served = (x.at for x in samples if since is not None and x.at >= since and _serves(e, x))
+        e.healthy_at = next(served, None)
+
+
+def _serves(e: Event, x: Sample) -> bool:
+    """Whether sample ``x`` shows the target of ``e`` serving: a node in a new process,
+    or after a freeze's SIGCONT; the router in a new process; any node after a head
+    restart (the router answered a status call)."""
+    if e.kind == "head":
+        return x.role != "router"
+    thawed = e.freeze and e.back_at is not None and x.at >= e.back_at
+    return x.role == e.target and (x.pid not in e.pids or thawed)
 
 
 def _answers(f: Figures, sent: Sequence[Sent]) -> None:
     """Exactly one answer each, typed when an error, with the right outputs, in time."""
     waits: dict[str, list[float]] = defaultdict(list)
+    n = f.n
     for s in sent:
-        f.at_most_once_sent += s.at_most_once
-        f.after_end += s.after_end
+        n["at_most_once_sent"] += s.at_most_once
+        n["after_end"] += s.after_end
         if not s.answers:
-            f.no_answer += 1
+            n["no_answer"] += 1
             f.example(f"{s.id} ({s.api} {s.model} p={s.priority}): no answer")
             continue
         if len(s.answers) > 1:
-            f.two_answers += 1
+            n["two_answers"] += 1
             f.example(f"{s.id}: {len(s.answers)} answers: {[a.what for a in s.answers]}")
         a = s.answers[0]
-        f.at_most_once_lost += s.at_most_once and a.what == "NodeLost"
-        if a.outcome == "ok":
-            f.ok += 1
-        elif a.outcome == "typed":
-            f.typed[a.what] += 1
-        else:
-            f.untyped[a.what] += 1
+        n["at_most_once_lost"] += s.at_most_once and a.what == "NodeLost"
+        n["ok"] += a.outcome == "ok"
+        if a.outcome != "ok":
+            (f.typed if a.outcome == "typed" else f.untyped)[a.what] += 1
+        if a.outcome == "untyped":
             f.example(f"{s.id}: untyped {a.what}: {a.detail[:160]}")
         if s.api != "generate" and s.wrong:
-            f.wrong_outputs += 1
+            n["wrong_outputs"] += 1
             f.example(f"{s.id}: wrong outputs: {s.wrong}")
         took = a.at - s.at
         waits[s.api].append(took)
         f.worst_late_s = max(f.worst_late_s, took - s.limit_s)
         if took - s.limit_s > ANSWER_SLACK_S:
-            f.late += 1
-            f.timed_out_late += a.what == "TimedOut"
+            n["late"] += 1
+            n["timed_out_late"] += a.what == "TimedOut"
             f.example(
                 f"{s.id} ({s.api}, sent at {s.at - f.t_start:.1f} s): answered {a.what} after "
                 f"{took:.2f} s, {took - s.limit_s:.2f} s past max(deadline_s, timeout_s) = "
@@ -788,21 +811,20 @@ def _generations(f: Figures, sent: Sequence[Sent], refs: References) -> None:
     for s in sent:
         if s.api != "generate" or not s.answers:
             continue
-        f.generations += 1
+        f.n["generations"] += 1
         a = s.answers[0]
         expected = refs.expected(s)[: s.max_new_tokens]
         if a.outcome == "ok":
             f.gen_completed[a.what] += 1  # a finish reason, or cancelled
         if a.outcome == "ok" and a.what in FINISHED:
             problem = token_problem(s.tokens, expected, full=a.what == "length") or s.wrong
-            f.gen_exact += not problem
+            f.n["gen_token_errors" if problem else "gen_exact"] += 1
             if problem:
-                f.gen_token_errors += 1
                 f.example(f"{s.id} (generate, {a.what}): {problem}")
             continue
-        f.gen_typed += a.outcome != "ok"
+        f.n["gen_typed"] += a.outcome != "ok"
         if problem := token_problem(s.tokens, expected, full=False):
-            f.gen_partial_errors += 1
+            f.n["gen_partial_errors"] += 1
             f.example(f"{s.id} (generate, ended {a.what}): {problem}")
 
 
@@ -851,26 +873,25 @@ def _rerun_cause(
 
 def _executions(f: Figures, ledger: Ledger, traces: Path, t_start: float) -> None:
     """Executions per id from the node traces; a success must have run, on its node."""
-    lines, f.truncated_lines = read_traces(traces)
-    f.trace_lines, f.trace_files = len(lines), len(list(traces.glob("trace-*.jsonl")))
+    n = f.n
+    lines, n["truncated_lines"] = read_traces(traces)
+    n["trace_lines"], n["trace_files"] = len(lines), len(list(traces.glob("trace-*.jsonl")))
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for line in lines:
         rid = str(line.get("id"))
         if rid not in ledger.sent:
-            f.unknown_ids += 1
+            n["unknown_ids"] += 1
         elif line.get("ran"):
             runs[rid].append(line)
     for rid, ran in runs.items():
+        n["ran_more" if len(ran) > 1 else "ran_once"] += 1
         if len(ran) == 1:
-            f.ran_once += 1
             continue
-        f.ran_more += 1
         s = ledger.sent[rid]
-        f.reran_at_most_once += s.at_most_once
-        cause = _rerun_cause(ran, s, f.events, f.losses) or "unexplained"
-        name = cause if cause == "unexplained" else f"after_{cause}"
-        setattr(f, f"reran_{name}", getattr(f, f"reran_{name}") + 1)
-        if cause == "unexplained":
+        n["reran_at_most_once"] += s.at_most_once
+        cause = _rerun_cause(ran, s, f.events, f.losses)
+        n[f"reran_after_{cause}" if cause else "reran_unexplained"] += 1
+        if not cause:
             where = ", ".join(f"{r['node']}/{r['pid']}@{float(r['t']) - t_start:.2f}s" for r in ran)
             f.example(f"{rid}: ran {len(ran)} times with nothing to explain it: {where}")
     for s in ledger.sent.values():
@@ -880,15 +901,15 @@ def _executions(f: Figures, ledger: Ledger, traces: Path, t_start: float) -> Non
         success = a.outcome == "ok" and (s.api != "generate" or a.what in FINISHED)
         if success and s.id not in runs:
             if s.api == "generate" and a.node == "":
-                f.success_by_caller += 1  # every token sent before its node died
+                n["success_by_caller"] += 1  # every token sent before its node died
             else:
-                f.success_without_run += 1
+                n["success_without_run"] += 1
                 f.example(f"{s.id} ({s.api}): a success without an execution in the traces")
         elif success and a.node and a.node not in {line["node"] for line in runs[s.id]}:
-            f.wrong_node += 1
+            n["wrong_node"] += 1
             f.example(f"{s.id}: answered by {a.node}, which has no execution of it")
         elif not success and s.id in runs and a.outcome != "ok":
-            f.ran_but_error += 1
+            n["ran_but_error"] += 1
 
 
 def _memory(f: Figures, samples: Sequence[Sample], t_start: float, t_end: float) -> None:
@@ -917,38 +938,21 @@ def _memory(f: Figures, samples: Sequence[Sample], t_start: float, t_end: float)
 # ------------------------------------------------------------------------ the soak
 
 
-@dataclass
-class Parts:
-    """What a soak started, for the figures whatever happened."""
-
-    fleet: Fleet
-    load: Load | None = None
-    controller: Controller | None = None
-    sampler: Sampler | None = None
-    losses: Losses | None = None
-
-
-def _load_and_chaos(parts: Parts, f: Figures, ledger: Ledger, refs: References) -> float:
+def _load_and_chaos(
+    f: Figures, fleet: Fleet, load: Load, controller: Controller, watcher: Watcher
+) -> float:
     """Start the fleet, run the load and the chaos, wait for the answers still out and
     for every node to serve again, close the client; the unix time the load stopped."""
-    options, stop, stop_sampling = f.options, threading.Event(), threading.Event()
     t0 = time.perf_counter()
-    client = parts.fleet.start()
+    client = fleet.start()
     log(f"cluster and fleet up in {time.perf_counter() - t0:.1f} s")
-    load = parts.load = Load(client, refs, ledger, stop, options.seed)
-    controller = parts.controller = Controller(
-        parts.fleet, options.kinds, options.spare, options.seed
-    )
-    sampler = parts.sampler = Sampler(parts.fleet, ledger, controller, stop_sampling)
-    parts.losses = Losses(client, stop_sampling)
     f.t_start, began = time.time(), time.monotonic()
-    load.start()
-    controller.start(began, options.minutes * 60, options.kill_every_s)
-    sampler.thread.start()
-    parts.losses.thread.start()
+    load.start(client)
+    controller.start(began, f.options.minutes * 60, f.options.kill_every)
+    watcher.start(client)
     next_freeze = began
     try:
-        while time.monotonic() < began + options.minutes * 60:
+        while time.monotonic() < began + f.options.minutes * 60:
             controller.tick()
             if time.monotonic() >= next_freeze:
                 # The ledger only grows: keep it out of the collector's full passes, which
@@ -959,54 +963,31 @@ def _load_and_chaos(parts: Parts, f: Figures, ledger: Ledger, refs: References) 
     except KeyboardInterrupt:
         f.interrupted = True
         log("interrupted: stopping the load, then reporting")
-    stop.set()
+    load.stop.set()
     t_end = time.time()
     f.seconds = t_end - f.t_start
     drain_until = time.monotonic() + DRAIN_S
     try:
         controller.finish()  # what is down or frozen comes back
         f.still_running = load.join(drain_until)
-        while ledger.outstanding() and time.monotonic() < drain_until:
+        while load.ledger.outstanding() and time.monotonic() < drain_until:
             time.sleep(0.2)
-        log(f"load stopped; {ledger.outstanding()} answers still out")
-        f.not_serving = sampler.wait_healthy(time.monotonic() + RECOVER_S)
+        log(f"load stopped; {load.ledger.outstanding()} answers still out")
+        f.not_serving = watcher.wait_healthy(time.monotonic() + RECOVER_S)
     except KeyboardInterrupt:
         f.interrupted = True
-    stop_sampling.set()
-    sampler.thread.join(SAMPLE_EVERY_S + CONTROL_TIMEOUT_S)
-    sampler.sample()  # the last counters of the router
-    f.leaked = parts.fleet.close()
+    watcher.stop.set()
+    for t in watcher.threads:
+        t.join(SAMPLE_EVERY_S + CONTROL_TIMEOUT_S)
+    watcher.sample()  # the last counters of the router
+    f.leaked = fleet.close()
     return t_end
 
 
-def _gather(parts: Parts, f: Figures) -> list[Sample]:
-    """Copy what the soak's parts recorded into ``f``; the memory samples."""
-    if parts.controller is not None:
-        f.events = parts.controller.snapshot()
-        f.controller_errors = list(parts.controller.errors)
-    samples: list[Sample] = []
-    if parts.sampler is not None:
-        samples = list(parts.sampler.samples)
-        f.fleet_counters = parts.sampler.router_totals()
-        f.routers = len(parts.sampler.routers)
-        f.status_calls = Counter(parts.sampler.status_calls)
-        f.controller_errors += parts.sampler.errors
-        f.control_errors += parts.sampler.status_errors
-    if parts.losses is not None:
-        f.losses = parts.losses.snapshot()
-    if parts.load is not None:
-        f.control = Counter(parts.load.control)
-        f.control_errors += parts.load.control_errors
-        if parts.load.failures and f.error is None:
-            f.error = "\n".join(parts.load.failures)
-    return samples
-
-
-def soak(options: Options, argv: Sequence[str] = ()) -> tuple[Figures, str]:
-    """Run the soak; its figures and the Markdown report."""
-    started, facts = utc_now(), EnvFacts.collect()
-    redis = shutil.which("redis-server") is not None
-    if not redis and "head" in options.kinds:
+def soak(options: Options, argv: Sequence[str] = ()) -> tuple[Figures, Section]:
+    """Run the soak; its figures and its report."""
+    started, facts, t0 = bc.utc_now(), EnvFacts.collect(), time.perf_counter()
+    if "head" in options.kinds and shutil.which("redis-server") is None:
         log("no redis-server: head restarts are left out (Debian: apt-get install redis-server)")
         options = replace(options, kinds=tuple(k for k in options.kinds if k != "head"))
     f, ledger, t_end = Figures(options), Ledger(), time.time()
@@ -1014,37 +995,45 @@ def soak(options: Options, argv: Sequence[str] = ()) -> tuple[Figures, str]:
         root = Path(tmp)
         log(f"chaos soak: {options.minutes:g} min, seed {options.seed}; {facts.line()}")
         refs = make_references(make_models(root), options.seed)
-        parts = Parts(
-            Fleet(root, root / "trace", redis="head" in options.kinds, spare=options.spare)
-        )
+        fleet = Fleet(root, root / "trace", redis="head" in options.kinds, spare=options.spare)
+        controller = Controller(fleet, options.kinds, options.spare, options.seed)
+        load, watcher = Load(refs, ledger, options.seed), Watcher(fleet, ledger, controller)
         try:
-            t_end = _load_and_chaos(parts, f, ledger, refs)
+            t_end = _load_and_chaos(f, fleet, load, controller, watcher)
         except BaseException as exc:
             f.error = f"{type(exc).__name__}: {exc}"
             log(f"the soak failed: {f.error}")
             if not isinstance(exc, Exception | KeyboardInterrupt):
                 raise
         finally:
-            if parts.load is not None:
-                parts.load.stop.set()
-            parts.fleet.shutdown()
+            load.stop.set()
+            fleet.shutdown()
             gc.unfreeze()
-        samples = _gather(parts, f)
+        f.events, f.losses = controller.snapshot(), watcher.losses()
+        f.fleet_counters, f.routers = watcher.router_totals(), len(watcher.routers)
+        f.control, f.status_calls = Counter(load.control), Counter(watcher.status_calls)
+        f.controller_errors = controller.errors + watcher.errors
+        f.control_errors = watcher.status_errors + load.control_errors
+        if load.failures and f.error is None:
+            f.error = "\n".join(load.failures)
         if options.answers is not None:
             ledger.write(options.answers, f.t_start)
-        analyse(f, ledger, refs, root / "trace", samples, f.t_start or t_end, t_end)
-    return f, render(f, facts, started, argv)
+        analyse(f, ledger, refs, root / "trace", watcher.samples, f.t_start or t_end, t_end)
+    section = report(f, facts, started, argv)
+    section.seconds = time.perf_counter() - t0
+    return f, section
 
 
 def run(argv: Sequence[str] | None = None) -> Figures:
-    """Parse ``argv``, soak, write the report (stdout and ``--out``); the figures."""
+    """Parse ``argv``, soak, print the report and write it into ``--out``; the figures."""
     args = list(sys.argv[1:] if argv is None else argv)
     options = parse_options(args)
-    figures, report = soak(options, args)
-    print(report, end="" if report.endswith("\n") else "\n", flush=True)
+    started = bc.utc_now()
+    figures, section = soak(options, args)
+    print(section.markdown(), flush=True)
     if options.out is not None:
-        options.out.parent.mkdir(parents=True, exist_ok=True)
-        options.out.write_text(report)
+        shown = f"`python -m bench.chaos {' '.join(args)}`, {started}, {section.seconds:.0f} s"
+        bc.write_report(options.out, [section], shown)
         log(f"report written to {options.out}")
     log("PASS: every invariant holds" if figures.passed else "FAIL: see the report")
     return figures
@@ -1064,32 +1053,87 @@ EVENT_NAMES = {
     "raylet-freeze": "raylet frozen",
     "head": "head killed and restarted",
 }
+CALLERS, ROUTER = (
+    ("received", "completed", "spilled", "replaced", "shed"),
+    ("nodes_lost", "rejoined"),
+)
+RERUNS = (
+    "A request whose node dies after running it but before its answer leaves is run again "
+    "elsewhere under the same id; one held by a node that does not answer its caller's "
+    "probe in time (frozen, or starved of CPU) is placed again elsewhere, and that node "
+    "may still run it once it runs again. Both are the documented at-least-once execution "
+    "of requests not sent at_most_once; the caller still gets one answer. A loss is when "
+    "the caller held the node out of service (its view, polled every 50 ms)."
+)
+BACK = (
+    "Back after: a killed raylet or head started again, a frozen process sent SIGCONT. "
+    "Serving again: the node answering in a new process, or after its SIGCONT; the "
+    "router answering a status call."
+)
+COUNTERS = (
+    "Fleet counters over the {routers} router processes seen: {shown}; {more}. The caller's "
+    "(received ... shed) are the largest a router process held; the router's own "
+    "(nodes_lost ... restarted) are added up over its processes (what a router counted "
+    "after the last sample before it was killed is not counted)."
+)
 
 
-def _figures(title: str, rows: list[list[object]], *after: str) -> list[str]:
-    """A report section of (figure, value) rows."""
-    return [f"## {title}", "", md_table(["figure", "value"], rows), "", *after]
+def _part(title: str, *blocks: str) -> str:
+    """A ``###`` part of the report: its title and its blocks (tables, paragraphs)."""
+    return "\n\n".join([f"### {title}", *(b for b in blocks if b)])
 
 
-def render(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> str:
-    """The report: header, invariants, requests, executions, generations, the chaos
-    events, memory and leaks."""
-    out = _md_header(f, facts, started, argv)
-    if f.error:
-        out += ["**The soak did not run to the end:**", "", "```", f.error, "```", ""]
+def _table(spec: str, values: Mapping[str, Any], **text: object) -> str:
+    return md_table(["figure", "value"], [list(r) for r in rows(spec, values, **text)])
+
+
+def _listed(c: Counter[str]) -> str:
+    return f"{sum(c.values())} ({', '.join(f'{k} {v}' for k, v in c.most_common()) or 'none'})"
+
+
+def _outcomes(c: Counter[str]) -> str:
+    return " / ".join(str(c[k]) for k in ("ok", "typed", "untyped"))
+
+
+def report(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -> Section:
+    """The report: the run, the invariants, requests, executions, generations, the chaos
+    events, memory and leaks; its one target: every invariant holds."""
     checks = [[what, value, "ok" if ok else "**FAIL**"] for what, value, ok in f.invariants()]
-    out += ["## Invariants", "", md_table(["check", "value", "result"], checks), ""]
-    out += _md_requests(f) + _md_executions(f) + _md_generations(f) + _md_events(f) + _md_memory(f)
-    leaked = f"{len(f.leaked)}" + (f" ({', '.join(f.leaked)})" if f.leaked else "")
-    alive = f"Actors (or processes of the fleet's actors) alive after the client closed: {leaked}."
-    out += ["## Leaks", "", alive, ""]
-    if f.still_running:
-        out += [f"Load threads still running at the end: {', '.join(f.still_running)}.", ""]
-    if f.not_serving:
-        out += [f"Nodes not serving again at the end: {', '.join(f.not_serving)}.", ""]
-    if f.examples:
-        out += ["## Examples of failures", "", *(f"- {e}" for e in f.examples), ""]
-    return "\n".join(out)
+    latency = "".join(
+        f"answer time p50 / p99 / max, {api} (s) | latency_{api}\n" for api in sorted(f.latency)
+    )
+    apis = f.by_api.items()
+    values: ChainMap[str, Any] = ChainMap(
+        {
+            "sent_by_api": f"{f.sent} ({', '.join(f'{k} {v}' for k, v in sorted(apis))})",
+            "answered_once": f.sent - f.no_answer - f.two_answers,
+            "typed_errors": _listed(f.typed),
+            "untyped_errors": _listed(f.untyped),
+            "worst_late": f"{f.worst_late_s:+.3f}",
+            "late_timed_out": f"{f.late} ({f.timed_out_late})",
+            "lifecycle_events": _outcomes(f.control),
+            "status_calls": _outcomes(f.status_calls),
+            "at_most_once": f"{f.at_most_once_sent:,} / {f.at_most_once_lost:,}",
+            "completed": " / ".join(str(f.gen_completed[k]) for k in FINISHED),
+            "cancelled": f.gen_completed["cancelled"],
+            **{f"latency_{a}": " / ".join(fmt(v, 3) for v in t) for a, t in f.latency.items()},
+        },
+        f.n,
+    )
+    errors = "\n".join(f"- {e}" for e in f.control_errors[:5])
+    parts = [
+        _part("Invariants", md_table(["check", "value", "result"], checks)),
+        _part("Requests and answers", _table(REQUESTS, values, latency=latency), errors),
+        _part("Executions (node traces)", _table(EXECUTIONS, values), RERUNS),
+        _part("Generations", _table(GENERATIONS, values)),
+        _md_events(f),
+        _md_memory(f),
+        _md_leaks(f),
+    ]
+    failed = sum(not ok for _, _, ok in f.invariants())
+    target = Target("invariants that do not hold", failed, "<=", 0, 0)
+    header = "\n".join(_md_header(f, facts, started, argv))
+    return Section(TITLE, header, tables=parts, targets=[target], error=f.error)
 
 
 def _md_counts(f: Figures) -> str:
@@ -1103,13 +1147,11 @@ def _md_header(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -
     verdict = "**PASS** (every invariant below holds)" if f.passed else "**FAIL**"
     short = ")" if f.covered else "; not every kind: the run was too short or cut short)"
     return [
-        "# edgefleet chaos soak",
-        "",
         f"- Date: {started}; this report: `python -m bench.chaos{''.join(' ' + a for a in argv)}`",
         f"- Machine: {facts.line()}",
         f"- Load: {f.seconds:.0f} s{' (interrupted by Ctrl-C)' if f.interrupted else ''}; "
-        f"seed {o.seed}; a chaos event every {0.6 * o.kill_every_s:.1f}-"
-        f"{1.4 * o.kill_every_s:.1f} s (none in the last {cc.QUIET_END_S:g} s); never hit: "
+        f"seed {o.seed}; a chaos event every {0.6 * o.kill_every:.1f}-"
+        f"{1.4 * o.kill_every:.1f} s (none in the last {cc.QUIET_END_S:g} s); never hit: "
         f"{', '.join(o.spare) or 'none'}; every request with a timeout_s drawn "
         f"log-uniformly from {TIMEOUT_S[0]:g}-{TIMEOUT_S[1]:g} s",
         f"- Cluster: a Ray head (GCS state in Redis: {'yes' if 'head' in o.kinds else 'no'}), "
@@ -1123,176 +1165,80 @@ def _md_header(f: Figures, facts: EnvFacts, started: str, argv: Sequence[str]) -
         f"- Answer time: every request answered within max(deadline_s, timeout_s) + "
         f"{ANSWER_SLACK_S:g} s: {'yes' if f.late == 0 else 'no'} ({f.late} late; the worst "
         f"answer came {f.worst_late_s:+.2f} s after max(deadline_s, timeout_s))",
-        "",
     ]
 
 
-def _md_requests(f: Figures) -> list[str]:
-    def listed(c: Counter[str]) -> str:
-        return f"{sum(c.values())} ({', '.join(f'{k} {v}' for k, v in c.most_common()) or 'none'})"
-
-    apis = ", ".join(f"{k} {v}" for k, v in sorted(f.by_api.items()))
-    limit = "max(deadline_s, timeout_s)"
-    rows: list[list[object]] = [
-        ["requests sent", f"{f.sent} ({apis})"],
-        ["answered exactly once", f.sent - f.no_answer - f.two_answers],
-        ["without an answer", f.no_answer],
-        ["with two or more answers", f.two_answers],
-        ["answered with a result", f.ok],
-        ["answered with a typed error", listed(f.typed)],
-        ["answered with an untyped error", listed(f.untyped)],
-        ["inference results with wrong outputs", f.wrong_outputs],
-        *(
-            [f"answer time p50 / p99 / max, {api} (s)", " / ".join(fmt(v, 3) for v in t)]
-            for api, t in sorted(f.latency.items())
-        ),
-        [f"worst answer time minus {limit} (s)", f"{f.worst_late_s:+.3f}"],
-        [
-            f"answered more than {ANSWER_SLACK_S:g} s after {limit} (of them TimedOut)",
-            f"{f.late} ({f.timed_out_late})",
-        ],
-        *(
-            [
-                f"{what} (ok / typed / untyped)",
-                " / ".join(str(c[k]) for k in ("ok", "typed", "untyped")),
-            ]
-            for what, c in (("lifecycle events", f.control), ("status calls", f.status_calls))
-        ),
-    ]
-    errors = [f"- {e}" for e in f.control_errors[:5]]
-    return _figures("Requests and answers", rows, *errors, *([""] if errors else []))
-
-
-EXECUTIONS = (  # (figure, Figures attribute) of the executions table
-    ("trace files (node processes)", "trace_files"),
-    ("trace lines", "trace_lines"),
-    ("lines cut short by a killed process", "truncated_lines"),
-    ("lines of ids the harness never sent", "unknown_ids"),
-    ("ids run to completion once", "ran_once"),
-    ("ids run to completion more than once", "ran_more"),
-    ("... re-run after the node that ran them was killed before answering", "reran_after_kill"),
-    ("... re-run elsewhere while the node holding them was frozen", "reran_after_freeze"),
-    (
-        "... re-run elsewhere after the node holding them did not answer the caller's probe",
-        "reran_after_loss",
-    ),
-    ("... re-run with no kill, freeze or loss to explain it", "reran_unexplained"),
-    ("requests sent at_most_once / answered NodeLost ('may have run')", "once"),
-    ("at_most_once ids run more than once", "reran_at_most_once"),
-    ("successes without an execution", "success_without_run"),
-    ("successes naming a node that has no execution of them", "wrong_node"),
-    (
-        "generations ended by the caller after their node died, every token sent",
-        "success_by_caller",
-    ),
-    ("ran on a node, yet answered with an error (its node died first)", "ran_but_error"),
-)
-
-
-def _md_executions(f: Figures) -> list[str]:
-    once = f"{f.at_most_once_sent:,} / {f.at_most_once_lost:,}"
-    rows = [[what, once if attr == "once" else getattr(f, attr)] for what, attr in EXECUTIONS]
-    text = (
-        "A request whose node dies after running it but before its answer leaves is run again "
-        "elsewhere under the same id; one held by a node that does not answer its caller's "
-        "probe in time (frozen, or starved of CPU) is placed again elsewhere, and that node "
-        "may still run it once it runs again. Both are the documented at-least-once execution "
-        "of requests not sent at_most_once; the caller still gets one answer. A loss is when "
-        "the caller held the node out of service (its view, polled every 50 ms)."
-    )
-    return _figures("Executions (node traces)", rows, text, "")
-
-
-def _md_generations(f: Figures) -> list[str]:
-    done = " / ".join(str(f.gen_completed[k]) for k in FINISHED)
-    rows: list[list[object]] = [
-        ["generations answered", f.generations],
-        ["completed (stop / length / budget)", done],
-        ["... tokens identical to the reference run (in order, each once)", f.gen_exact],
-        ["... tokens duplicated, missing or wrong", f.gen_token_errors],
-        ["cancelled by a node", f.gen_completed["cancelled"]],
-        ["ended with a typed error", f.gen_typed],
-        ["... tokens so far not a prefix of the reference", f.gen_partial_errors],
-        ["tokens or errors after a stream's end", f.after_end],
-    ]
-    return _figures("Generations", rows)
-
-
-def _md_events(f: Figures) -> list[str]:
+def _md_events(f: Figures) -> str:
     short = "." if f.covered else " (**not every kind**: the run was too short or cut short)."
-    out = [
-        "## Kills, freezes and head restarts",
-        "",
-        f"{len(f.events)} chaos events: {_md_counts(f)}{short}",
-        "",
-    ]
-    if f.events:
 
-        def after(t: float | None, e: Event) -> str:
-            return f"{t - e.at:.1f}" if t else "-"
+    def after(t: float | None, e: Event) -> str:
+        return f"{t - e.at:.1f}" if t else "-"
 
-        rows = [
+    table = md_table(
+        ["at s", "kind", "target", "pids", "back after s", "serving again after s", "note"],
+        [
             [f"{e.at - f.t_start:.1f}", e.kind, e.target, " ".join(map(str, e.pids)) or "-"]
             + [after(e.back_at, e), after(e.healthy_at, e), e.note or "-"]
             for e in f.events
-        ]
-        headers = ["at s", "kind", "target", "pids", "back after s", "serving again after s"]
-        headers.append("note")
-        out += [md_table(headers, rows), ""]
-        out += [
-            "Back after: a killed raylet or head started again, a frozen process sent SIGCONT. "
-            "Serving again: the node answering in a new process, or after its SIGCONT; the "
-            "router answering a status call.",
-            "",
-        ]
-    if f.controller_errors:
-        out += [
-            "Harness errors (the controller's, the sampler's): " + "; ".join(f.controller_errors),
-            "",
-        ]
-    if f.fleet_counters:
-        keys = ("received", "completed", "spilled", "replaced", "shed", "nodes_lost", "rejoined")
-        shown = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in keys)
-        more = ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in ("unresponsive", "restarted"))
-        out += [
-            f"Fleet counters over the {f.routers} router processes seen: {shown}; {more}. The "
-            "caller's (received ... shed) are the largest a router process held; the router's "
-            "own (nodes_lost ... restarted) are added up over its processes (what a router "
-            "counted after the last sample before it was killed is not counted).",
-            "",
-        ]
-    return out
+        ],
+    )
+    counts = [
+        ", ".join(f"{k} {f.fleet_counters.get(k, 0)}" for k in keys)
+        for keys in (CALLERS + ROUTER, ("unresponsive", "restarted"))
+    ]
+    harness = "; ".join(f.controller_errors)
+    return _part(
+        "Kills, freezes and head restarts",
+        f"{len(f.events)} chaos events: {_md_counts(f)}{short}",
+        f"{table}\n\n{BACK}" if f.events else "",
+        f"Harness errors (the controller's, the sampler's): {harness}" if harness else "",
+        COUNTERS.format(routers=f.routers, shown=counts[0], more=counts[1])
+        if f.fleet_counters
+        else "",
+    )
 
 
-def _md_memory(f: Figures) -> list[str]:
-    out = [
-        "## Memory",
-        "",
+def _md_memory(f: Figures) -> str:
+    text = (
         f"Resident memory of the router and node processes, sampled every {SAMPLE_EVERY_S:g} s "
         f"while they answered; growth from the first sample after a warm-up of "
         f"{f.warmup_s:.0f} s to the last (for processes that lived at least 10 s past the "
-        "warm-up). Every kill starts a new process.",
-        "",
-    ]
-    if f.memory:
-        headers = ["process", "pid", "lived s", "first MB", "after warm-up MB", "last MB"]
-        headers.append("growth %")
-        rows = [
+        "warm-up). Every kill starts a new process."
+    )
+    table = md_table(
+        ["process", "pid", "lived s", "first MB", "after warm-up MB", "last MB", "growth %"],
+        [
             [role, pid, fmt(lived, 0), fmt(first), fmt(warm), fmt(last)]
             + ["-" if growth is None else fmt(growth, 1, signed=True)]
             for role, pid, lived, first, warm, last, growth in f.memory
-        ]
-        growths = [m[6] for m in f.memory if m[6] is not None]
-        largest = fmt(max(growths) if growths else math.nan, 1, signed=True)
-        out += [md_table(headers, rows), "", f"Largest growth after warm-up: {largest} %.", ""]
-    if f.memory_over_time:
-        out += ["Over time (MB), for the processes that lived past the warm-up:", ""]
-        out += [
-            f"- {what}, every {step:.0f} s: {' '.join(f'{mb:.0f}' for mb in marks)}"
-            for what, step, marks in f.memory_over_time
-        ]
-        out += [""]
-    return out
+        ],
+    )
+    growths = [m[6] for m in f.memory if m[6] is not None]
+    largest = fmt(max(growths) if growths else math.nan, 1, signed=True)
+    over_time = [
+        f"- {what}, every {step:.0f} s: {' '.join(f'{mb:.0f}' for mb in marks)}"
+        for what, step, marks in f.memory_over_time
+    ]
+    return _part(
+        "Memory",
+        text,
+        f"{table}\n\nLargest growth after warm-up: {largest} %." if f.memory else "",
+        "Over time (MB), for the processes that lived past the warm-up:" if over_time else "",
+        "\n".join(over_time),
+    )
+
+
+def _md_leaks(f: Figures) -> str:
+    leaked = f"{len(f.leaked)}" + (f" ({', '.join(f.leaked)})" if f.leaked else "")
+    running, down = ", ".join(f.still_running), ", ".join(f.not_serving)
+    examples = "\n".join(f"- {e}" for e in f.examples)
+    return _part(
+        "Leaks",
+        f"Actors (or processes of the fleet's actors) alive after the client closed: {leaked}.",
+        f"Load threads still running at the end: {running}." if running else "",
+        f"Nodes not serving again at the end: {down}." if down else "",
+        _part("Examples of failures", examples) if examples else "",
+    )
 
 
 if __name__ == "__main__":

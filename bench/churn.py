@@ -29,19 +29,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import ray
-
 from actors.trace import read_traces
-from bench.chaos_cluster import HEAD_ENV, Raylets
+from bench.chaos_cluster import CLIENT, HEAD_ENV, Raylets
 from bench.common import Section, Target, fmt, log, md_table, percentile, utc_now, write_report
 from cluster.client import FleetClient
-from cluster.head import start_head
-from cluster.names import NAMESPACE
 from edgefleet.config import parse_config
 from edgefleet.errors import EdgeFleetError
 from edgefleet.labels import DEVICE_LABEL
 from edgefleet.modelgen import make_classifier, random_inputs
-from sim.workload import Workload, parse_workload
+from sim.workload import FleetEvent, Workload, parse_workload
 
 TITLE = "Device churn: devices leave and come back under load"
 DEVICES = ("cam-0", "cam-1", "cam-2", "cam-3")
@@ -49,37 +45,31 @@ POOL = "cams"
 HEALTH = {**HEAD_ENV, "RAY_health_check_timeout_ms": "1000"}  # a dead raylet found in 3-5 s
 RATE = 40.0  # requests per second (Poisson)
 AT_MOST_ONCE = 0.2  # share of the requests
-EVERY_S = (3.0, 6.0)  # between two departures
-AWAY_S = (3.0, 8.0)  # how long a device stays away
+LEAVE_EVERY_S = 4.5  # mean time between two departures
+AWAY_S = 5.5  # how long a device stays away
 ANSWER_S = 120.0  # every answer arrives by then after the load stops
 
 
-class Cluster(Raylets):
-    """The head, the driver's raylet and the devices' raylets (each in its own folder)."""
-
-    def __init__(self) -> None:
-        super().__init__(f"churn{os.getpid()}")
-
-    def start(self) -> None:
-        self.address = start_head(self.name, 1, env=HEALTH)
-        self.add("client")
-        ray.init(address=self.address, _temp_dir=str(self.dirs["client"]), namespace=NAMESPACE)
-
-    def add(self, device: str, **_: Any) -> float:
-        """Start ``device``'s raylet with the pool's labels; the time it joined."""
-        labels = {} if device == "client" else {"device": "camera", DEVICE_LABEL: device}
-        return super().add(device, resources={}, labels=labels, num_cpus=1)
+def _raylet(device: str) -> dict[str, Any]:
+    """The keywords of a device's raylet: the pool's labels (the driver's: none)."""
+    labels = {} if device == CLIENT else {"device": "camera", DEVICE_LABEL: device}
+    return {"resources": {}, "labels": labels, "num_cpus": 1}
 
 
 def workload(seconds: float, seed: int) -> Workload:
     """The load: Poisson arrivals at RATE, foreground and background alike, a share
-    AT_MOST_ONCE of each at most once; ``seconds`` of it at most."""
+    AT_MOST_ONCE of each at most once; ``seconds`` of it at most. The churn: a device
+    leaves every LEAVE_EVERY_S on average, and comes back AWAY_S later."""
     mix = [
         {"model": "classifier", "priority": p, "weight": share, "at_most_once": once}
         for p in ("foreground", "background")
         for once, share in ((False, 1 - AT_MOST_ONCE), (True, AT_MOST_ONCE))
     ]
+    per_hour = 3600 / LEAVE_EVERY_S / len(DEVICES)
+    churn: dict[str, Any] = {"leave_per_device_per_hour": per_hour, "declared_dead_after_s": 4.0}
+    churn |= {"rejoin_after_s": AWAY_S, "rejoin_distribution": "fixed"}
     data = {"seed": seed, "duration_s": seconds, "arrivals": {"rate": RATE}, "mix": mix}
+    data["churn"] = churn
     return parse_workload(data, source="the churn load")
 
 
@@ -103,8 +93,9 @@ class Load:
             if self.stop.wait(max(0.0, began + a.at - time.monotonic())):
                 return
             rid, once = f"churn-{i}", a.at_most_once
-            kw = {"priority": a.priority, "request_id": rid, "at_most_once": once}
-            future = self.client.submit(a.model, inputs, **kw)
+            future = self.client.submit(
+                a.model, inputs, priority=a.priority, request_id=rid, at_most_once=once
+            )
             future.add_done_callback(self._done)
             self.sent.append((rid, once, future))
 
@@ -121,49 +112,40 @@ class Load:
             return times[i] if i < len(times) else None
 
 
-def _churn(cluster: Cluster, load: Load, seconds: float, seed: int) -> list[tuple[str, float]]:
-    """Devices leave and come back until ``seconds`` have passed (the last ones come back
-    before the end); each return: (device, when its raylet joined). A device that came
-    back leaves again only once it has served."""
-    rng = random.Random(f"{seed}/churn")
+def _churn(cluster: Raylets, load: Load, seconds: float, seed: int) -> list[tuple[str, float]]:
+    """Devices leave and come back as the workload's churn has them, until ``seconds``
+    (those still away come back then); never the last one present, nor one back that
+    has not served yet. Each return: (device, when its raylet joined)."""
+    rng, horizon = random.Random(f"{seed}/churn"), seconds - AWAY_S
+    events = workload(seconds, seed).events(rng, nodes=len(DEVICES), horizon_s=horizon)
+    events += [FleetEvent(seconds, "join", i) for i in range(len(DEVICES))]
     returns: list[tuple[str, float]] = []
-    away: dict[str, float] = {}  # device -> when it comes back
     joined: dict[str, float] = {}  # device -> when it last came back
-    end = time.monotonic() + seconds
-    next_leave = time.monotonic() + rng.uniform(*EVERY_S)
-    while time.monotonic() < end or away:
-        now = time.monotonic()
-        for device, back_at in sorted(away.items()):
-            if now >= back_at:
-                joined[device] = cluster.add(device)
-                returns.append((device, joined[device]))
-                del away[device]
-                log(f"churn: {device} is back")
-        present = [
-            d
-            for d in DEVICES
-            if d not in away
-            and (d not in joined or load.first_served(f"{POOL}/{d}", joined[d]) is not None)
-        ]
-        if now >= next_leave and now < end - AWAY_S[1] and len(present) > 1:
-            device = rng.choice(present)
-            cluster.kill(device)
-            away[device] = now + rng.uniform(*AWAY_S)
-            log(f"churn: {device} left")
-            next_leave = now + rng.uniform(*EVERY_S)
-        time.sleep(0.2)
+    left: set[str] = set()
+    began = time.monotonic()
+    for e in events:
+        time.sleep(max(0.0, began + e.at - time.monotonic()))
+        device = DEVICES[e.node]
+        if e.kind == "join" and device in left:
+            left.remove(device)
+            joined[device] = cluster.add(device)
+            returns.append((device, joined[device]))
+            log(f"churn: {device} is back")
+        elif e.kind == "leave" and len(left) < len(DEVICES) - 1:
+            since = joined.get(device)
+            if since is None or load.first_served(f"{POOL}/{device}", since) is not None:
+                cluster.kill(device)
+                left.add(device)
+                log(f"churn: {device} left")
     return returns
 
 
-def _serving(client: FleetClient) -> int:
-    return sum(d.state == "serving" for d in client.status().pool(POOL).devices)
-
-
-def soak(models: Path, seconds: float, seed: int = 0) -> dict[str, Any]:
-    """Run the churn for ``seconds``; its figures."""
-    cluster, traces = Cluster(), Path(tempfile.mkdtemp(prefix="churn-traces-"))
+def soak(models: Path, seconds: float, seed: int = 0) -> Section:
+    """Run the churn for ``seconds``; its report section."""
+    cluster = Raylets(f"churn{os.getpid()}", _raylet)
+    traces = Path(tempfile.mkdtemp(prefix="churn-traces-"))
     try:
-        cluster.start()
+        cluster.start_cluster([CLIENT], CLIENT, HEALTH, redis=False)
         config = {
             "fleet": {"name": cluster.name},
             "models": {"classifier": {"path": "classifier.onnx"}},
@@ -176,96 +158,82 @@ def soak(models: Path, seconds: float, seed: int = 0) -> dict[str, Any]:
                 "membership": {"interval_s": 0.5},
             },
         }
-        client = FleetClient.local(parse_config(config, models))
-        for device in DEVICES:
-            cluster.add(device)
-        deadline = time.monotonic() + 180
-        while _serving(client) < len(DEVICES):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the devices did not all serve within 180 s")
-            time.sleep(0.5)
-        load = Load(client, seed, seconds + ANSWER_S + 60)
-        load.thread.start()
-        t0 = time.monotonic()
-        returns = _churn(cluster, load, seconds, seed)
-        deadline = time.monotonic() + ANSWER_S  # the last devices back serve under load
-        while time.monotonic() < deadline and any(
-            load.first_served(f"{POOL}/{d}", joined) is None for d, joined in returns
-        ):
-            time.sleep(0.5)
-        load.stop.set()
-        load.thread.join(30)
-        sent = list(load.sent)
-        cf.wait([f for _, _, f in sent], timeout=ANSWER_S)
-        replies = [f.result() for _, _, f in sent if f.done()]
-        figures = _figures(sent, replies, read_traces(traces)[0], load, returns)
-        figures["minutes"] = (time.monotonic() - t0) / 60
-        figures["asked"] = seconds / 60
-        client.close()
-        return figures
+        with FleetClient.local(parse_config(config, models)) as client:
+            for device in DEVICES:
+                cluster.add(device)
+            deadline = time.monotonic() + 180
+            while sum(d.state == "serving" for d in client.status().pool(POOL).devices) < len(
+                DEVICES
+            ):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the devices did not all serve within 180 s")
+                time.sleep(0.5)
+            load = Load(client, seed, seconds + ANSWER_S + 60)
+            load.thread.start()
+            t0 = time.monotonic()
+            returns = _churn(cluster, load, seconds, seed)
+            deadline = time.monotonic() + ANSWER_S  # the last devices back serve under load
+            while time.monotonic() < deadline and any(
+                load.first_served(f"{POOL}/{d}", joined) is None for d, joined in returns
+            ):
+                time.sleep(0.5)
+            load.stop.set()
+            load.thread.join(30)
+            cf.wait([f for _, _, f in load.sent], timeout=ANSWER_S)
+            minutes = (time.monotonic() - t0) / 60
+            return section(load, read_traces(traces)[0], returns, minutes, seconds / 60)
     finally:
         cluster.stop()
         shutil.rmtree(traces, ignore_errors=True)
 
 
-def _figures(
-    sent: list[tuple[str, bool, Any]],
-    replies: list[Any],
-    traces: list[dict[str, Any]],
+def section(
     load: Load,
+    traces: list[dict[str, Any]],
     returns: list[tuple[str, float]],
-) -> dict[str, Any]:
+    minutes: float,
+    asked: float,
+) -> Section:
+    """The figures and targets: answers (the futures done), executions (the traces),
+    and how long each device back took to serve."""
+    replies = [f.result() for _, _, f in load.sent if f.done()]
     errors = Counter(type(r.error).__name__ for r in replies if r.error is not None)
     untyped = sum(r.error is not None and not isinstance(r.error, EdgeFleetError) for r in replies)
     ran = Counter(line["id"] for line in traces if line.get("ran"))
-    amo = {rid for rid, once, _ in sent if once}
+    amo = {rid for rid, once, _ in load.sent if once}
+    amo_twice = sum(ran[rid] > 1 for rid in amo)
     to_first = [
         t - joined
         for device, joined in returns
         if (t := load.first_served(f"{POOL}/{device}", joined)) is not None
     ]
-    return {
-        "sent": len(sent),
-        "answered": len(replies),
-        "completed": sum(r.error is None for r in replies),
-        "errors": errors,
-        "untyped": untyped,
-        "amo_twice": sum(ran[rid] > 1 for rid in amo),
-        "alo_twice": sum(n > 1 for rid, n in ran.items() if rid not in amo),
-        "returns": len(returns),
-        "served_again": len(to_first),
-        "first_p50": percentile(to_first, 50) if to_first else float("nan"),
-        "first_p99": percentile(to_first, 99) if to_first else float("nan"),
-    }
-
-
-def section(f: dict[str, Any]) -> Section:
-    errors = ", ".join(f"{k} {v}" for k, v in f["errors"].most_common()) or "none"
-    rows = [
-        ["requests sent", f["sent"]],
-        ["answered", f["answered"]],
-        ["completed", f["completed"]],
-        ["typed errors", errors],
-        ["untyped errors", f["untyped"]],
-        ["at-most-once requests that ran twice", f["amo_twice"]],
-        ["at-least-once requests that ran twice (re-placed: allowed)", f["alo_twice"]],
-        ["devices back / served again", f"{f['returns']} / {f['served_again']}"],
+    first = " / ".join(f"{fmt(percentile(to_first, q), 1)} s" for q in (50, 99))
+    rows: list[list[object]] = [
+        ["requests sent", len(load.sent)],
+        ["answered", len(replies)],
+        ["completed", sum(r.error is None for r in replies)],
+        ["typed errors", ", ".join(f"{k} {v}" for k, v in errors.most_common()) or "none"],
+        ["untyped errors", untyped],
+        ["at-most-once requests that ran twice", amo_twice],
         [
-            "raylet joined to first served request, p50 / p99",
-            f"{fmt(f['first_p50'], 1)} s / {fmt(f['first_p99'], 1)} s",
+            "at-least-once requests that ran twice (re-placed: allowed)",
+            sum(n > 1 for rid, n in ran.items() if rid not in amo),
         ],
+        ["devices back / served again", f"{len(returns)} / {len(to_first)}"],
+        ["raylet joined to first served request, p50 / p99", first],
     ]
+    measured = __doc__.split("\n\n", 2)[1].replace("\n", " ")
+    measured += f" {len(DEVICES)} devices, {RATE:g} requests/s, {minutes:.1f} minutes"
+    measured += f" (`python -m bench.churn --minutes {asked:g}`)."
     return Section(
         TITLE,
-        __doc__.split("\n\n", 2)[1].replace("\n", " ")
-        + f" {len(DEVICES)} devices, {RATE:g} requests/s, {f['minutes']:.1f} minutes"
-        + f" (`python -m bench.churn --minutes {f['asked']:g}`).",
+        measured,
         tables=[md_table(["figure", "value"], rows)],
         targets=[
-            Target("requests without an answer", f["sent"] - f["answered"], "<=", 0, 0),
-            Target("untyped errors", f["untyped"], "<=", 0, 0),
-            Target("at-most-once requests run twice", f["amo_twice"], "<=", 0, 0),
-            Target("devices back that served again", f["served_again"], ">=", f["returns"], 0),
+            Target("requests without an answer", len(load.sent) - len(replies), "<=", 0, 0),
+            Target("untyped errors", untyped, "<=", 0, 0),
+            Target("at-most-once requests run twice", amo_twice, "<=", 0, 0),
+            Target("devices back that served again", len(to_first), ">=", len(returns), 0),
         ],
     )
 
@@ -278,18 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="churn time (default 5)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out",
-        type=Path,
-        metavar="FILE",
-        help="also write the section into this report (bench/RESULTS.md: its section replaced)",
-    )
+    out = "also write the section into this report (bench/RESULTS.md: its section replaced)"
+    parser.add_argument("--out", type=Path, metavar="FILE", help=out)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="churn-models-") as tmp:
         make_classifier(Path(tmp) / "classifier.onnx")
         began, started = time.monotonic(), utc_now()
-        figures = soak(Path(tmp), args.minutes * 60, args.seed)
-    result = section(figures)
+        result = soak(Path(tmp), args.minutes * 60, args.seed)
     result.seconds = time.monotonic() - began
     print(result.markdown())
     if args.out is not None:
