@@ -640,14 +640,12 @@ def _placement_part(
     default = by[DEFAULT_POLICY]
     pairs = [(label, prios, other) for label, prios in (("fg p99", [10]), ("all p99", None))
              for other in ("round_robin", "power_of_two")]  # fmt: skip
+    pooled = [
+        default.latency_ms(prios).p99 / by[other].latency_ms(prios).p99 for _, prios, other in pairs
+    ]
     targets = [
-        Target(
-            f"(d) {DEFAULT_POLICY} {label} / {other} {label} (all rounds pooled)",
-            default.latency_ms(prios).p99 / by[other].latency_ms(prios).p99,
-            "<=",
-            1.0,
-        )
-        for label, prios, other in pairs
+        Target(f"(d) {DEFAULT_POLICY} {label} / {other} {label} (all rounds pooled)", x, "<=", 1.0)
+        for (label, _, other), x in zip(pairs, pooled, strict=True)
     ]
     per_round = "; ".join(
         f"{label} / {other} {default.round_p99(prios) / by[other].round_p99(prios):.2f}"
