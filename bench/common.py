@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,15 +24,16 @@ from typing import Any, Generic, Literal, TypeVar
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 import ray
 
 from actors.engine import open_session
 from cluster.client import FleetClient, FleetStatus
 from cluster.deploy import init_loopback_ray
-from cluster.traffic import Answer, OpenLoop
+from cluster.traffic import Answer, Counts, OpenLoop
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.messages import Reply
-from edgefleet.modelgen import calibrate_slow
+from edgefleet.modelgen import _median_call_s, calibrate_slow
 from sim.report import md_table as md_table  # one table writer: benchmarks and simulator
 from sim.workload import Arrival
 
@@ -272,21 +274,13 @@ def utc_now() -> str:
 
 # ---------------------------------------------------------------- CPU disturbance
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-@dataclass(frozen=True)
-class CpuSample:
-    """Machine-wide busy CPU seconds, and those of this process and its descendants
-    (the embedded Ray: GCS, raylet, workers, node actors) at one instant."""
-
-    wall: float
-    busy_s: float
-    own_s: float
-
 
 @dataclass(frozen=True)
 class CpuUse:
+    """Machine-wide busy CPU seconds and this benchmark's (this process and its
+    descendants: the embedded Ray's GCS, raylet, workers and nodes): at one instant
+    (:func:`cpu_sample`, ``wall_s`` a clock reading) or over a span (:func:`cpu_since`)."""
+
     wall_s: float
     busy_s: float
     own_s: float
@@ -303,34 +297,29 @@ class CpuUse:
         )
 
 
-def cpu_sample() -> CpuSample:
-    """Read /proc (Linux); elsewhere every figure is 0 and nothing is flagged."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return CpuSample(time.perf_counter(), 0.0, 0.0)
-    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system, irq softirq steal
-    return CpuSample(time.perf_counter(), busy / _CLK_TCK, _TREE.ticks() / _CLK_TCK)
+def cpu_sample() -> CpuUse:
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+    return CpuUse(time.perf_counter(), busy, _TREE.seconds())
 
 
-def cpu_since(start: CpuSample) -> CpuUse:
+def cpu_since(start: CpuUse) -> CpuUse:
     end = cpu_sample()
-    return CpuUse(end.wall - start.wall, end.busy_s - start.busy_s, end.own_s - start.own_s)
+    return CpuUse(end.wall_s - start.wall_s, end.busy_s - start.busy_s, end.own_s - start.own_s)
 
 
 class _TreeAccountant:
-    """CPU ticks used by this process and every descendant it ever had. A killed Ray
-    worker vanishes without its time reaching a parent's ``cutime``, so live processes
-    are sampled in the background and a dead one keeps the last ticks seen for it
-    (keyed by pid and start time: a reused pid is a new process)."""
+    """CPU seconds used by this process and every descendant it ever had. A killed Ray
+    worker's time never reaches its parent's, so the tree is sampled in the background
+    and a process that ended keeps the last time seen for it (keyed by pid and start
+    time: a reused pid is a new process)."""
 
     def __init__(self) -> None:
-        self._seen: dict[tuple[int, int], int] = {}
+        self._seen: dict[tuple[int, float], float] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def ticks(self) -> int:
+    def seconds(self) -> float:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="bench-cpu", daemon=True)
             self._thread.start()
@@ -344,28 +333,12 @@ class _TreeAccountant:
             self._scan()
 
     def _scan(self) -> None:
-        parent: dict[int, int] = {}
-        usage: dict[int, tuple[int, int]] = {}  # pid -> (start time, utime + stime)
-        with contextlib.suppress(OSError):
-            for entry in filter(str.isdigit, os.listdir("/proc")):
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        data = f.read()
-                except OSError:  # the process ended meanwhile
-                    continue
-                rest = data[data.rfind(")") + 2 :].split()
-                parent[int(entry)] = int(rest[1])
-                usage[int(entry)] = (int(rest[19]), int(rest[11]) + int(rest[12]))
-        root = os.getpid()
-        with self._lock:
-            for pid, (start, used) in usage.items():
-                up = pid
-                for _ in range(64):  # a bounded walk up the process tree
-                    if up == root or up <= 1:
-                        break
-                    up = parent.get(up, 0)
-                if up == root:
-                    self._seen[(pid, start)] = max(used, self._seen.get((pid, start), 0))
+        me = psutil.Process()
+        for process in [me, *me.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):  # the process ended meanwhile
+                key, used = (process.pid, process.create_time()), process.cpu_times()
+                with self._lock:
+                    self._seen[key] = max(used.user + used.system, self._seen.get(key, 0.0))
 
 
 _TREE = _TreeAccountant()
@@ -386,8 +359,7 @@ def calm(
     """Run ``measure``; while other processes took more than ``limit`` cores meanwhile,
     run it again (at most ``attempts`` times) and keep the least disturbed result."""
     best: Calm[T] | None = None
-    tries = 0
-    for tries in range(1, attempts + 1):  # noqa: B007 - the count is reported
+    for tries in range(1, attempts + 1):
         start = cpu_sample()
         value = measure()
         foreign = cpu_since(start).foreign_cores
@@ -398,7 +370,7 @@ def calm(
         again = "measuring again" if tries < attempts else "keeping the least disturbed"
         log(f"  {label}: other processes used {foreign:.2f} cores meanwhile; {again}")
     assert best is not None
-    return Calm(best.value, best.foreign_cores, tries)
+    return replace(best, attempts=tries)
 
 
 def alternating(
@@ -644,24 +616,17 @@ class Loop:
 
 
 class _Tally:
-    """What a loop counts of its replies, and its CPU over the window."""
+    """A loop's replies (counted as the traffic drivers count them) by node, and its CPU
+    over the window."""
 
     def __init__(self) -> None:
-        self.completed = self.errors = 0
-        self.engine_calls = self.engine_s = 0.0
-        self.by_node: dict[str, int] = {}
-        self.cpu0 = cpu_sample()
-        self.start = time.perf_counter()
+        self.counts, self.by_node = Counts(), Counter[str]()
+        self.cpu0, self.start = cpu_sample(), time.perf_counter()
 
     def add(self, reply: Reply) -> None:
-        if reply.error is not None:
-            self.errors += 1
-            return
-        self.completed += 1
-        share = 1.0 / max(1, reply.batch_size)
-        self.engine_calls += share
-        self.engine_s += reply.service_s * share
-        self.by_node[reply.node] = self.by_node.get(reply.node, 0) + 1
+        self.counts.add(reply)
+        if reply.error is None:
+            self.by_node[reply.node] += 1
 
     def loop(self, end: float) -> Loop:
         """The loop so far; the CPU counted is the window's share when the last wait
@@ -669,9 +634,9 @@ class _Tally:
         used = cpu_since(self.cpu0)
         elapsed = min(time.perf_counter(), end) - self.start
         window = elapsed / max(elapsed, used.wall_s)
-        counts = (self.completed, elapsed, self.errors, self.by_node)
-        cpu = (used.busy_s * window, used.own_s * window)
-        return Loop(*counts, self.engine_calls, self.engine_s, *cpu)
+        c, cpu = self.counts, (used.busy_s * window, used.own_s * window)
+        errors = c.rejected + c.evicted + c.other_errors
+        return Loop(c.completed, elapsed, errors, dict(self.by_node), c.calls, c.engine_s, *cpu)
 
 
 @dataclass(frozen=True)
@@ -794,12 +759,11 @@ class OpenRun:
         return cls(answers, lag, lost, sum(r.seconds for r in runs), *noise, **more)
 
     def ok(self, priorities: Sequence[int] | None = None) -> list[Answer]:
-        def wanted(a: Answer) -> bool:
-            return priorities is None or (
-                a.arrival is not None and a.arrival.priority in priorities
-            )
-
-        return [a for a in self.answers if a.reply.error is None and wanted(a)]
+        """The completed answers (of arrivals of ``priorities``)."""
+        ok = [a for a in self.answers if a.reply.error is None]
+        if priorities is None:
+            return ok
+        return [a for a in ok if a.arrival is not None and a.arrival.priority in priorities]
 
     def latency_ms(self, priorities: Sequence[int] | None = None) -> Summary:
         return Summary.of([a.latency_s * 1000 for a in self.ok(priorities)])
@@ -879,13 +843,7 @@ def raw_session(path: Path) -> ort.InferenceSession:
 
 def median_call_ms(session: Any, feed: Feed, repeats: int = 9) -> float:
     """Median ms of ``repeats`` back-to-back calls of ``session``, after 3 warm-ups."""
-    times = []
-    for i in range(repeats + 3):
-        t0 = time.perf_counter()
-        session.run(None, feed)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return 1000 * median(times)
+    return 1000 * _median_call_s(session, feed, runs=repeats)
 
 
 def linear_call_ms(path: Path, width: int, rows: int = 1, repeats: int = 9) -> float:

@@ -28,6 +28,7 @@ import yaml
 from bench.common import RunContext, Section, Target, log, md_table
 from edgefleet.config import parse_config
 from edgefleet.modelgen import make_all
+from edgefleet.priorities import priority_name
 from sim.report import OUTCOMES
 from sim.run import simulate, workload_costs
 from sim.workload import Workload
@@ -144,7 +145,7 @@ def _replayed(shape: Shape, folder: Path, calls: Path) -> dict[int, np.ndarray]:
 
 
 def _rows(shape: Shape, live: dict[int, np.ndarray], sim: dict[int, np.ndarray]) -> list[list[Any]]:
-    names = {v: k for k, v in parse_config(_fleet(shape), Path(".")).priorities.items()}
+    classes = parse_config(_fleet(shape), Path(".")).priorities
     rows = []
     for p in sorted(live, reverse=True):
         real = live[p]
@@ -152,7 +153,7 @@ def _rows(shape: Shape, live: dict[int, np.ndarray], sim: dict[int, np.ndarray])
             continue
         r50, r99 = np.percentile(real, [50, 99]) * 1000
         s50, s99 = np.percentile(sim[p], [50, 99]) * 1000
-        rows.append([shape.name, names.get(p, str(p)), real.size, r50, s50, s50 / r50 - 1,
+        rows.append([shape.name, priority_name(p, classes), real.size, r50, s50, s50 / r50 - 1,
                      r99, s99, s99 / r99 - 1])  # fmt: skip
     return rows
 

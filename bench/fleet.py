@@ -23,11 +23,13 @@ from bench.common import GET_TIMEOUT_S, BenchModel, Feed, Part, Round, Target, e
 from cluster.client import FleetClient
 from cluster.traffic import ClosedLoop, Counts
 from edgefleet.config import FleetConfig
+from edgefleet.messages import Reply
 from edgefleet.modelgen import make_classifier, random_inputs
 from policies.placement import placement_policies
 from sim.workload import Arrival, Workload, parse_workload
 
 POLICIES = placement_policies()  # the default first
+DEFAULT_POLICY = POLICIES[0]
 TITLE = "The fleet: placement in the caller (fleet)"
 # (a) scaling and (b) added latency: one 3-node fleet serving both models
 FLEET_NODES = 3
@@ -43,8 +45,7 @@ FLOOD_CALLERS = 2  # the same flood split over this many clients placing request
 SPLIT = "edgefleet, 2 callers"
 IDLE = "edgefleet, a second caller idle"
 FLOOD_MAX_RETRY_S = 1.0  # the router's retry hint is honoured, up to this
-# (d) placement policies on one trace: every policy of the registry, the default first
-DEFAULT_POLICY = POLICIES[0]
+# (d) placement policies on one trace
 CHEAP, DEAR = "cheap2", "dear10"
 CHEAP_COST_MS, DEAR_COST_MS = 2.0, 10.0
 CHEAP_SHARE = 0.5  # of the trace's requests
@@ -62,14 +63,15 @@ CAPACITY_IN_FLIGHT_PER_NODE = 8
 COST_NODES = 4
 COST_MODEL = "classifier"
 COST_IN_FLIGHT_PER_NODE = 32
+LOOP_FIGURES = ("engine_ms", "cores", "cpu_ms")  # (a)'s per-loop columns
 
 
 def _delta(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
-def _added(counters: Sequence[Mapping[str, int]]) -> dict[str, int]:
-    return dict(sum((Counter(c) for c in counters), Counter()))
+def _added(counters: Sequence[Mapping[str, int]]) -> Counter[str]:
+    return sum((Counter(c) for c in counters), Counter())
 
 
 # ============================================================ (a) scaling at saturation
@@ -103,44 +105,25 @@ def measure_scaling(ctx: bc.RunContext, client: FleetClient, feed: Feed) -> list
     return bc.rounds("(a)", loops, seconds, count, warm_s=warm_s, attempts=2)
 
 
-def _scaling_tables(runs: list[Round], nodes: list[str]) -> list[str]:
+def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Part:
     def row(label: str, key: str) -> list[object]:
-        total = Counter(_added([r[key].by_node for r in runs]))
+        total = _added([r[key].by_node for r in runs])
         n = sum(total.values())
-        share = (
-            " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes)
-            if n and key not in nodes
-            else "-"
-        )
-        cells = [
-            fmt(med(runs, lambda r, k=k: getattr(r[key], k)), 2)
-            for k in ("engine_ms", "cores", "cpu_ms")
-        ]
-        return [
-            label,
-            fmt(med(runs, lambda r: r[key].rate), 0),
-            each(runs, lambda r: r[key].rate),
-            *cells,
-            share,
-        ]
+        share = " · ".join(f"{total[x] / n * 100:.0f}%" for x in nodes) if n else "-"
+        cells = [fmt(med(runs, lambda r, k=k: getattr(r[key], k)), 2) for k in LOOP_FIGURES]
+        rate = [fmt(med(runs, lambda r: r[key].rate), 0), each(runs, lambda r: r[key].rate)]
+        return [label, *rate, *cells, "-" if key in nodes else share]
 
     rows = [row(f"{n} alone, straight to its actor", n) for n in nodes]
     label = "**sum of single-node throughputs** (one at a time)"
     rows.append([label, fmt(med(runs, _single_sum), 0), each(runs, _single_sum), *"----"])
-    rows.append(
-        row(f"all {FLEET_NODES} nodes at once, straight to the actors (no router)", "direct")
-    )
-    rows.append(row("**fleet, placed by the client**", "fleet"))
+    direct = f"all {FLEET_NODES} nodes at once, straight to the actors (no router)"
+    rows += [row(direct, "direct"), row("**fleet, placed by the client**", "fleet")]
     header = "measurement | requests/s (median) | per round | engine ms / call | cores used | "
     header += "CPU ms / request | share per node (" + " · ".join(nodes) + ")"
     ratios = [[k, fmt(med(runs, f), 2), each(runs, f, 2)] for k, f in RATIOS.items()]
-    return [
-        bc.md_table(bc.columns(header), rows),
-        bc.md_table(["ratio", "median", "per round"], ratios),
-    ]
-
-
-def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Part:
+    tables = [bc.md_table(bc.columns(header), rows)]
+    tables.append(bc.md_table(["ratio", "median", "per round"], ratios))
     singles = [r[n] for r in runs for n in nodes]
     alone_cpu_ms, alone_cores = med(singles, lambda x: x.cpu_ms), med(singles, lambda x: x.cores)
     cpus = bc.cpu_count()
@@ -169,21 +152,20 @@ def _scaling_part(runs: list[Round], nodes: list[str], model: BenchModel) -> Par
     label = "(a) fleet throughput / sum of single-node throughputs"
     title = "(a) Fleet throughput at saturation vs the sum of its nodes"
     targets = [Target(label, scaling, ">=", TARGET_SCALING)]
-    return Part(title, measured, _scaling_tables(runs, nodes), targets, notes)
+    return Part(title, measured, tables, targets, notes)
 
 
 # ============================================================ (b) added latency
 
 LATENCY_PATHS = ("placed", "same node", "other node")
+Sample = tuple[str, float, Reply, bool]  # path, ms, reply, placed on the node chosen last
 
 
-def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, Any]:
+def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> list[Sample]:
     """``pairs`` sequential rounds of three requests, the order rotating: one placed by
     the client, one straight to the node it chose last, one straight to another node."""
     names = bc.node_names(client)
-    last = names[0]
-    out: dict[str, Any] = {p: [] for p in (*LATENCY_PATHS, "placed svc", "same svc")}
-    out["nodes"], out["repeats"], out["errors"] = Counter(), 0, 0
+    last, out = names[0], []
     for i in range(pairs):
         for path in bc.rotated(LATENCY_PATHS, i):
             others = [n for n in names if n != last]
@@ -193,39 +175,33 @@ def measure_latency(client: FleetClient, feed: Feed, pairs: int) -> dict[str, An
                 reply = client.infer_reply(LAT_MODEL, feed)
             else:
                 reply = bc.reply_of(bc.node_submit(client, node, LAT_MODEL, feed))
-            elapsed = time.perf_counter() - t0
-            if reply.error is not None:
-                out["errors"] += 1
-                continue
-            out[path].append(elapsed * 1000)
-            if path != "other node":
-                out["placed svc" if path == "placed" else "same svc"].append(reply.service_s * 1000)
-            if path == "placed":
-                out["nodes"][reply.node] += 1
-                out["repeats"] += reply.node == last
+            out.append((path, 1000 * (time.perf_counter() - t0), reply, reply.node == last))
+            if path == "placed" and reply.error is None:
                 last = reply.node
     return out
 
 
-def _latency_part(c: bc.Calm[dict[str, Any]], model: BenchModel) -> Part:
-    run = c.value
-    direct, other, router = (bc.Summary.of(run[p]) for p in ("same node", "other node", "placed"))
+def _latency_part(c: bc.Calm[list[Sample]], model: BenchModel) -> Part:
+    ok = [s for s in c.value if s[2].error is None]
+    placed = [s for s in ok if s[0] == "placed"]
+    direct, other, router = (
+        bc.Summary.of([ms for p, ms, _, _ in ok if p == path])
+        for path in ("same node", "other node", "placed")
+    )
 
-    def row(label: str, x: bc.Summary, engine: str) -> list[object]:
-        return [label, x.n, fmt(x.p50, 2), fmt(x.p99, 2), fmt(x.mean, 2), engine]
+    def row(label: str, x: bc.Summary, path: str | None) -> list[object]:
+        engine = [1000 * s[2].service_s for s in ok if s[0] == path]
+        cells = [label, x.n, fmt(x.p50, 2), fmt(x.p99, 2), fmt(x.mean, 2)]
+        return [*cells, fmt(bc.median(engine), 2) if path else "-"]
 
     def adds(label: str, base: bc.Summary) -> list[object]:
         gaps = (router.p50 - base.p50, router.p99 - base.p99, router.mean - base.mean)
         return [label, "-", *(fmt(g, 2, signed=True) for g in gaps), "-"]
 
     rows = [
-        row(
-            "straight to the node actor the client chose last",
-            direct,
-            fmt(bc.median(run["same svc"]), 2),
-        ),
-        row("straight to another node actor", other, "-"),
-        row("placed by the client", router, fmt(bc.median(run["placed svc"]), 2)),
+        row("straight to the node actor the client chose last", direct, "same node"),
+        row("straight to another node actor", other, None),
+        row("placed by the client", router, "placed"),
         adds("**placement adds** (ms), over the node chosen last", direct),
         adds("placement adds (ms), over another node", other),
     ]
@@ -236,13 +212,14 @@ def _latency_part(c: bc.Calm[dict[str, Any]], model: BenchModel) -> Part:
         "(`FleetClient.infer_reply`), one straight to the node actor the client chose for "
         "the previous placed request, one straight to another node. Client end-to-end latency."
     )
+    nodes = Counter(s[2].node for s in placed)
     notes = [
         "On an idle fleet placement spreads sequential requests over the nodes (a placed "
-        f"request went to the node the one before it went to {run['repeats']} times of "
-        f"{router.n}); a node idle for longer answers later on this machine.",
-        f"Nodes the client chose: {bc.pairs_text(run['nodes'])}. Failed requests: "
-        f"{run['errors']}. Other processes used {c.foreign_cores:.2f} cores during the kept "
-        f"measurement (attempts: {c.attempts}).",
+        f"request went to the node the one before it went to {sum(s[3] for s in placed)} "
+        f"times of {router.n}); a node idle for longer answers later on this machine.",
+        f"Nodes the client chose: {bc.pairs_text(nodes)}. Failed requests: "
+        f"{len(c.value) - len(ok)}. Other processes used {c.foreign_cores:.2f} cores during "
+        f"the kept measurement (attempts: {c.attempts}).",
     ]
     target = Target("(b) p50 added over a direct call, ms", router.p50 - direct.p50, "<=", 1.0)
     return Part("(b) Latency placement adds", measured, [table], [target], notes)
@@ -253,8 +230,8 @@ def _latency_part(c: bc.Calm[dict[str, Any]], model: BenchModel) -> Part:
 
 class FloodActor:
     """The background flood as a client of its own (a Ray actor with its own
-    ``FleetClient``, off the measuring driver's interpreter): ``lanes`` background
-    lanes of a ``ClosedLoop``; without lanes it connects and sends nothing (idle)."""
+    ``FleetClient``): ``lanes`` background lanes of a ``ClosedLoop``; without lanes it
+    connects and sends nothing (idle)."""
 
     def __init__(self, fleet: str, feed: Feed, lanes: int) -> None:
         self._fleet, self._feed, self._lanes = fleet, feed, lanes
@@ -300,7 +277,17 @@ class FleetFlood:
         return (self.run.flood.rejected if self.run.flood else 0) / max(self.seconds, 1e-9)
 
 
-def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float = 20.0) -> int:
+def _floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[Any]:
+    """``callers`` flood actors sharing the lanes that fill every queue, ``idle`` more."""
+    lanes = len(bc.node_names(client)) * FLOOD_CAPACITY
+    # Ray warns of any blocking get in an async actor's process, whatever its thread.
+    quiet = {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}
+    actor = ray.remote(FloodActor).options(num_cpus=0, runtime_env=quiet)
+    shares = [lanes // callers + (i < lanes % callers) for i in range(callers)] + [0] * idle
+    return [actor.remote(client.config.fleet.name, feed, n) for n in shares]
+
+
+def _wait_saturated(client: FleetClient, want_each: int, timeout_s: float = 20.0) -> int:
     deadline = time.perf_counter() + timeout_s
     while (least := min(n.queue_length for n in client.status(GET_TIMEOUT_S).nodes)) < want_each:
         if time.perf_counter() > deadline:
@@ -309,17 +296,7 @@ def _wait_fleet_saturated(client: FleetClient, want_each: int, timeout_s: float 
     return least
 
 
-def _floods(client: FleetClient, feed: Feed, callers: int, idle: int) -> list[Any]:
-    lanes = len(bc.node_names(client)) * FLOOD_CAPACITY
-    # Its blocking calls run on executor threads; Ray warns of any blocking get in an
-    # async actor's process, whatever thread.
-    quiet = {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}}
-    actor = ray.remote(FloodActor).options(num_cpus=0, runtime_env=quiet)
-    shares = [lanes // callers + (i < lanes % callers) for i in range(callers)] + [0] * idle
-    return [actor.remote(client.config.fleet.name, feed, n) for n in shares]
-
-
-def _fleet_flooded(
+def _flooded(
     client: FleetClient,
     feed: Feed,
     count: int,
@@ -329,9 +306,9 @@ def _fleet_flooded(
     idle: int = 0,
 ) -> FleetFlood:
     """Foreground under a background flood from ``callers`` flood clients sharing the
-    lanes; ``idle`` more connect and send nothing."""
+    lanes, ``idle`` more connected and sending nothing; without callers, alone."""
     before, started = client.status(GET_TIMEOUT_S), time.perf_counter()
-    floods = _floods(client, feed, callers, idle)
+    floods = _floods(client, feed, callers, idle) if callers else []
 
     def counts_now() -> Counts:
         got = ray.get([f.counts.remote() for f in floods], timeout=GET_TIMEOUT_S)
@@ -339,10 +316,11 @@ def _fleet_flooded(
 
     try:
         ray.get([f.start.remote() for f in floods], timeout=GET_TIMEOUT_S)
-        least = _wait_fleet_saturated(client, max(1, int(bg_limit * FLOOD_CAPACITY) - 5))
-        log(f"  {label}: flood running, at least {least} queued on every node")
+        if floods:
+            least = _wait_saturated(client, max(1, int(bg_limit * FLOOD_CAPACITY) - 5))
+            log(f"  {label}: flood running, at least {least} queued on every node")
         counts0, t0 = counts_now(), time.perf_counter()
-        fg = pl.foreground(client, feed, count, label, model=FLOOD_MODEL)
+        run = pl.foreground(client, feed, count, label, model=FLOOD_MODEL)
         counts1 = counts_now()
         bg_rate = (counts1.completed - counts0.completed) / (time.perf_counter() - t0)
         after = client.status(GET_TIMEOUT_S)  # before the flood's leftovers are cancelled
@@ -354,16 +332,11 @@ def _fleet_flooded(
             ray.kill(f)
     if errors:
         raise RuntimeError(f"the background flood failed: {errors[0]}")
-    run = replace(fg, flood=counts1, bg_rate=bg_rate, counters=_delta(after.totals, before.totals))
+    if floods:
+        counters = _delta(after.totals, before.totals)
+        run = replace(run, flood=counts1, bg_rate=bg_rate, counters=counters)
     queues = tuple(n.queue_length for n in after.nodes)
     return FleetFlood(run, _delta(after.router, before.router), queues, seconds)
-
-
-def _alone(client: FleetClient, feed: Feed, count: int) -> FleetFlood:
-    before = client.status(GET_TIMEOUT_S).router
-    run = pl.foreground(client, feed, count, "alone", model=FLOOD_MODEL)
-    after = client.status(GET_TIMEOUT_S)
-    return FleetFlood(run, _delta(after.router, before), tuple(n.queue_length for n in after.nodes))
 
 
 def background_limit(config: FleetConfig) -> float:
@@ -379,10 +352,8 @@ def _pool_floods(runs: Sequence[FleetFlood]) -> FleetFlood:
     floods = [r.flood for r in fg if r.flood is not None]
     seconds = sum(f.seconds for f in runs)
     bg_done = sum(r.bg_rate * f.seconds for r, f in zip(fg, runs, strict=True))
-    samples = {
-        k: tuple(x for r in fg for x in getattr(r, k))
-        for k in ("latencies_s", "service_s", "queue_s")
-    }
+    kinds = ("latencies_s", "service_s", "queue_s")
+    samples = {k: tuple(x for r in fg for x in getattr(r, k)) for k in kinds}
     run = replace(
         fg[0],
         **samples,
@@ -393,9 +364,8 @@ def _pool_floods(runs: Sequence[FleetFlood]) -> FleetFlood:
         counters=_added([r.counters for r in fg]),
     )
     foreign, attempts = max(f.foreign_cores for f in runs), sum(f.attempts for f in runs)
-    return FleetFlood(
-        run, _added([f.router for f in runs]), runs[-1].queues, seconds, foreign, attempts
-    )
+    router = _added([f.router for f in runs])
+    return FleetFlood(run, router, runs[-1].queues, seconds, foreign, attempts)
 
 
 def measure_flood(
@@ -405,47 +375,40 @@ def measure_flood(
     one with a second caller idle beside it, in interleaved rounds pooled; FIFO once."""
     feed = bc.slow_feed(model.width)
     n_fg, rounds, bg_limit = ctx.count(120, 8), ctx.count(3, 1), background_limit(prio)
+    shapes = {"alone": (0, 0), "edgefleet": (1, 0), SPLIT: (FLOOD_CALLERS, 0), IDLE: (1, 1)}
+    runs: dict[str, list[FleetFlood]] = {name: [] for name in shapes}
     with bc.deployed(prio) as client:
         bc.warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
-        flooded = partial(_fleet_flooded, client, feed, n_fg, bg_limit=bg_limit)
-        measures: dict[str, Callable[[], FleetFlood]] = {
-            "alone": lambda: _alone(client, feed, n_fg),
-            "edgefleet": lambda: flooded("edgefleet"),
-            SPLIT: lambda: flooded(SPLIT, callers=FLOOD_CALLERS),
-            IDLE: lambda: flooded(IDLE, idle=1),
-        }
-        runs: dict[str, list[FleetFlood]] = {name: [] for name in measures}
         for i in range(rounds):
-            for name in bc.rotated(list(measures), i):
+            for name in bc.rotated(list(shapes), i):
                 log(f"(c) round {i + 1}/{rounds}: {name}")
-                runs[name].append(bc.kept(bc.calm(measures[name], f"(c) {name}", attempts=2)))
+                flood = partial(_flooded, client, feed, n_fg, name, bg_limit, *shapes[name])
+                runs[name].append(bc.kept(bc.calm(flood, f"(c) {name}", attempts=2)))
     out = {name: _pool_floods(r) for name, r in runs.items()}
     with bc.deployed(fifo) as client:
         bc.warm(lambda: client.submit(FLOOD_MODEL, feed), 5)
         log("(c) FIFO fleet under a background flood")  # long, with a wide margin: once
-        flood = partial(_fleet_flooded, client, feed, ctx.count(10, 2), "FIFO", 1.0)
+        flood = partial(_flooded, client, feed, ctx.count(10, 2), "FIFO", 1.0)
         out["FIFO"] = bc.kept(bc.calm(flood, "(c) FIFO", attempts=1))
     return out
 
 
 def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
-    edge, split, idle = f["edgefleet"], f[SPLIT], f[IDLE]
+    edge, split, idle, alone = f["edgefleet"].run, f[SPLIT].run, f[IDLE].run, f["alone"].run
     flooded = [x for k, x in f.items() if k != "alone"]
-    edge_p99 = edge.run.latency_ms.p99
-    per_s = lambda key: edge.router.get(key, 0) / max(edge.seconds, 1e-9)  # noqa: E731
-    slowest = sorted(zip(edge.run.latencies_s, edge.run.queue_s, edge.run.service_s, strict=True))[
-        -3:
-    ]
+    seconds = max(f["edgefleet"].seconds, 1e-9)
+    per_s = {k: f["edgefleet"].router.get(k, 0) / seconds for k in ("rejected", "completed")}
+    slowest = sorted(zip(edge.latencies_s, edge.queue_s, edge.service_s, strict=True))[-3:]
     spent = "; ".join(
         f"{lat * 1000:.0f} ms = {q * 1000:.0f} + {s * 1000:.0f} + {(lat - q - s) * 1000:.0f}"
         for lat, q, s in reversed(slowest)
     )
     notes = [
         f"Foreground p99 over one caller's: the flood from {FLOOD_CALLERS} callers "
-        f"{split.run.latency_ms.p99 / edge_p99:.2f}, from one with a second caller idle "
-        f"{idle.run.latency_ms.p99 / edge_p99:.2f}; foreground engine time (median) "
-        f"{split.run.service_ms:.1f} and {idle.run.service_ms:.1f} ms against "
-        f"{edge.run.service_ms:.1f}.",
+        f"{split.latency_ms.p99 / edge.latency_ms.p99:.2f}, from one with a second caller "
+        f"idle {idle.latency_ms.p99 / edge.latency_ms.p99:.2f}; foreground engine time "
+        f"(median) {split.service_ms:.1f} and {idle.service_ms:.1f} ms against "
+        f"{edge.service_ms:.1f}.",
         "Fleet-wide placement counters over each flood (`shed`: refused by placement to "
         "keep headroom; `spilled`: a node refused and the caller tried elsewhere): "
         + "; ".join(f"{x.run.config}: {bc.pairs_text(x.router) or 'none'}" for x in flooded)
@@ -453,8 +416,8 @@ def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
         "Node counters over each flood, added over the fleet: "
         + "; ".join(f"{x.run.config}: {bc.pairs_text(x.run.counters)}" for x in flooded)
         + f". Failed foreground requests: {sum(x.run.errors for x in f.values())}.",
-        f"Refusal churn: on the edgefleet fleet callers were refused {per_s('rejected'):.0f} "
-        f"background requests/s (while completing {per_s('completed'):.0f}/s): the flood "
+        f"Refusal churn: on the edgefleet fleet callers were refused {per_s['rejected']:.0f} "
+        f"background requests/s (while completing {per_s['completed']:.0f}/s): the flood "
         f"offers more than the {bg_limit:.0%} of each queue placement lets background work fill.",
         "Disturbance (CPU other processes used during the kept measurement; attempts): "
         + bc.disturbance({x.run.config: x for x in f.values()})
@@ -462,27 +425,32 @@ def _flood_notes(f: dict[str, FleetFlood], bg_limit: float) -> list[str]:
         "Where the edgefleet fleet's slowest foreground requests spent their time (end to "
         f"end = queued on the node + engine call + everything outside the node): {spent} ms.",
     ]
-    if edge.run.service_ms > 1.2 * f["alone"].run.service_ms:
+    if edge.service_ms > 1.2 * alone.service_ms:
         notes.append(
-            f"A foreground call under the flood took {edge.run.service_ms:.1f} ms of engine "
-            f"time against {f['alone'].run.service_ms:.1f} ms alone: it preempts the "
-            f"background call on its own node only, and {FLEET_NODES} engine threads share "
-            "this machine's cores, so the call stretches."
+            f"A foreground call under the flood took {edge.service_ms:.1f} ms of engine "
+            f"time against {alone.service_ms:.1f} ms alone: it preempts the background call "
+            f"on its own node only, and {FLEET_NODES} engine threads share this machine's "
+            "cores, so the call stretches."
         )
     return notes
 
 
+FLOOD_LABELS = {
+    "alone": "alone (edgefleet fleet, no flood)",
+    "edgefleet": "edgefleet fleet under flood",
+    SPLIT: f"edgefleet fleet, the flood from {FLOOD_CALLERS} callers",
+    IDLE: "edgefleet fleet under flood, a second caller idle",
+    "FIFO": "FIFO fleet under flood",
+}
+
+
 def _flood_part(f: dict[str, FleetFlood], model: BenchModel, bg_limit: float) -> Part:
     alone, edge, split, fifo = f["alone"].run, f["edgefleet"], f[SPLIT], f["FIFO"]
-    labels = {
-        "alone": "alone (edgefleet fleet, no flood)",
-        "edgefleet": "edgefleet fleet under flood",
-        SPLIT: f"edgefleet fleet, the flood from {FLOOD_CALLERS} callers",
-        IDLE: "edgefleet fleet under flood, a second caller idle",
-        "FIFO": "FIFO fleet under flood",
-    }
     rows = [
-        [*x.run.row(labels[k]), "-" if x.run.flood is None else " / ".join(map(str, x.queues))]
+        [
+            *x.run.row(FLOOD_LABELS[k]),
+            "-" if x.run.flood is None else " / ".join(map(str, x.queues)),
+        ]
         for k, x in f.items()
     ]
     table = bc.md_table([*pl.FOREGROUND_COLUMNS, "queues at end"], rows)
@@ -520,8 +488,8 @@ def _flood_part(f: dict[str, FleetFlood], model: BenchModel, bg_limit: float) ->
 
 
 def trace_workload(rate: float, count: int, seed: int = TRACE_SEED) -> Workload:
-    """The placement trace: Poisson arrivals at ``rate``/s, half cheap half dear
-    (``CHEAP_SHARE``), priorities in ``PRIORITY_MIX``."""
+    """The placement trace: Poisson arrivals at ``rate``/s, ``CHEAP_SHARE`` of them
+    cheap, priorities in ``PRIORITY_MIX``."""
     mix = [
         {"model": model, "priority": p, "weight": share * w}
         for model, share in ((CHEAP, CHEAP_SHARE), (DEAR, 1 - CHEAP_SHARE))
@@ -529,11 +497,6 @@ def trace_workload(rate: float, count: int, seed: int = TRACE_SEED) -> Workload:
     ]
     data = {"seed": seed, "requests": count, "arrivals": {"rate": rate}, "mix": mix}
     return parse_workload(data, source="the placement trace")
-
-
-def trace(rate: float, count: int) -> list[Arrival]:
-    workload = trace_workload(rate, count)
-    return list(workload.arrivals(random.Random(workload.seed), nodes=len(TRACE_NODES)))
 
 
 @dataclass(frozen=True)
@@ -593,7 +556,7 @@ def settle(client: FleetClient, timeout_s: float = GET_TIMEOUT_S) -> None:
         time.sleep(0.05)
 
 
-def _replay_once(
+def _replay(
     client: FleetClient, policy: str, arrivals: list[Arrival], feeds: Mapping[str, Feed]
 ) -> Replay:
     settle(client)
@@ -619,32 +582,30 @@ def measure_placement(
     with bc.deployed(trace_config("bench-trace", models, DEFAULT_POLICY)) as base:
         warm_nodes(base, feeds, 10)
         cap = measure_capacity(base, feeds, ctx.pick(1.5, 0.8))
-        arrivals = trace(LOAD * cap.rate, ctx.count(600, 160))
+        workload = trace_workload(LOAD * cap.rate, ctx.count(600, 160))
+        rng = random.Random(workload.seed)
+        arrivals = list(workload.arrivals(rng, nodes=len(TRACE_NODES)))
         log(f"  (d) capacity {cap.rate:.0f}/s; {len(arrivals)} requests, {rounds} round(s)")
         callers = {p: base.with_placement(policy=p, seed=TRACE_SEED) for p in POLICIES}
         try:
             for i in range(rounds):
                 for policy in bc.rotated(POLICIES, i):
-                    r = _replay_once(callers[policy], policy, arrivals, feeds)
+                    r = _replay(callers[policy], policy, arrivals, feeds)
                     usual = bc.median([x.engine_p50_s for runs in pooled.values() for x in runs])
                     if i and r.engine_p50_s > STALL_RATIO * usual:
                         log(f"  (d) {policy}: the machine stalled, once more")
-                        r = replace(
-                            _replay_once(callers[policy], policy, arrivals, feeds), stalled=1
-                        )
+                        r = replace(_replay(callers[policy], policy, arrivals, feeds), stalled=1)
                     pooled[policy].append(r)
                     log(f"  (d) round {i + 1} {policy}: fg p99 {r.latency_ms([10]).p99:.1f} ms")
         finally:
             for caller in callers.values():
                 caller.close()
-    return arrivals, [_pool(p, runs, cap.rate) for p, runs in pooled.items()]
-
-
-def _pool(policy: str, runs: Sequence[Replay], capacity: float) -> Replay:
-    """One policy's replays as one: every answer, the worst disturbance."""
-    router, stalled = _added([r.router for r in runs]), sum(r.stalled for r in runs)
-    more = {"router": router, "capacity": capacity, "rounds": tuple(runs), "stalled": stalled}
-    return Replay.pooled(runs, policy=policy, **more)
+    replays = []
+    for policy, runs in pooled.items():
+        router, stalled = _added([r.router for r in runs]), sum(r.stalled for r in runs)
+        more = {"router": router, "capacity": cap.rate, "rounds": tuple(runs), "stalled": stalled}
+        replays.append(Replay.pooled(runs, policy=policy, **more))
+    return arrivals, replays
 
 
 def _placement_tables(replays: list[Replay]) -> list[str]:
@@ -653,10 +614,10 @@ def _placement_tables(replays: list[Replay]) -> list[str]:
     for r in replays:
         fg, every, ok = r.latency_ms([10]), r.latency_ms(), r.ok()
         done, rejected, evicted = r.count(None), r.count("Rejected"), r.count("Evicted")
+        other = len(r.answers) - done - rejected - evicted + r.lost
         rows.append(
             [r.policy, fmt(fg.p50), fmt(fg.p99), *(fmt(r.latency_ms([p]).p99) for p in (7, 3, 0))]
-            + [fmt(every.p50), fmt(every.p99), done, rejected, evicted]
-            + [len(r.answers) - done - rejected - evicted + r.lost, fmt(r.capacity, 0)]
+            + [fmt(every.p50), fmt(every.p99), done, rejected, evicted, other, fmt(r.capacity, 0)]
         )
         by = {m: Counter(a.reply.node for a in ok if a.arrival.model == m) for m in (CHEAP, DEAR)}
         share = [
@@ -665,12 +626,9 @@ def _placement_tables(replays: list[Replay]) -> list[str]:
             for n in nodes
         ]
         share_rows.append([r.policy, *share, bc.pairs_text(r.router)])
-    headers = (
-        "policy | fg p50 ms | fg p99 ms | prio 7 p99 ms | prio 3 p99 ms | prio 0 p99 ms | all "
-    )
-    headers += (
-        "p50 ms | all p99 ms | completed | rejected | evicted | other / lost | capacity req/s"
-    )
+    headers = "policy | fg p50 ms | fg p99 ms | prio 7 p99 ms | prio 3 p99 ms | prio 0 p99 ms | "
+    headers += "all p50 ms | all p99 ms | completed | rejected | evicted | other / lost | "
+    headers += "capacity req/s"
     share_headers = ["policy", *(f"{n} share (cheap / dear)" for n in nodes), "placement counters"]
     return [bc.md_table(bc.columns(headers), rows), bc.md_table(share_headers, share_rows)]
 
@@ -682,14 +640,12 @@ def _placement_part(
     default = by[DEFAULT_POLICY]
     pairs = [(label, prios, other) for label, prios in (("fg p99", [10]), ("all p99", None))
              for other in ("round_robin", "power_of_two")]  # fmt: skip
+    pooled = [
+        default.latency_ms(prios).p99 / by[other].latency_ms(prios).p99 for _, prios, other in pairs
+    ]
     targets = [
-        Target(
-            f"(d) {DEFAULT_POLICY} {label} / {other} {label} (all rounds pooled)",
-            default.latency_ms(prios).p99 / by[other].latency_ms(prios).p99,
-            "<=",
-            1.0,
-        )
-        for label, prios, other in pairs
+        Target(f"(d) {DEFAULT_POLICY} {label} / {other} {label} (all rounds pooled)", x, "<=", 1.0)
+        for (label, _, other), x in zip(pairs, pooled, strict=True)
     ]
     per_round = "; ".join(
         f"{label} / {other} {default.round_p99(prios) / by[other].round_p99(prios):.2f}"
@@ -718,6 +674,7 @@ def _placement_part(
         f"{r.policy} {r.foreign_cores:.2f} cores, {r.attempts}, {r.max_lag_s * 1000:.0f} ms"
         for r in replays
     )
+    stalled = ", ".join(f"{r.policy} {r.stalled}" for r in replays)
     notes = [
         f"Share = the node's share of completed requests; in brackets the completed {CHEAP} "
         f"/ {DEAR} requests it served. Placement counters: the replaying caller's own.",
@@ -726,9 +683,7 @@ def _placement_part(
         f"own p99: {per_round}.",
         "Disturbance (CPU other processes used during the kept replay; attempts; worst "
         f"submit lag behind the trace): {disturbed}. Replays run again because the machine "
-        f"stalled (median engine call over {STALL_RATIO:g}x the run's): "
-        + ", ".join(f"{r.policy} {r.stalled}" for r in replays)
-        + ".",
+        f"stalled (median engine call over {STALL_RATIO:g}x the run's): {stalled}.",
     ]
     title = "(d) Placement policies on one trace"
     return Part(title, measured, _placement_tables(replays), targets, notes)
@@ -754,29 +709,29 @@ def measure_routing_cost(
     return bc.rounds("(e)", loops, seconds, count, warm_s=seconds / 2, attempts=2)
 
 
+def _cpu_over(path: str, base: str) -> Callable[[Round], float]:
+    return lambda r: r[path].cpu_ms - r[base].cpu_ms
+
+
+def _rate_over(path: str, base: str) -> Callable[[Round], float]:
+    return lambda r: r[path].rate / r[base].rate
+
+
 def _cost_part(runs: list[Round], seconds: float) -> Part:
+    def figures(f: Callable[[Round], float], digits: int) -> list[object]:
+        return [fmt(med(runs, f), digits), each(runs, f, digits)]
+
     def loop_row(label: str, path: str) -> list[object]:
         rate, cpu = (lambda r: r[path].rate), (lambda r: r[path].cpu_ms)
-        return [
-            label,
-            fmt(med(runs, rate), 0),
-            each(runs, rate),
-            fmt(med(runs, cpu), 3),
-            each(runs, cpu, 3),
-        ]
-
-    def over(path: str, base: str, cpu: bool) -> Callable[[Round], float]:
-        if cpu:
-            return lambda r: r[path].cpu_ms - r[base].cpu_ms
-        return lambda r: r[path].rate / r[base].rate
+        return [label, *figures(rate, 0), *figures(cpu, 3)]
 
     rows = [loop_row("all nodes straight to their actors", "direct")]
     for label, path in (("`map_unordered`", "pipelined"), ("`submit`", "futures")):
-        x, q = over(path, "direct", True), over(path, "direct", False)
+        x = _cpu_over(path, "direct")
         rows += [
             loop_row(f"placed by the client ({label})", path),
             ["**placed - direct**", "-", "-", fmt(med(runs, x), 3, signed=True), each(runs, x, 3)],
-            ["**placed / direct** (throughput)", fmt(med(runs, q), 2), each(runs, q, 2), "-", "-"],
+            ["**placed / direct** (throughput)", *figures(_rate_over(path, "direct"), 2), "-", "-"],
         ]
     header = "path | requests/s (median) | per round | CPU ms / request | per round"
     measured = (
@@ -789,25 +744,16 @@ def _cost_part(runs: list[Round], seconds: float) -> Part:
         "process of this benchmark, per completed request. The targets are on "
         "`map_unordered`."
     )
-    futures_cpu = med(runs, over("futures", "pipelined", True))
-    futures_rate = med(runs, over("futures", "pipelined", False))
     note = (
-        f"What `submit`'s futures cost beyond `map_unordered` per request: {futures_cpu:+.3f} "
-        f"ms of CPU, throughput {futures_rate:.2f}x."
+        "What `submit`'s futures cost beyond `map_unordered` per request: "
+        f"{med(runs, _cpu_over('futures', 'pipelined')):+.3f} ms of CPU, throughput "
+        f"{med(runs, _rate_over('futures', 'pipelined')):.2f}x."
     )
+    cpu = med(runs, _cpu_over("pipelined", "direct"))
+    rate = med(runs, _rate_over("pipelined", "direct"))
     targets = [
-        Target(
-            "(e) placed - direct CPU per request, ms",
-            med(runs, over("pipelined", "direct", True)),
-            "<=",
-            0.25,
-        ),
-        Target(
-            "(e) placed / direct throughput",
-            med(runs, over("pipelined", "direct", False)),
-            ">=",
-            0.9,
-        ),
+        Target("(e) placed - direct CPU per request, ms", cpu, "<=", 0.25),
+        Target("(e) placed / direct throughput", rate, ">=", 0.9),
     ]
     table = bc.md_table(bc.columns(header), rows)
     return Part("(e) What placement costs per request", measured, [table], targets, [note])
@@ -833,40 +779,36 @@ def _parts_ab(ctx: bc.RunContext, m5: BenchModel, m1: BenchModel) -> list[bc.Sec
     return [a, b]
 
 
-def run(ctx: bc.RunContext) -> bc.Section:
-    costs = (SAT_COST_MS, LAT_COST_MS, FLOOD_COST_MS, CHEAP_COST_MS, DEAR_COST_MS)
-    m5, m1, m20, m2, m10 = (ctx.models.calibrated(ms) for ms in costs)
-    parts = _parts_ab(ctx, m5, m1)
-    entries, flood = (
-        [bc.ModelEntry(FLOOD_MODEL, m20.path)],
-        {"capacity": FLOOD_CAPACITY, "nodes": FLEET_NODES},
-    )
+def _part_c(ctx: bc.RunContext, m20: BenchModel) -> bc.Section:
+    entries = [bc.ModelEntry(FLOOD_MODEL, m20.path)]
+    flood = {"capacity": FLOOD_CAPACITY, "nodes": FLEET_NODES}
     prio = bc.fleet_config("bench-fleet-prio", entries, router={}, **flood)
     fifo_router = {"placement": {"policy": "round_robin", "shed": {}}}
     fifo = bc.fleet_config("bench-fleet-fifo", entries, order="fifo", router=fifo_router, **flood)
-    bg_limit = background_limit(prio)
-    parts.append(bc.timed(lambda: _flood_part(measure_flood(ctx, m20, prio, fifo), m20, bg_limit)))
+    return _flood_part(measure_flood(ctx, m20, prio, fifo), m20, background_limit(prio))
+
+
+def _part_e(ctx: bc.RunContext) -> bc.Section:
+    classifier = make_classifier(ctx.models.directory / "classifier.onnx")
+    entries = [bc.ModelEntry(COST_MODEL, classifier)]
+    with bc.deployed(bc.fleet_config("bench-cost", entries, nodes=COST_NODES, router={})) as c:
+        log("(e) what placement costs per request, tiny model at saturation")
+        seconds = ctx.pick(2.0, 0.8)
+        runs = measure_routing_cost(c, random_inputs(COST_MODEL), seconds, ctx.count(16, 1))
+        return _cost_part(runs, seconds)
+
+
+def run(ctx: bc.RunContext) -> bc.Section:
+    costs = (SAT_COST_MS, LAT_COST_MS, FLOOD_COST_MS, CHEAP_COST_MS, DEAR_COST_MS)
+    m5, m1, m20, m2, m10 = (ctx.models.calibrated(ms) for ms in costs)
     models = {CHEAP: m2, DEAR: m10}
 
     def part_d() -> bc.Section:
         arrivals, replays = measure_placement(ctx, models)
         return _placement_part(replays, arrivals, models)
 
-    classifier = make_classifier(ctx.models.directory / "classifier.onnx")
-    tiny = bc.fleet_config(
-        "bench-cost", [bc.ModelEntry(COST_MODEL, classifier)], nodes=COST_NODES, router={}
-    )
-
-    def part_e() -> bc.Section:
-        with bc.deployed(tiny) as client:
-            log("(e) what placement costs per request, tiny model at saturation")
-            seconds = ctx.pick(2.0, 0.8)
-            runs = measure_routing_cost(
-                client, random_inputs(COST_MODEL), seconds, ctx.count(16, 1)
-            )
-            return _cost_part(runs, seconds)
-
-    parts += [bc.timed(part_d), bc.timed(part_e)]
+    parts = _parts_ab(ctx, m5, m1)
+    parts += [bc.timed(lambda: _part_c(ctx, m20)), bc.timed(part_d), bc.timed(lambda: _part_e(ctx))]
     measured = (
         "The fleet as clients see it: requests placed by the client (`FleetClient.submit`; "
         "in (e) also `FleetClient.map_unordered`) compared, in the same run, with requests "

@@ -19,9 +19,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,8 @@ from edgefleet.request import priority_name
 from policies.placement import placement_policies
 from sim.fleet import ModelCost, Network
 from sim.report import OUTCOMES, RunResult
-from sim.run import RECORDED_WINDOW_S, measured_costs, recorded_costs, simulate
-from sim.workload import EngineTimes, Workload, parse_workload, read_engine_times
+from sim.run import RECORDED_WINDOW_S, measured_costs, recorded_costs, simulate, with_policy
+from sim.workload import Workload, parse_workload, read_engine_times
 
 POLICIES = placement_policies()  # the default first
 
@@ -75,32 +76,32 @@ SHORT = {  # variant -> its short name
 
 # ------------------------------------------------------------------ (a) fidelity
 
+Figures = dict[int, tuple[float, float, int]]  # by class: p50 ms, p99 ms, completed
 
-def _real_figures(answers: Sequence[Answer]) -> dict[int, tuple[float, float, int]]:
-    """Per class: p50 ms, p99 ms and the count of completed requests."""
+
+def _by_class(done_ms: Sequence[tuple[int, float]], replays: int = 1) -> Figures:
+    """Per class: p50 ms, p99 ms and the count per replay of completed requests, from
+    their ``(priority, latency ms)``."""
     out = {}
     for p, _ in PRIORITY_MIX:
-        lat = [
-            a.latency_s * 1000
-            for a in answers
-            if a.reply.error is None and a.arrival is not None and a.arrival.priority == p
-        ]
-        out[p] = (percentile(lat, 50), percentile(lat, 99), len(lat))
+        lat = [ms for q, ms in done_ms if q == p]
+        out[p] = (percentile(lat, 50), percentile(lat, 99), round(len(lat) / replays))
     return out
 
 
-def _sim_figures(results: Sequence[RunResult]) -> dict[int, tuple[float, float, int]]:
-    """The same of the simulated replays pooled (the count per replay)."""
-    columns = [r.recorder.columns() for r in results]
-    out = {}
-    for p, _ in PRIORITY_MIX:
-        lat = [
-            x * 1000
-            for c in columns
-            for x in c.latency_s[(c.priority == p) & (c.outcome == COMPLETED)].tolist()
-        ]
-        out[p] = (percentile(lat, 50), percentile(lat, 99), round(len(lat) / len(results)))
-    return out
+def _real_figures(answers: Iterable[Answer]) -> Figures:
+    ok = [a for a in answers if a.reply.error is None and a.arrival is not None]
+    return _by_class([(a.arrival.priority, a.latency_s * 1000) for a in ok])
+
+
+def _sim_figures(results: Sequence[RunResult]) -> Figures:
+    """The same of the simulated replays pooled."""
+    done_ms: list[tuple[int, float]] = []
+    for c in (r.recorder.columns() for r in results):
+        done = c.outcome == COMPLETED
+        ms = (c.latency_s[done] * 1000).tolist()
+        done_ms += zip(c.priority[done].tolist(), ms, strict=True)
+    return _by_class(done_ms, len(results))
 
 
 @dataclass
@@ -135,7 +136,6 @@ def _real_runs(
         workload = trace_workload(rate, ctx.count(FIDELITY_REQUESTS, 300))
         rng = random.Random(workload.seed)
         arrivals = list(workload.arrivals(rng, nodes=4, priorities=config.priorities))
-        rounds = 2 * ctx.count(RECORDED_RUNS, 1)  # recorded runs and held-out ones alternate
         log(f"  (a) capacity {cap.rate:.0f}/s; {len(arrivals)} requests at {rate:.0f}/s")
         warm = client.status(bc.GET_TIMEOUT_S)
 
@@ -143,75 +143,11 @@ def _real_runs(
             start = time.time()
             return bc.open_loop(client, arrivals, feeds), (start, time.time())
 
-        runs, windows = [], []
-        for i in range(rounds):
+        runs = []
+        for i in range(2 * ctx.count(RECORDED_RUNS, 1)):  # recorded and held-out alternate
             settle(client)
-            run, window = bc.calm(timed_run, f"(a) round {i + 1}").value
-            runs.append(run)
-            windows.append(window)
-    return runs, windows, workload, rate, cap.rate, warm, config
-
-
-def measure_fidelity(ctx: RunContext, models: Mapping[str, bc.BenchModel]) -> Fidelity:
-    with tempfile.TemporaryDirectory() as tmp:
-        record_dir = Path(tmp) / "calls"
-        runs, windows, workload, rate, capacity, warm, config = _real_runs(ctx, models, record_dir)
-        recorded_lines, per_run = 0, []
-        for i, window in enumerate(windows[0::2]):
-            lines = Path(tmp) / f"recorded-{i}.jsonl"
-            recorded_lines += _record_between(record_dir, window, lines)
-            per_run.append(read_engine_times(lines))
-    # What the simulator is given comes from the recorded runs alone.
-    given = [a for r in runs[0::2] for a in r.ok()]
-    warmup = measured_costs((m.name, m.cost_ms) for n in warm.nodes for m in n.models)
-    costs = {
-        WARMUP: warmup,
-        OBSERVED: _costs_observed(given, warmup),
-        RECORDED: recorded_costs(_pool(per_run), warmup, window_s=0.0),
-    }
-    outside = [
-        a.latency_s - a.reply.service_s - a.reply.queue_s
-        for a in given
-        if a.latency_s > a.reply.service_s + a.reply.queue_s
-    ]
-    hop_ms = statistics.median(outside) * 1000 / 2 if outside else 0.5
-    apart = workload.model_copy(
-        update={"network": workload.network.model_copy(update={"hop_ms": hop_ms})}
-    )
-    # The warm-up tables on nodes sharing one machine whose cores are fitted so that
-    # engine calls stretch as much as they did in the recorded runs.
-    stretch = sum(a.reply.service_s for a in given) / sum(
-        warmup[a.arrival.model].call_s(1) for a in given
-    )
-    cores = _fit_cores(config, apart, warmup, stretch)
-    network = Network(hop_ms / 1000, round_trip_s=tuple(outside))
-    draws = SIM_DRAWS * len(per_run)
-
-    def replays(w: Workload, tables: Sequence[Mapping[str, ModelCost]]) -> list[RunResult]:
-        return [
-            simulate(
-                config, w, costs=tables[k % len(tables)], network=network, draw_seed=w.seed + k
-            )
-            for k in range(draws)
-        ]
-
-    sims = {
-        WARMUP: replays(apart.model_copy(update={"shared_cores": cores}), [warmup]),
-        OBSERVED: replays(apart, [costs[OBSERVED]]),
-        ANYWHERE: replays(apart, [costs[RECORDED]]),
-        RECORDED: replays(apart, [recorded_costs(times, warmup) for times in per_run]),
-    }
-    return Fidelity(rate, capacity, runs, recorded_lines, costs, hop_ms, sims, stretch, cores)
-
-
-def _pool(runs: Sequence[EngineTimes]) -> EngineTimes:
-    """The recorded calls of several runs together, by model and batch size."""
-    out: EngineTimes = {}
-    for times in runs:
-        for model, by_size in times.items():
-            for rows, calls in by_size.items():
-                out.setdefault(model, {}).setdefault(rows, []).extend(calls)
-    return out
+            runs.append(bc.calm(timed_run, f"(a) round {i + 1}").value)
+    return [r for r, _ in runs], [w for _, w in runs], workload, rate, cap.rate, warm, config
 
 
 def _record_between(record_dir: Path, window: tuple[float, float], out: Path) -> int:
@@ -227,14 +163,60 @@ def _record_between(record_dir: Path, window: tuple[float, float], out: Path) ->
     return len(kept)
 
 
+def measure_fidelity(ctx: RunContext, models: Mapping[str, bc.BenchModel]) -> Fidelity:
+    with tempfile.TemporaryDirectory() as tmp:
+        record_dir, recorded = Path(tmp) / "calls", Path(tmp) / "recorded"
+        runs, windows, workload, rate, capacity, warm, config = _real_runs(ctx, models, record_dir)
+        recorded.mkdir()
+        files = {recorded / f"run-{i}.jsonl": w for i, w in enumerate(windows[0::2])}
+        lines = sum(_record_between(record_dir, w, f) for f, w in files.items())
+        per_run = [read_engine_times(f) for f in files]
+        pooled = read_engine_times(recorded)  # the recorded runs' calls together
+    # What the simulator is given comes from the recorded runs alone.
+    given = [a for r in runs[0::2] for a in r.ok()]
+    warmup = measured_costs((m.name, m.cost_ms) for n in warm.nodes for m in n.models)
+    costs = {
+        WARMUP: warmup,
+        OBSERVED: _costs_observed(given, warmup),
+        RECORDED: recorded_costs(pooled, warmup, window_s=0.0),
+    }
+    outside = [
+        a.latency_s - a.reply.service_s - a.reply.queue_s
+        for a in given
+        if a.latency_s > a.reply.service_s + a.reply.queue_s
+    ]
+    hop_ms = statistics.median(outside) * 1000 / 2 if outside else 0.5
+    network = workload.network.model_copy(update={"hop_ms": hop_ms})
+    apart = workload.model_copy(update={"network": network})
+    # The warm-up tables on nodes sharing one machine whose cores are fitted so that
+    # engine calls stretch as much as they did in the recorded runs.
+    tabled = sum(warmup[a.arrival.model].call_s(1) for a in given)
+    stretch = sum(a.reply.service_s for a in given) / tabled
+    cores = _fit_cores(config, apart, warmup, stretch)
+    drawn = Network(hop_ms / 1000, round_trip_s=tuple(outside))
+
+    def replays(w: Workload, tables: Sequence[Mapping[str, ModelCost]]) -> list[RunResult]:
+        return [
+            simulate(config, w, costs=tables[k % len(tables)], network=drawn, draw_seed=w.seed + k)
+            for k in range(SIM_DRAWS * len(per_run))
+        ]
+
+    sims = {
+        WARMUP: replays(apart.model_copy(update={"shared_cores": cores}), [warmup]),
+        OBSERVED: replays(apart, [costs[OBSERVED]]),
+        ANYWHERE: replays(apart, [costs[RECORDED]]),
+        RECORDED: replays(apart, [recorded_costs(times, warmup) for times in per_run]),
+    }
+    return Fidelity(rate, capacity, runs, lines, costs, hop_ms, sims, stretch, cores)
+
+
 def _fit_cores(
     config: FleetConfig, workload: Workload, costs: Mapping[str, ModelCost], stretch: float
 ) -> float:
     """The cores a machine shared by the simulated nodes needs for engine calls to take
     ``stretch`` times their cost tables on average (bisection; fewer cores, longer)."""
-    arrivals = workload.arrivals(
-        random.Random(workload.seed), nodes=4, priorities=config.priorities
-    )
+    rng = random.Random(workload.seed)
+    arrivals = workload.arrivals(rng, nodes=4, priorities=config.priorities)
     work = sum(costs[a.model].call_s(1) for a in arrivals)
     low, high = 0.25, 8.0
     for _ in range(12):
@@ -248,28 +230,23 @@ def _costs_observed(
     answers: Sequence[Answer], warmup: Mapping[str, ModelCost]
 ) -> dict[str, ModelCost]:
     """Each model's warm-up table scaled to the median engine time of the replies."""
-    out = {}
+    out = dict(warmup)
     for name, cost in warmup.items():
-        service = [
-            a.reply.service_s * 1000
-            for a in answers
-            if a.arrival is not None and a.arrival.model == name
-        ]
-        if not service or 1 not in cost.call_ms:
-            out[name] = cost
-            continue
-        scale = statistics.median(service) / cost.call_ms[1]
-        out[name] = ModelCost({k: v * scale for k, v in cost.call_ms.items()})
+        mine = [a for a in answers if a.arrival is not None and a.arrival.model == name]
+        ms = [a.reply.service_s * 1000 for a in mine]
+        if ms and 1 in cost.call_ms:
+            scale = statistics.median(ms) / cost.call_ms[1]
+            out[name] = ModelCost({k: v * scale for k, v in cost.call_ms.items()})
     return out
 
 
+def _percent(value: float, reference: float) -> str:
+    """``value`` / ``reference`` - 1 as a signed percentage."""
+    return f"{fmt(_off(value, reference) * 100, 0, signed=True)}%"
+
+
 def _off(value: float, reference: float) -> float:
-    """``value`` / ``reference`` - 1 (NaN without a reference)."""
     return value / reference - 1 if reference > 0 else math.nan
-
-
-def _percent(off: float) -> str:
-    return f"{fmt(off * 100, 0, signed=True)}%"
 
 
 def _latency_tables(f: Fidelity) -> tuple[str, str, str, list[Target]]:
@@ -281,25 +258,18 @@ def _latency_tables(f: Fidelity) -> tuple[str, str, str, list[Target]]:
     first, second = (_sim_figures(f.sims[RECORDED][i : i + half]) for i in (0, half))
     rows, gaps, itself, targets = [], [], [], []
     for p, _ in PRIORITY_MIX:
-        name, r = priority_name(p), real[p]
-        row: list[object] = [name, r[2], fmt(r[0]), fmt(r[1])]
-        gap = [name, *(_percent(_off(recorded[p][q], r[q])) for q in (0, 1))]
-        gap += [_percent(_off(second[p][q], first[p][q])) for q in (0, 1)]
-        for label, figures in sims.items():
-            row += [fmt(figures[p][0]), fmt(figures[p][1])]
-            for q, what in ((0, "p50"), (1, "p99")):
-                off = _off(figures[p][q], r[q])
-                gap.append(_percent(off))
-                if label == RECORDED:
-                    what = f"(a) {label}: simulated / real {name} {what} - 1, absolute"
-                    targets.append(Target(what, abs(off), "<=", FIDELITY_TOLERANCE))
-        rows.append(row)
-        gaps.append(gap)
-        mine, own = sims[RECORDED][p], recorded[p]
-        itself.append(
-            [name, f"{fmt(own[0])} / {fmt(own[1])}", f"{fmt(mine[0])} / {fmt(mine[1])}"]
-            + [f"{_percent(_off(mine[0], own[0]))} / {_percent(_off(mine[1], own[1]))}"]
-        )
+        name, r, mine, own = priority_name(p), real[p], sims[RECORDED][p], recorded[p]
+        rows.append([name, r[2], fmt(r[0]), fmt(r[1])])
+        pairs = ((recorded, real), (second, first))
+        gaps.append([name, *(_percent(x[p][q], y[p][q]) for x, y in pairs for q in (0, 1))])
+        for figures in sims.values():
+            rows[-1] += [fmt(figures[p][0]), fmt(figures[p][1])]
+            gaps[-1] += [_percent(figures[p][q], r[q]) for q in (0, 1)]
+        for q, what in ((0, "p50"), (1, "p99")):
+            label = f"(a) {RECORDED}: simulated / real {name} {what} - 1, absolute"
+            targets.append(Target(label, abs(_off(mine[q], r[q])), "<=", FIDELITY_TOLERANCE))
+        both = [f"{fmt(x[0])} / {fmt(x[1])}" for x in (own, mine)]
+        itself.append([name, *both, f"{_percent(mine[0], own[0])} / {_percent(mine[1], own[1])}"])
     headers = ["class", "real completed (held out)", "real p50 ms", "real p99 ms"]
     headers += [f"sim {q} ({SHORT[label]})" for label in sims for q in ("p50", "p99")]
     gap_headers = ["class", "p50 (real: recorded runs)", "p99 (real: recorded runs)"]
@@ -311,8 +281,7 @@ def _latency_tables(f: Fidelity) -> tuple[str, str, str, list[Target]]:
 
 
 def _count_table(f: Fidelity) -> tuple[str, list[Target]]:
-    held = f.answers(True)
-    real = Counter(bc.error_name(a.reply) for a in held)
+    real = Counter(bc.error_name(a.reply) for a in f.answers(True))
     n_held = len(f.rounds) // 2
     total = sum(real.values()) / n_held
     rows, targets = [], []
@@ -332,20 +301,18 @@ def _cost_and_spread(f: Fidelity) -> tuple[str, str]:
     cost_rows = []
     for m in sorted(warmup):
         calls = recorded[m].samples_ms.get(1, ())
-        cost_rows.append(
-            [m, fmt(warmup[m].call_ms.get(1, math.nan), 2)]
-            + [fmt(observed[m].call_ms.get(1, math.nan), 2), len(calls)]
-            + [fmt(percentile(calls, 50), 2), fmt(percentile(calls, 99), 2)]
-        )
+        tables = (fmt(t[m].call_ms.get(1, math.nan), 2) for t in (warmup, observed))
+        spread = (fmt(percentile(calls, q), 2) for q in (50, 99))
+        cost_rows.append([m, *tables, len(calls), *spread])
     headers = ["model", "warm-up ms per call (batch 1)", "observed ms per call (median)"]
     headers += ["recorded calls (batch 1)", "recorded p50 ms", "recorded p99 ms"]
-    spread = [
+    spread_rows = [
         [f"{i + 1} (held out)" if i % 2 else f"{i + 1} (recorded)"]
         + [f"{fmt(a)} / {fmt(b)}" for a, b, _ in _real_figures(r.answers).values()]
         for i, r in enumerate(f.rounds)
     ]
     classes = [f"{priority_name(p)} p50 / p99 ms" for p, _ in PRIORITY_MIX]
-    return md_table(headers, cost_rows), md_table(["replay", *classes], spread)
+    return md_table(headers, cost_rows), md_table(["replay", *classes], spread_rows)
 
 
 def _fidelity_part(f: Fidelity) -> Part:
@@ -419,6 +386,7 @@ models:
   classify: {path: classify.onnx, batching: {window_ms: 5, max_batch_size: 4}}
   detect: {path: detect.onnx}
 """
+ONE_NODE = "local: {nodes: 1}\n"
 MIXED_NODES = """\
 nodes:
   - {name: both, models: [classify, detect]}
@@ -432,7 +400,7 @@ SCENARIOS += ("100 ms stale reports",)
 
 
 def table_config(mixed: bool = False) -> FleetConfig:
-    data = yaml.safe_load(TABLE_FLEET + (MIXED_NODES if mixed else "local: {nodes: 1}\n"))
+    data = yaml.safe_load(TABLE_FLEET + (MIXED_NODES if mixed else ONE_NODE))
     return parse_config(data, Path("."))
 
 
@@ -456,7 +424,7 @@ def table_workload(scenario: str, nodes: int, requests: int) -> Workload:
 def measure_scale(nodes: int, requests: int, out: Path) -> dict[str, Any]:
     """``edgefleet simulate`` in a child process: its wall time and peak memory."""
     (out / "scale.yaml").write_text(SCALE_WORKLOAD)
-    (out / "fleet.yaml").write_text(TABLE_FLEET + "local: {nodes: 1}\n")
+    (out / "fleet.yaml").write_text(TABLE_FLEET + ONE_NODE)
     command = [sys.executable, "-m", "cluster.cli", "simulate", str(out / "fleet.yaml")]
     command += ["--workload", str(out / "scale.yaml"), "--nodes", str(nodes)]
     command += ["--requests", str(requests), "--out", str(out / "report")]
@@ -483,7 +451,6 @@ def _scale_part(run: dict[str, Any], target: bool) -> Part:
     row = [f"{run[k]:,}" for k in ("nodes", "requests", "answered")]
     row += [fmt(run["wall_s"], 0), fmt(run["rss_mib"], 0), f"{run['events']:,.0f}"]
     headers = ["nodes", "requests", "answered", "wall time s", "peak RSS MiB", "events/s"]
-    table = md_table(headers, [row])
     answered = "(b) every request answered (answered / requests)"
     targets = [
         Target("(b) wall time, minutes", run["wall_s"] / 60, "<=", SCALE_MINUTES),
@@ -499,7 +466,7 @@ def _scale_part(run: dict[str, Any], target: bool) -> Part:
         "counts them."
     )
     title = "(b) Scale: 10,000 nodes and 1,000,000 requests"
-    return Part(title, measured, [table], targets if target else [], notes)
+    return Part(title, measured, [md_table(headers, [row])], targets if target else [], notes)
 
 
 # ---------------------------------------------------------------- (c) the table
@@ -518,8 +485,8 @@ def measure_table(sizes: Sequence[tuple[int, int]]) -> list[list[Any]]:
 
 
 def _table_row(job: tuple[int, int, str, str]) -> list[Any]:
-    from sim.run import with_policy
-
+    """nodes, scenario, policy, fg p99 ms, all p99 ms, counts, simulated s, wall s and
+    each class's p50 and p99 ms."""
     nodes, requests, scenario, policy = job
     config = with_policy(table_config(mixed=scenario == "mixed models"), policy)
     workload = table_workload(scenario, nodes, requests)
@@ -545,15 +512,15 @@ def _why_all_p99(nodes: int, scenario: str, mine: list[Any], winner: list[Any]) 
         f"{nodes:,} nodes, {scenario}: {fmt(mine[4])} ms vs {fmt(winner[4])} ms "
         f"({winner[2]}); {figures}."
     )
-    if worse and worse == classes[len(classes) - len(worse) :]:
-        share = table_config().router.placement.lower_share
-        return (
-            f"{head} Every class above {worse[0]} has the lower p99 under the default: it "
-            "places each request where it would finish soonest at its own priority (the "
-            f"delay it adds to lower work counts at `lower_share` = {share:g}), and "
-            f"{' and '.join(worse)} work waits the longer."
-        )
-    return head
+    if not worse or worse != classes[len(classes) - len(worse) :]:
+        return head
+    share = table_config().router.placement.lower_share
+    return (
+        f"{head} Every class above {worse[0]} has the lower p99 under the default: it "
+        "places each request where it would finish soonest at its own priority (the "
+        f"delay it adds to lower work counts at `lower_share` = {share:g}), and "
+        f"{' and '.join(worse)} work waits the longer."
+    )
 
 
 def _table_part(rows: list[list[Any]], default: str) -> Part:
@@ -578,12 +545,8 @@ def _table_part(rows: list[list[Any]], default: str) -> Part:
                 wins.append(_why_all_p99(nodes, scenario, mine, min(group, key=lambda r: r[4])))
     headers = ["nodes", "scenario", "policy", "fg p99 ms", "all p99 ms", "completed"]
     headers += ["refused / evicted / expired", "node failures", "simulated s"]
-    notes = []
-    if wins:
-        notes.append(
-            "Where the default loses on all-priorities p99, and why (by class, p50 and p99 "
-            "of the default and of the winner): " + " ".join(wins)
-        )
+    why = "Where the default loses on all-priorities p99, and why (by class, p50 and p99 of "
+    notes = [why + "the default and of the winner): " + " ".join(wins)] if wins else []
     measured = (
         "Simulated fleets of 1,000 and 10,000 nodes, each node serving a batching 8 ms "
         "classifier and a 40 ms detector (mixed models: a third serve only the classifier, "
@@ -601,33 +564,25 @@ def _table_part(rows: list[list[Any]], default: str) -> Part:
 # ------------------------------------------------------------------------ the run
 
 
-def _part_b(ctx: RunContext) -> Part:
-    nodes, requests = (1000, 20_000) if ctx.quick else (SCALE_NODES, SCALE_REQUESTS)
-    log(f"(b) scale: {nodes:,} nodes, {requests:,} requests in a child process")
-    with tempfile.TemporaryDirectory() as tmp:
-        return _scale_part(measure_scale(nodes, requests, Path(tmp)), target=not ctx.quick)
-
-
-def _part_c(ctx: RunContext) -> Part:
-    sizes = [(100, 5_000)] if ctx.quick else [(1000, 100_000), (10_000, 200_000)]
-    log(f"(c) placement policies x scenarios at {', '.join(f'{n:,}' for n, _ in sizes)} nodes")
-    return _table_part(measure_table(sizes), table_config().router.placement.policy)
-
-
 def run(ctx: RunContext) -> bc.Section:
     chosen = os.environ.get("EDGEFLEET_BENCH_SIM_PARTS", "abc")
     parts = []
     if "a" in chosen:
         log("(a) fidelity: one trace on the real fleet and in the simulator")
-        models = {
-            CHEAP: ctx.models.calibrated(CHEAP_COST_MS),
-            DEAR: ctx.models.calibrated(DEAR_COST_MS),
-        }
+        costs = {CHEAP: CHEAP_COST_MS, DEAR: DEAR_COST_MS}
+        models = {m: ctx.models.calibrated(ms) for m, ms in costs.items()}
         parts.append(timed(lambda: _fidelity_part(measure_fidelity(ctx, models))))
     if "b" in chosen:
-        parts.append(timed(lambda: _part_b(ctx)))
+        nodes, requests = (1000, 20_000) if ctx.quick else (SCALE_NODES, SCALE_REQUESTS)
+        log(f"(b) scale: {nodes:,} nodes, {requests:,} requests in a child process")
+        with tempfile.TemporaryDirectory() as tmp:
+            measure = partial(measure_scale, nodes, requests, Path(tmp))
+            parts.append(timed(lambda: _scale_part(measure(), target=not ctx.quick)))
     if "c" in chosen:
-        parts.append(timed(lambda: _part_c(ctx)))
+        sizes = [(100, 5_000)] if ctx.quick else [(1000, 100_000), (10_000, 200_000)]
+        log(f"(c) placement policies x scenarios at {', '.join(f'{n:,}' for n, _ in sizes)} nodes")
+        default = table_config().router.placement.policy
+        parts.append(timed(lambda: _table_part(measure_table(sizes), default)))
     measured = (
         "The discrete-event fleet simulator (`edgefleet simulate`, `sim/`): the real node "
         "scheduler and the real placement in simulated time, engine time from cost tables "
