@@ -16,7 +16,17 @@ import ray
 from ray._private import ray_constants
 from ray.actor import ActorHandle
 
-from cluster.head import LOOPBACK, reachable, recorded_address, recorded_token_auth, token_auth_at
+from cluster.head import (
+    LOOPBACK,
+    RAY_START_ATTEMPTS,
+    children,
+    ray_start_timed_out,
+    reachable,
+    recorded_address,
+    recorded_token_auth,
+    stop_children,
+    token_auth_at,
+)
 from cluster.names import NAMESPACE, PROBE_GROUP, actor_name, node_actor_prefix, router_name
 from cluster.nodes import max_concurrency
 from cluster.store import stop_store
@@ -131,16 +141,29 @@ def init_loopback_ray(
 
     pin_loopback()
     use_auth_mode(token=token_auth)
-    ray.init(
-        address="local",
-        namespace=NAMESPACE,
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _node_ip_address=LOOPBACK,
-        logging_level=logging.WARNING,
-        log_to_driver=log_to_driver,
-        _system_config=dict(system_config or {}),
-    )
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        before = children()
+        try:
+            ray.init(
+                address="local",
+                namespace=NAMESPACE,
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                _node_ip_address=LOOPBACK,
+                logging_level=logging.WARNING,
+                log_to_driver=log_to_driver,
+                _system_config=dict(system_config or {}),
+            )
+            break
+        except Exception as exc:  # Ray raises a bare Exception for this one
+            if not ray_start_timed_out(str(exc)):
+                raise
+            stop_children(spare=before)  # what the attempt started, before the next
+            if attempt == RAY_START_ATTEMPTS:
+                raise FleetStartError(
+                    f"could not start the embedded Ray on {LOOPBACK} in {attempt} attempts: {exc}"
+                ) from None
+            logging.getLogger(__name__).warning("%s; starting it again", exc)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:
         ray.shutdown()

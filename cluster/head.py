@@ -27,6 +27,7 @@ from edgefleet.errors import FleetNotRunning, FleetStartError
 LOOPBACK = "127.0.0.1"
 REDIS_READY_S = 10.0  # a redis-server that does not accept connections by then failed
 RAY_START_TIMEOUT_S = 120.0
+RAY_START_ATTEMPTS = 3  # starts of a Ray node that timed out on a busy machine, retried
 
 
 def head_dir(fleet: str) -> Path:
@@ -144,7 +145,7 @@ def start_head(
     # Recorded before Ray starts: `down` finds the Redis even if what follows is cut short.
     _state_file(fleet).write_text(json.dumps(state))
     try:
-        _run_head(cmd, settings)
+        _run_head(fleet, cmd, settings)
     except BaseException:
         _stop_redis(state)
         _state_file(fleet).unlink(missing_ok=True)
@@ -178,24 +179,36 @@ def restart_head(fleet: str, grace_s: float = 2.0) -> str:
     # `ray start --head` refuses an address its folder records while any process here
     # names it: raylets on this machine waiting for the head to come back do.
     (head_dir(fleet) / "ray_current_cluster").unlink(missing_ok=True)
-    _run_head(list(head["cmd"]), dict(head["env"]))
+    _run_head(fleet, list(head["cmd"]), dict(head["env"]))
     return str(state["address"])
 
 
-def _run_head(cmd: list[str], settings: dict[str, str]) -> None:
+def ray_start_timed_out(said: str) -> bool:
+    """Whether Ray gave up starting a node because its raylet did not register within
+    Ray's fixed 30 s: on a busy machine it does later, so the start is worth a retry."""
+    return "timed out during startup" in said
+
+
+def _run_head(fleet: str, cmd: list[str], settings: dict[str, str]) -> None:
     # Jobs submitted to the head run `edgefleet` (and `python`) from this environment.
     path = os.pathsep.join([str(Path(cmd[0]).parent), os.environ.get("PATH", "")])
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PATH=path, **settings)
-    try:
-        result = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        raise FleetStartError(
-            f"`ray start --head` did not finish within {RAY_START_TIMEOUT_S:g} s"
-        ) from None
-    if result.returncode != 0:
-        raise FleetStartError(f"could not start a Ray head: {result.stderr.strip()[-2000:]}")
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            result = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            raise FleetStartError(
+                f"`ray start --head` did not finish within {RAY_START_TIMEOUT_S:g} s"
+            ) from None
+        if result.returncode == 0:
+            return
+        said = result.stderr.strip()
+        if attempt == RAY_START_ATTEMPTS or not ray_start_timed_out(said):
+            raise FleetStartError(f"could not start a Ray head: {said[-2000:]}")
+        _stop_processes(fleet, grace_s=2.0)  # what the attempt started, before the next
+        (head_dir(fleet) / "ray_current_cluster").unlink(missing_ok=True)
 
 
 def _start_redis(directory: Path) -> dict[str, int]:
@@ -318,11 +331,18 @@ def _end(procs: list[psutil.Process], grace_s: float) -> None:
         time.sleep(0.05)
 
 
-def stop_children(grace_s: float = 1.0) -> int:
-    """Stop every process this one started, and theirs; returns how many there were.
-    For a command whose embedded Ray start was interrupted: Ray had no handle yet to
-    stop them by, and its agents would outlive the command."""
-    procs = psutil.Process().children(recursive=True)
+def children() -> set[int]:
+    """The pids of the processes this one started, and theirs."""
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def stop_children(grace_s: float = 1.0, *, spare: Iterable[int] = ()) -> int:
+    """Stop every process this one started, and theirs, but those in ``spare``; returns
+    how many there were. For a command whose embedded Ray start failed or was
+    interrupted: Ray had no handle yet to stop them by, and its agents would outlive
+    the command."""
+    kept = set(spare)
+    procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in kept]
     _end(procs, grace_s)
     return len(procs)
 

@@ -62,3 +62,66 @@ def test_redis_listens_on_loopback_only_and_is_stopped_by_its_pid(tmp_path):
     finally:
         assert _stop_redis(state) == 1
     assert _redis_process(state) is None
+
+
+TIMED_OUT = (
+    "The current node timed out during startup. This could happen because some of the "
+    "raylet failed to startup or the GCS has become overloaded."
+)
+
+
+def test_an_embedded_ray_that_timed_out_starting_is_started_again(monkeypatch):
+    """Ray gives a starting node a fixed 30 s to register, which a busy machine can miss:
+    the start is tried again once what the failed attempt started is stopped; a third
+    timeout is one line naming it, and other errors are not retried."""
+    from cluster import deploy
+
+    started: list[subprocess.Popen] = []
+    outcomes: list[Exception | None] = [Exception(TIMED_OUT), None]
+
+    def init(**_: object) -> None:
+        outcome = outcomes.pop(0)
+        if outcome is not None:  # an attempt that left a process behind, then failed
+            started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+            raise outcome
+
+    monkeypatch.setattr(deploy.ray, "init", init)
+    monkeypatch.setattr(deploy.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr("cluster.metrics.write_service_discovery", lambda: None)
+    deploy.init_loopback_ray(num_cpus=1)
+    assert outcomes == []  # started the second time
+    assert started[0].wait(30) is not None  # the failed attempt's process was stopped
+
+    outcomes[:] = [Exception(TIMED_OUT)] * 3
+    with pytest.raises(FleetStartError) as err:
+        deploy.init_loopback_ray(num_cpus=1)
+    assert "in 3 attempts" in str(err.value) and "timed out during startup" in str(err.value)
+    assert all(p.wait(30) is not None for p in started)
+
+    outcomes[:] = [Exception("something else")]
+    with pytest.raises(Exception, match="something else"):
+        deploy.init_loopback_ray(num_cpus=1)
+    assert outcomes == []  # not retried
+
+
+def test_a_head_that_timed_out_starting_is_started_again(tmp_path, monkeypatch):
+    import cluster.head as head
+
+    runs: list[list[str]] = []
+    stopped: list[str] = []
+    codes = [(1, f"ray start failed: {TIMED_OUT}"), (0, "")]
+
+    def run(cmd: list[str], **_: object) -> subprocess.CompletedProcess:
+        runs.append(cmd)
+        code, said = codes.pop(0)
+        return subprocess.CompletedProcess(cmd, code, "", said)
+
+    monkeypatch.setattr(head.subprocess, "run", run)
+    monkeypatch.setattr(head, "_stop_processes", lambda fleet, grace_s: stopped.append(fleet))
+    head._run_head("retry", ["ray", "start", "--head"], {})
+    assert len(runs) == 2 and stopped == ["retry"]
+
+    codes[:] = [(1, "port 6379 is taken")]
+    with pytest.raises(FleetStartError, match="could not start a Ray head: port 6379 is taken"):
+        head._run_head("retry", ["ray", "start", "--head"], {})
+    assert stopped == ["retry"]  # not retried
