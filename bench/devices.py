@@ -43,101 +43,68 @@ OPENVINO_PYTHON = Path(
 PROBED = ("detector", "classifier", "heavy")
 WAVE = 8  # requests sent at once: enough to queue on the faster node
 ANSWER_S = 300.0
+FLEET = {
+    "fleet": {"name": "devices"},
+    "models": {"heavy": {"path": "heavy.onnx"}},
+    "nodes": [
+        {"name": "cpu-0", "labels": {"accel": "cpu"}},
+        {"name": "ov-0", "labels": {"accel": "openvino"}, "providers": ["openvino"]},
+    ],
+    "router": {"resources": {"head": 0.5}},
+}
 
 
-def probe(models: Path, calls: int) -> list[dict[str, Any]]:
+def probe(models: Path, calls: int) -> list[list[Any]]:
     """In the OpenVINO Python: each model on OpenVINO and on the CPU provider, timed
-    interleaved (milliseconds per call, the median)."""
+    interleaved; a row each of model and rows: ms per call (the medians) and what the
+    OpenVINO session ran on."""
     from actors.engine import open_planned
-    from edgefleet.modelgen import random_inputs
     from edgefleet.providers import ProviderConfig, SessionPlan
 
-    rows_out = []
+    out = []
     for model in PROBED:
         path = models / f"{model}.onnx"
-        sessions = {}
-        for name in ("openvino", "cpu"):
-            plan = SessionPlan(path, (ProviderConfig(name=name),))
-            session, use = open_planned(model, plan, 1)
-            sessions[name] = (session, use.used[0])
+        plans = [SessionPlan(path, (ProviderConfig(name=n),)) for n in ("openvino", "cpu")]
+        opened = [open_planned(model, plan, 1) for plan in plans]
         for rows in (1, 8):
-            feed = random_inputs(model, rows)
-            times: dict[str, list[float]] = {n: [] for n in sessions}
+            feed, times = random_inputs(model, rows), [[], []]
             for _ in range(calls if model != "heavy" else max(3, calls // 20)):
-                for name, (session, _) in sessions.items():
+                for (session, _), sink in zip(opened, times, strict=True):
                     began = time.perf_counter()
                     session.run(None, feed)
-                    times[name].append((time.perf_counter() - began) * 1000)
-            rows_out.append(
-                {
-                    "model": model,
-                    "rows": rows,
-                    **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
-                    "ran_on": {n: used for n, (_, used) in sessions.items()},
-                }
-            )
-    return rows_out
+                    sink.append((time.perf_counter() - began) * 1000)
+            ov, cpu = (statistics.median(t) for t in times)
+            ran_on = opened[0][1].used[0]
+            out.append([model, rows, fmt(ov, 3), fmt(cpu, 3), fmt(ov / cpu, 2), ran_on])
+    return out
 
 
-def provider_times(models: Path, calls: int) -> list[dict[str, Any]]:
-    done = subprocess.run(
-        [str(OPENVINO_PYTHON), "-m", "bench.devices", "--probe", str(models), str(calls)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=ANSWER_S,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the OpenVINO probe failed: {done.stderr.strip()[-1500:]}")
-    result: list[dict[str, Any]] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
-def split(models: Path, waves: int) -> tuple[Counter[str], dict[str, float], dict[str, str]]:
-    """The two-node fleet: requests served per node, each node's measured ms per call,
-    and what each node's session runs on."""
-    embedded = ray.is_initialized()  # bench.run's: this scenario runs its own cluster
+def serve(models: Path, waves: int) -> tuple[Counter[str], dict[str, float], dict[str, str]]:
+    """The two-node fleet on a head and an OpenVINO raylet: requests served per node,
+    each node's measured ms per call, and what each node's session runs on."""
+    embedded, served = ray.is_initialized(), Counter[str]()  # bench.run's Ray: put back after
+    labels = {"head_labels": {"accel": "cpu"}, "device_labels": {"accel": "openvino"}}
+    config, inputs = parse_config(FLEET, models), random_inputs("heavy", 1)
     try:
-        with head_and_device(
-            OPENVINO_PYTHON, head_labels={"accel": "cpu"}, device_labels={"accel": "openvino"}
+        with (
+            head_and_device(OPENVINO_PYTHON, **labels),
+            FleetClient.local(config, progress=log) as client,
         ):
-            return _serve(models, waves)
+            for _ in range(waves):
+                futures = [client.submit("heavy", inputs, timeout_s=ANSWER_S) for _ in range(WAVE)]
+                for reply in (f.result(ANSWER_S + 30) for f in futures):
+                    reply.unwrap()  # raises a failed request's error
+                    served[reply.node] += 1
+            nodes = client.status().nodes
     finally:
         if embedded:
             init_loopback_ray(num_cpus=2)
-
-
-def _serve(models: Path, waves: int) -> tuple[Counter[str], dict[str, float], dict[str, str]]:
-    config = parse_config(
-        {
-            "fleet": {"name": "devices"},
-            "models": {"heavy": {"path": "heavy.onnx"}},
-            "nodes": [
-                {"name": "cpu-0", "labels": {"accel": "cpu"}},
-                {"name": "ov-0", "labels": {"accel": "openvino"}, "providers": ["openvino"]},
-            ],
-            "router": {"resources": {"head": 0.5}},
-        },
-        models,
-    )
-    served: Counter[str] = Counter()
-    inputs = random_inputs("heavy", 1)
-    with FleetClient.local(config, progress=log) as client:
-        for _ in range(waves):
-            futures = [client.submit("heavy", inputs, timeout_s=ANSWER_S) for _ in range(WAVE)]
-            for future in futures:
-                reply = future.result(ANSWER_S + 30)
-                if reply.error is not None:
-                    raise reply.error
-                served[reply.node] += 1
-        nodes = client.status().nodes
     cost = {n.name: n.models[0].cost_ms[1] for n in nodes}
-    ran_on = {n.name: n.models[0].providers.runs_on for n in nodes}
-    return served, cost, ran_on
+    return served, cost, {n.name: n.models[0].providers.runs_on for n in nodes}
 
 
 def run(ctx: RunContext) -> Section:
-    measured = (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip()
+    measured = " ".join((__doc__ or "").split("\n\n", 1)[1].split())
     if not OPENVINO_PYTHON.is_file():
         return Section(
             TITLE, measured, notes=[f"Not run: no {OPENVINO_PYTHON} (`.ci/run` makes it)."]
@@ -145,13 +112,14 @@ def run(ctx: RunContext) -> Section:
     from edgefleet.modelgen import make_all
 
     make_all(ctx.models.directory)
-    times = provider_times(ctx.models.directory, ctx.count(200, 20))
-    table = [
-        [t["model"], t["rows"], fmt(t["openvino_ms"], 3), fmt(t["cpu_ms"], 3)]
-        + [fmt(t["openvino_ms"] / t["cpu_ms"], 2), t["ran_on"]["openvino"]]
-        for t in times
-    ]
-    served, cost, ran_on = split(ctx.models.directory, ctx.count(12, 3))
+    calls = str(ctx.count(200, 20))
+    command = [str(OPENVINO_PYTHON), "-m", "bench.devices", "--probe", str(ctx.models.directory)]
+    kw = {"cwd": REPO, "capture_output": True, "text": True, "timeout": ANSWER_S}
+    done = subprocess.run([*command, calls], **kw)
+    if done.returncode != 0:
+        raise RuntimeError(f"the OpenVINO probe failed: {done.stderr.strip()[-1500:]}")
+    times = json.loads(done.stdout.strip().splitlines()[-1])
+    served, cost, ran_on = serve(ctx.models.directory, ctx.count(12, 3))
     total, speed = sum(served.values()), {n: 1.0 / c for n, c in cost.items()}
     fast, fleet = max(speed, key=lambda n: speed[n]), sum(speed.values())
     fleet_rows = [
@@ -160,7 +128,7 @@ def run(ctx: RunContext) -> Section:
     ]
     headers = ["model", "rows", "OpenVINO ms", "CPU ms", "OpenVINO / CPU", "session ran on"]
     fleet_headers = ["node", "runs on", "measured ms per call", "share served", "share by speed"]
-    tables = [md_table(headers, table), md_table(fleet_headers, fleet_rows)]
+    tables = [md_table(headers, times), md_table(fleet_headers, fleet_rows)]
     label = f"share of requests the faster node ({fast}) served"
     note = (
         f"{total} requests in waves of {WAVE}. A ratio above 1 means OpenVINO is slower "

@@ -31,13 +31,12 @@ from onnx import TensorProto, helper, numpy_helper
 from ray.cluster_utils import Cluster
 
 from actors.cache import CHUNK_BYTES, READ_AHEAD, ModelCache, StoreSource
-from bench.common import RunContext, Section, Target, fmt, log
+from bench.common import RunContext, Section, Target, fmt, log, md_table
 from cluster.deploy import LOOPBACK, deploy_nodes, pin_loopback, teardown, use_auth_mode
 from cluster.names import NAMESPACE
 from cluster.store import publish, start_store
 from edgefleet.artifacts import ModelArtifact
 from edgefleet.config import parse_config
-from sim.report import md_table
 
 TITLE = "Shipping models: a large model to 4 devices from the fleet's store"
 DEVICES = 4
@@ -63,6 +62,7 @@ def make_big_model(folder: Path, mb: int) -> Path:
 
 @contextlib.contextmanager
 def devices() -> Iterator[Cluster]:
+    """A Ray head and ``DEVICES`` raylets on loopback, raylet ``i`` offering ``dev-i``."""
     pin_loopback()
     use_auth_mode(token=True)
     if ray.is_initialized():
@@ -70,14 +70,9 @@ def devices() -> Iterator[Cluster]:
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         port = s.getsockname()[1]
+    head = {"num_cpus": 1, "node_ip_address": LOOPBACK, "include_dashboard": False}
     cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "node_ip_address": LOOPBACK,
-            "include_dashboard": False,
-            "dashboard_agent_listen_port": port,
-        },
+        initialize_head=True, head_node_args=head | {"dashboard_agent_listen_port": port}
     )
     try:
         for i in range(DEVICES):
@@ -93,40 +88,34 @@ def devices() -> Iterator[Cluster]:
 def timed_deploy(config: Any, ship: bool) -> tuple[float, int]:
     """Seconds to start the nodes (publishing first when ``ship``), bytes they fetched."""
     t0 = time.perf_counter()
-    if ship:
-        config = publish(config)
-    handles = deploy_nodes(config)
+    handles = deploy_nodes(publish(config) if ship else config)
     seconds = time.perf_counter() - t0
     statuses = ray.get([h.status.remote() for h in handles.values()], timeout=60)
-    fetched = sum(m.fetched_bytes for s in statuses for m in s.models)
     teardown(handles, timeout_s=10, fleet=config.fleet.name if ship else None)
-    return seconds, fetched
-
-
-def private_bytes(process: psutil.Process) -> int:
-    """Resident memory of ``process`` not shared with others (Ray's object store maps
-    into every process that reads from it: those pages are the store's)."""
-    info = process.memory_info()
-    return int(info.rss - info.shared)
+    return seconds, sum(m.fetched_bytes for s in statuses for m in s.models)
 
 
 class Fetcher:
     """On one device: fetch an artifact into an empty cache, timing it and sampling its
-    private memory."""
+    private memory (resident, not shared: Ray's object store maps into every process
+    that reads from it, and those pages are the store's)."""
 
     def ready(self) -> bool:
         return True
 
     def fetch(self, artifact: ModelArtifact, source: Any, root: str) -> tuple[float, float]:
         me, peak, done = psutil.Process(), [0], threading.Event()
-        before = private_bytes(me)
+
+        def private() -> int:
+            info = me.memory_info()
+            return int(info.rss - info.shared)
 
         def sample() -> None:
             while not done.is_set():
-                peak[0] = max(peak[0], private_bytes(me))
+                peak[0] = max(peak[0], private())
                 time.sleep(0.005)
 
-        sampler = threading.Thread(target=sample, daemon=True)
+        before, sampler = private(), threading.Thread(target=sample, daemon=True)
         sampler.start()
         t0 = time.perf_counter()
         ModelCache(Path(root), 1 << 40).ensure(artifact, source)
@@ -151,21 +140,21 @@ class ObjectStoreSource:
             yield ray.get(ref, timeout=120)
 
 
-def fetch_all(artifact: ModelArtifact, sources: list[Any], work: Path) -> tuple[float, float]:
-    """Wall seconds for the 4 devices to fetch at once, and the largest peak extra MiB."""
-    remote = ray.remote(Fetcher)
-    actors = [
-        remote.options(num_cpus=0, resources={f"dev-{i}": 0.01}).remote() for i in range(DEVICES)
-    ]
+def fetch_all(artifact: ModelArtifact, source: Any, work: Path) -> tuple[float, float, float]:
+    """The 4 devices fetching at once from ``source``: wall seconds, MiB/s and the
+    largest peak extra MiB."""
+    remote = ray.remote(num_cpus=0)(Fetcher)
+    actors = [remote.options(resources={f"dev-{i}": 0.01}).remote() for i in range(DEVICES)]
     ray.get([a.ready.remote() for a in actors], timeout=120)
     roots = [tempfile.mkdtemp(dir=work) for _ in range(DEVICES)]
     t0 = time.perf_counter()
-    calls = zip(actors, sources, roots, strict=True)
-    out = ray.get([a.fetch.remote(artifact, s, r) for a, s, r in calls])
+    out = ray.get(
+        [a.fetch.remote(artifact, source, root) for a, root in zip(actors, roots, strict=True)]
+    )
     wall = time.perf_counter() - t0
     for a in actors:
         ray.kill(a)
-    return wall, max(mem for _, mem in out)
+    return wall, DEVICES * artifact.size / MiB / wall, max(m for _, m in out)
 
 
 def run(ctx: RunContext) -> Section:
@@ -176,60 +165,57 @@ def run(ctx: RunContext) -> Section:
         {"name": f"d{i}", "resources": {f"dev-{i}": 1}, "model_cache": str(work / f"cache-{i}")}
         for i in range(DEVICES)
     ]
-    data = {
-        "fleet": {"name": "ship"},
-        "models": {"big": {"path": "model.onnx", "warmup": False, "memory_mb": 4 * mb}},
-        "nodes": nodes,
-        "node_defaults": {"memory_budget_mb": 8 * mb},
-    }
-    config = parse_config(data, work)
+    model = {"path": "model.onnx", "warmup": False, "memory_mb": 4 * mb}
+    data = {"fleet": {"name": "ship"}, "models": {"big": model}, "nodes": nodes}
+    config = parse_config(data | {"node_defaults": {"memory_budget_mb": 8 * mb}}, work)
     with devices():
         log(f"distribution: {mb} MiB to {DEVICES} devices")
         timed_deploy(config, ship=False)  # warm-up: Ray starts the devices' worker processes
-        local_s, _ = timed_deploy(config, ship=False)
-        ship_s, fetched = timed_deploy(config, ship=True)
-        again_s, again = timed_deploy(config, ship=True)
+        deploys = [timed_deploy(config, ship) for ship in (False, True, True)]
         published = publish(config).artifacts["big"]
         store = start_store(config)
-        store_s, store_mem = fetch_all(published, [StoreSource(store)] * DEVICES, work)
+        from_store = fetch_all(published, StoreSource(store), work)
         chunks: dict[str, list[Any]] = {}
         for f in published.files:
             with (work / f.name).open("rb") as fh:
-                chunks[f.sha256] = [
-                    ray.put(np.frombuffer(c, dtype=np.uint8))
-                    for c in iter(lambda: fh.read(CHUNK_BYTES), b"")
-                ]
-        sources = [ObjectStoreSource(chunks)] * DEVICES
-        objects_s, objects_mem = fetch_all(published, sources, work)
+                read = iter(lambda fh=fh: fh.read(CHUNK_BYTES), b"")
+                chunks[f.sha256] = [ray.put(np.frombuffer(c, dtype=np.uint8)) for c in read]
+        from_objects = fetch_all(published, ObjectStoreSource(chunks), work)
         ray.kill(store)
-    size = published.size / MiB
+    local_s = deploys[0][0]
+    labels = ["each device reads a local copy", "published, empty caches", "the same config again"]
     rows = [
-        ["each device reads a local copy", fmt(local_s, 2), "1.00", "0"],
-        ["published, empty caches", fmt(ship_s, 2), fmt(ship_s / local_s, 2), fmt(fetched / MiB)],
-        ["the same config again", fmt(again_s, 2), fmt(again_s / local_s, 2), fmt(again / MiB)],
+        [label, fmt(s, 2), fmt(s / local_s, 2), fmt(fetched / MiB) if i else "0"]
+        for i, (label, (s, fetched)) in enumerate(zip(labels, deploys, strict=True))
     ]
     fetch_rows = [
-        ["store actor (edgefleet)", fmt(store_s, 2), fmt(DEVICES * size / store_s), fmt(store_mem)],
-        ["Ray object store chunks", fmt(objects_s, 2), fmt(DEVICES * size / objects_s),
-         fmt(objects_mem)],
-    ]  # fmt: skip
+        [label, fmt(s, 2), fmt(rate), fmt(mem)]
+        for label, (s, rate, mem) in (
+            ("store actor (edgefleet)", from_store),
+            ("Ray object store chunks", from_objects),
+        )
+    ]
+    again_mib, peak = deploys[2][1] / MiB, from_store[2] / (CHUNK_BYTES / MiB)
     return Section(
         TITLE,
-        (__doc__ or "").split("\n\n", 1)[1].replace("\n", " ").strip(),
-        tables=[
+        " ".join(__doc__.split("\n\n", 1)[1].split()),
+        [
             md_table(["deploy of 4 nodes", "seconds", "/ local copy", "MiB fetched"], rows),
             md_table(
                 ["fetch on 4 devices at once", "seconds", "MiB/s", "peak extra MiB"], fetch_rows
             ),
-        ],  # fmt: skip
-        targets=[
-            Target("MiB fetched by a second deploy of the same config", again / MiB, "<=", 0),
+        ],
+        [
+            Target("MiB fetched by a second deploy of the same config", again_mib, "<=", 0),
             Target(
                 f"peak extra memory of a fetching device, in chunks of {CHUNK_BYTES // MiB} MiB",
-                store_mem / (CHUNK_BYTES / MiB),
+                peak,
                 "<=",
                 3,
             ),
         ],
-        notes=[f"Model files: {size:.0f} MiB. All devices share this machine's disk and CPUs."],
+        [
+            f"Model files: {published.size / MiB:.0f} MiB. All devices share this machine's disk "
+            "and CPUs."
+        ],
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,7 +33,7 @@ NAN = float("nan")
 
 @dataclass(frozen=True)
 class ForegroundRun:
-    """The foreground requests of one configuration."""
+    """The foreground requests of one configuration (``bench.fleet`` pools them too)."""
 
     config: str
     latencies_s: tuple[float, ...]
@@ -73,11 +72,8 @@ class ForegroundRun:
         cells += [fmt(self.service_ms), self.refused]
         if flood is None:
             return [*cells, "-", "-", "-"]
-        preempted, refused = (
-            self.counters.get("preempted", 0),
-            f"{flood.rejected} / {flood.evicted}",
-        )
-        return [*cells, fmt(self.bg_rate), preempted, refused]
+        preempted = self.counters.get("preempted", 0)
+        return [*cells, fmt(self.bg_rate), preempted, f"{flood.rejected} / {flood.evicted}"]
 
 
 FOREGROUND_COLUMNS = ["configuration", "fg requests", "p50 ms", "p99 ms", "max ms"]
@@ -109,16 +105,6 @@ def foreground(
     return ForegroundRun(label, *times, refused, errors, batch_sizes=sizes)
 
 
-def _wait_queued(client: FleetClient, node: str, want: int, timeout_s: float = 15.0) -> int:
-    """Wait (bounded) until ``node``'s queue holds ``want`` requests."""
-    deadline = time.perf_counter() + timeout_s
-    while (queued := client.status(GET_TIMEOUT_S).node(node).queue_length) < want:
-        if time.perf_counter() > deadline:
-            raise TimeoutError(f"the flood filled the queue to {queued} only, wanted {want}")
-        time.sleep(0.05)
-    return queued
-
-
 def flooded(
     route: bc.NodeRoute,
     feed: Feed,
@@ -132,31 +118,28 @@ def flooded(
 ) -> ForegroundRun:
     """Foreground requests while ``outstanding`` background requests (and ``offline``
     offline ones) stay outstanding; ``running`` is how many the node runs at once."""
-    client = route.client
+    client, waits = route.client, []  # queue waits of completed offline requests
     before = client.status(GET_TIMEOUT_S).totals
-    waits: list[float] = []  # queue waits of completed offline requests, in reply order
-    flood = ClosedLoop(
-        route, model, feed, lanes=outstanding, backoff=FLOOD_BACKOFF, priority=BACKGROUND
-    )
-    on_answer: Callable[[Answer], None] = lambda a: (  # noqa: E731
-        waits.append(a.reply.queue_s) if a.reply.error is None else None
-    )
-    low = None
-    if offline:
-        kw = {"backoff": FLOOD_BACKOFF, "on_answer": on_answer}
-        low = ClosedLoop(route, model, feed, lanes=offline, priority=OFFLINE, **kw)
+    kw: dict[str, Any] = {"backoff": FLOOD_BACKOFF}
+    flood = ClosedLoop(route, model, feed, lanes=outstanding, priority=BACKGROUND, **kw)
+    kw["on_answer"] = lambda a: waits.append(a.reply.queue_s) if a.reply.error is None else None
+    low = ClosedLoop(route, model, feed, lanes=offline, priority=OFFLINE, **kw) if offline else None
     with contextlib.ExitStack() as stack:  # leaving it stops the floods, or raises their failure
         stack.enter_context(in_background(flood, GET_TIMEOUT_S, name="bench-flood"))
-        queued = _wait_queued(client, route.node, outstanding - running - 1)
+        want, deadline = outstanding - running - 1, time.perf_counter() + 15.0
+        while (queued := client.status(GET_TIMEOUT_S).node(route.node).queue_length) < want:
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"the flood filled the queue to {queued} only, wanted {want}")
+            time.sleep(0.05)
         if low is not None:
             stack.enter_context(in_background(low, GET_TIMEOUT_S, name="bench-flood-offline"))
         log(f"  {label}: flood running, {queued} queued")
-        counts0, low0, waits0, t0 = flood.counts.copy(), Counts(), len(waits), time.perf_counter()
-        low0 = low.counts.copy() if low is not None else low0
+        bg0, low0 = flood.counts.copy(), low.counts.copy() if low is not None else Counts()
+        waits0, t0 = len(waits), time.perf_counter()
         fg = foreground(route, feed, count, label, model=model)
-        bg_rate = (flood.counts.completed - counts0.completed) / (time.perf_counter() - t0)
+        bg_rate = (flood.counts.completed - bg0.completed) / (time.perf_counter() - t0)
         snapshot = client.status(GET_TIMEOUT_S)  # before the flood's leftovers are cancelled
-        bg, off = flood.counts.minus(counts0), low.counts.minus(low0) if low is not None else None
+        bg, off = flood.counts.minus(bg0), low.counts.minus(low0) if low is not None else None
         offline_waits = tuple(waits[waits0:])
     counters = {k: v - before.get(k, 0) for k, v in snapshot.totals.items()}
     counters["queue_at_end"] = snapshot.node(route.node).queue_length
@@ -165,8 +148,8 @@ def flooded(
         fg_engine = sum(s / max(1, b) for s, b in zip(fg.service_s, fg.batch_sizes, strict=True))
         total = bg.engine_s + off.engine_s + fg_engine
         share = off.engine_s / total if total > 0 else NAN
-    kw = {"flood": flood.counts, "bg_window": bg, "bg_rate": bg_rate, "counters": counters}
-    return replace(fg, **kw, offline=off, offline_wait_s=offline_waits, offline_share=share)
+    got = {"flood": flood.counts, "bg_window": bg, "bg_rate": bg_rate, "counters": counters}
+    return replace(fg, **got, offline=off, offline_wait_s=offline_waits, offline_share=share)
 
 
 def run(ctx: bc.RunContext) -> Section:
@@ -189,28 +172,20 @@ def run(ctx: bc.RunContext) -> Section:
             log("priority latency: edgefleet (priority order, preemption gap 5) under flood")
             edge = calm(lambda r=route: flooded(r, feed, n_fg, "edgefleet"), "edgefleet")
             runs["edgefleet"] = kept(edge)
-    return _section(model, runs)
-
-
-def _section(model: bc.BenchModel, runs: dict[str, ForegroundRun]) -> Section:
     alone, edge, fifo = runs["alone"], runs["edgefleet"], runs["FIFO"]
-    edge_p99 = edge.latency_ms.p99
+    edge_p99, fifo_p99 = edge.latency_ms.p99, fifo.latency_ms.p99
     targets = [
         Target(f"edgefleet p99 / {BOUND}", edge_p99 / alone.bound_ms, "<=", TARGET_BOUND_RATIO),
-        Target(
-            "FIFO p99 / edgefleet p99", fifo.latency_ms.p99 / edge_p99, ">=", TARGET_FIFO_RATIO, 1
-        ),
+        Target("FIFO p99 / edgefleet p99", fifo_p99 / edge_p99, ">=", TARGET_FIFO_RATIO, 1),
     ]
     measured = (
-        f"One node serving a {model.describe()}, batching off, queue capacity {CAPACITY}. "
-        "Three configurations: alone (foreground only), edgefleet (priority order, "
-        "preemption on, gap 5) and FIFO (`node_defaults.order: fifo`). During the flood a "
-        f"closed loop keeps {CAPACITY} background (priority {BACKGROUND}) requests "
-        f"outstanding, so the node runs one and queues {CAPACITY - 1} (one slot stays free, "
-        "so a foreground request is admitted under both disciplines). Foreground requests "
-        f"(priority {FOREGROUND}) go one at a time, {GAP_S * 1000:.0f} ms apart, once the "
-        "queue is full; latency is client end to end, retries of a refused attempt included. "
-        "Every request goes straight to the node actor, bypassing placement."
+        f"One node serving a {model.describe()}, batching off, queue capacity {CAPACITY}: "
+        "alone (foreground only), edgefleet (priority order, preemption gap 5) and FIFO "
+        f"(`node_defaults.order: fifo`). The flood keeps {CAPACITY} background (priority "
+        f"{BACKGROUND}) requests outstanding: the node runs one and queues {CAPACITY - 1}, a "
+        f"slot left for the foreground (priority {FOREGROUND}), sent one at a time "
+        f"{GAP_S * 1000:.0f} ms apart straight to the node actor; latency is client end to "
+        "end, retries included."
     )
     counters = "; ".join(f"{r.config}: {bc.pairs_text(r.counters)}" for r in (edge, fifo))
     notes = [
@@ -221,8 +196,7 @@ def _section(model: bc.BenchModel, runs: dict[str, ForegroundRun]) -> Section:
         f"Node counters over each flood: {counters}. Failed foreground requests: "
         f"{sum(r.errors for r in runs.values())}.",
         "Disturbance (CPU other processes used during the kept measurement; attempts): "
-        f"{bc.disturbance(runs)}. A measurement disturbed by more than 0.2 cores is taken "
-        "again (FIFO: once).",
+        f"{bc.disturbance(runs)}; one disturbed by over 0.2 cores is taken again (FIFO: once).",
     ]
     if alone.service_ms > 1.1 * edge.service_ms:
         notes.append(
@@ -261,6 +235,12 @@ VARIANTS = {  # entry -> (label, model entry keys)
 STARVATION = {
     "classes": {"offline": {"min_share": OFFLINE_SHARE, "max_wait_ms": OFFLINE_MAX_WAIT_MS}}
 }
+BATCH_COLUMNS = "configuration | batch limit | alone p50 ms | alone p99 ms | flood p50 ms | "
+BATCH_COLUMNS += "flood p99 ms | p50 / alone | p99 / bound | largest fg batch | bg done/s | "
+BATCH_COLUMNS += "bg mean batch | bg preempted"
+STARVATION_COLUMNS = "configuration | fg alone p50 ms | fg flood p50 ms | fg flood p99 ms | "
+STARVATION_COLUMNS += "p50 / alone | p99 / bound | bg done/s | offline done | offline engine "
+STARVATION_COLUMNS += "share | offline wait p50 ms | offline wait p99 ms | offline wait max ms"
 
 
 @dataclass(frozen=True)
@@ -271,10 +251,10 @@ class VariantRun:
     alone: ForegroundRun
     flooded: ForegroundRun
 
-
-def _entry(model: bc.BenchModel, name: str) -> bc.ModelEntry:
-    keys: dict[str, Any] = {"window_ms": WINDOW_MS, "max_batch_size": MAX_BATCH}
-    return bc.ModelEntry(name, model.path, **{**keys, **VARIANTS[name][1]})
+    def cells(self) -> list[object]:
+        """p50 alone, p50 and p99 flooded, p50 / alone, p99 / bound (for each table)."""
+        a, f = self.alone.latency_ms, self.flooded.latency_ms
+        return [fmt(f.p50), fmt(f.p99), fmt(f.p50 / a.p50, 2), fmt(f.p99 / self.alone.bound_ms, 2)]
 
 
 def _variant(
@@ -300,137 +280,107 @@ def run_batching(ctx: bc.RunContext) -> Section:
     feed = bc.slow_feed(LINEAR_WIDTH)
     # Back-to-back calls in-process: steadier than the node's three-call warm-up figures.
     hot = {n: bc.linear_call_ms(model.path, LINEAR_WIDTH, rows=n) for n in (1, 2, 4)}
-    n_fg, n_starve = ctx.count(40, 10), ctx.count(120, 20)
-    entries = [_entry(model, v) for v in VARIANTS]
+    n_fg, starve = ctx.count(40, 10), (ctx.count(40, 10), ctx.count(120, 20))
+    keys: dict[str, Any] = {"window_ms": WINDOW_MS, "max_batch_size": MAX_BATCH}
+    entries = [bc.ModelEntry(v, model.path, **keys | more) for v, (_, more) in VARIANTS.items()]
     with bc.deployed(bc.fleet_config("bench-prio-batch", entries, capacity=CAPACITY)) as client:
         status = client.status(GET_TIMEOUT_S)
-        tables = {v: bc.node_costs_ms(status, v) for v in VARIANTS}
-        runs = [_variant(client, feed, v, (n_fg, n_fg)) for v in VARIANTS]
-        strict = _variant(client, feed, "lin_on", (n_fg, n_starve), OFFLINE_OUTSTANDING)
-    bounded = bc.fleet_config(
-        "bench-starvation", [entries[1]], capacity=CAPACITY, starvation=STARVATION
+        costs = {v: bc.node_costs_ms(status, v) for v in VARIANTS}
+        runs = {v: _variant(client, feed, v, (n_fg, n_fg)) for v in VARIANTS}
+        runs["strict"] = _variant(client, feed, "lin_on", starve, OFFLINE_OUTSTANDING)
+    config = bc.fleet_config(
+        "bench-starvation", entries[1:2], capacity=CAPACITY, starvation=STARVATION
     )
-    with bc.deployed(bounded) as client:
-        starved = _variant(client, feed, "lin_on", (n_fg, n_starve), OFFLINE_OUTSTANDING)
-    return _batching_section(model, hot, tables, runs, strict, starved)
+    with bc.deployed(config) as client:
+        runs["starved"] = _variant(client, feed, "lin_on", starve, OFFLINE_OUTSTANDING)
+    return _batching_report(model, hot, costs, runs)
 
 
-def _variant_table(runs: list[VariantRun]) -> str:
-    def mean_batch(c: Counts | None) -> str:
-        return "-" if c is None or not c.calls else fmt(c.completed / c.calls, 2)
-
-    rows = []
-    for r in runs:
-        a, f = r.alone.latency_ms, r.flooded.latency_ms
+def _batching_tables(runs: dict[str, VariantRun]) -> list[str]:
+    rows, starvation = [], []
+    for r in list(runs.values())[:4]:
+        bg, a = r.flooded.bg_window, r.alone.latency_ms
+        mean_batch = fmt(bg.completed / bg.calls, 2) if bg is not None and bg.calls else "-"
+        largest = fmt(max(r.flooded.batch_sizes, default=0), 0)
         rows.append(
-            [r.label, r.batch_limit, fmt(a.p50), fmt(a.p99), fmt(f.p50), fmt(f.p99)]
-            + [fmt(f.p50 / a.p50, 2), fmt(f.p99 / r.alone.bound_ms, 2)]
-            + [fmt(max(r.flooded.batch_sizes, default=0), 0), fmt(r.flooded.bg_rate)]
-            + [mean_batch(r.flooded.bg_window), r.flooded.counters.get("preempted", 0)]
+            [r.label, r.batch_limit, fmt(a.p50), fmt(a.p99), *r.cells(), largest]
+            + [fmt(r.flooded.bg_rate), mean_batch, r.flooded.counters.get("preempted", 0)]
         )
-    headers = "configuration | batch limit | alone p50 ms | alone p99 ms | flood p50 ms | flood "
-    headers += "p99 ms | p50 / alone | p99 / bound | largest fg batch | bg done/s | bg mean batch"
-    return bc.md_table([*bc.columns(headers), "bg preempted"], rows)
-
-
-def _starvation_table(strict: VariantRun, starved: VariantRun) -> str:
-    rows = []
-    for label, r in (("strict priority (no bounds)", strict), ("offline share 5 %", starved)):
-        a, f = r.alone.latency_ms, r.flooded.latency_ms
+    for label, r in (
+        ("strict priority (no bounds)", runs["strict"]),
+        ("offline share 5 %", runs["starved"]),
+    ):
         waits = Summary.of([w * 1000 for w in r.flooded.offline_wait_s])
         done = r.flooded.offline.completed if r.flooded.offline else 0
-        rows.append(
-            [label, fmt(a.p50), fmt(f.p50), fmt(f.p99), fmt(f.p50 / a.p50, 2)]
-            + [fmt(f.p99 / r.alone.bound_ms, 2), fmt(r.flooded.bg_rate), done]
+        starvation.append(
+            [label, fmt(r.alone.latency_ms.p50), *r.cells(), fmt(r.flooded.bg_rate), done]
             + [f"{r.flooded.offline_share * 100:.1f}%"]
             + [fmt(x, 0) for x in (waits.p50, waits.p99, waits.max)]
         )
-    headers = "configuration | fg alone p50 ms | fg flood p50 ms | fg flood p99 ms | p50 / alone "
-    headers += "| p99 / bound | bg done/s | offline done | offline engine share | offline wait "
-    headers += "p50 ms | offline wait p99 ms | offline wait max ms"
-    return bc.md_table(bc.columns(headers), rows)
-
-
-def _batching_targets(
-    hot: Mapping[int, float], runs: list[VariantRun], starved: VariantRun
-) -> list[Target]:
-    label = "batch 4 / batch 1 cost, in-process back to back (near-linear model)"
-    targets = [Target(label, hot[4] / hot[1], ">=", 3.5)]
-    for r in runs[1:3]:
-        a, f, bg = (
-            r.alone.latency_ms,
-            r.flooded.latency_ms,
-            r.flooded.bg_rate / runs[0].flooded.bg_rate,
-        )
-        targets += [
-            Target(f"{r.label}: flood p50 / alone p50", f.p50 / a.p50, "<=", TARGET_P50_RATIO),
-            Target(
-                f"{r.label}: flood p99 / {BOUND}",
-                f.p99 / r.alone.bound_ms,
-                "<=",
-                TARGET_BOUND_RATIO,
-            ),
-            Target(f"{r.label}: bg done/s / batching off", bg, ">=", TARGET_BG_RATIO),
-        ]
-    sa, sf, flood = starved.alone.latency_ms, starved.flooded.latency_ms, starved.flooded
-    waits = Summary.of([w * 1000 for w in flood.offline_wait_s])
-    wait = f"starvation: offline wait p99, ms (max_wait_ms {OFFLINE_MAX_WAIT_MS:g})"
-    return targets + [
-        Target("starvation: offline share of engine time", flood.offline_share, ">=", TARGET_SHARE),
-        Target(wait, waits.p99, "<=", OFFLINE_MAX_WAIT_MS, 0),
-        Target("starvation: fg flood p50 / alone p50", sf.p50 / sa.p50, "<=", TARGET_P50_RATIO),
-        Target(
-            f"starvation: fg flood p99 / {BOUND}",
-            sf.p99 / starved.alone.bound_ms,
-            "<=",
-            TARGET_BOUND_RATIO,
-        ),
+    return [
+        bc.md_table(bc.columns(BATCH_COLUMNS), rows),
+        bc.md_table(bc.columns(STARVATION_COLUMNS), starvation),
     ]
 
 
-def _batching_section(
-    model: bc.BenchModel,
-    hot: Mapping[int, float],
-    tables: Mapping[str, Mapping[int, float]],
-    runs: list[VariantRun],
-    strict: VariantRun,
-    starved: VariantRun,
+def _batching_report(
+    model: bc.BenchModel, hot: dict[int, float], costs: dict[str, Any], runs: dict[str, VariantRun]
 ) -> Section:
-    def costs(table: Mapping[int, float], unit: str = "") -> str:
-        return ", ".join(f"{n}{unit} {ms:.1f}" for n, ms in sorted(table.items()))
+    off = runs["lin_off"].flooded.bg_rate
+
+    def latency(name: str, r: VariantRun) -> list[Target]:
+        a, f, bound = r.alone.latency_ms, r.flooded.latency_ms, r.alone.bound_ms
+        return [
+            Target(f"{name} flood p50 / alone p50", f.p50 / a.p50, "<=", TARGET_P50_RATIO),
+            Target(f"{name} flood p99 / {BOUND}", f.p99 / bound, "<=", TARGET_BOUND_RATIO),
+        ]
+
+    label = "batch 4 / batch 1 cost, in-process back to back (near-linear model)"
+    targets = [Target(label, hot[4] / hot[1], ">=", 3.5)]
+    for r in (runs["lin_on"], runs["lin_forced"]):
+        targets += latency(f"{r.label}:", r)
+        label = f"{r.label}: bg done/s / batching off"
+        targets.append(Target(label, r.flooded.bg_rate / off, ">=", TARGET_BG_RATIO))
+    starved = runs["starved"].flooded
+    wait = f"starvation: offline wait p99, ms (max_wait_ms {OFFLINE_MAX_WAIT_MS:g})"
+    waits = Summary.of([w * 1000 for w in starved.offline_wait_s])
+    targets += [
+        Target(
+            "starvation: offline share of engine time", starved.offline_share, ">=", TARGET_SHARE
+        ),
+        Target(wait, waits.p99, "<=", OFFLINE_MAX_WAIT_MS, 0),
+        *latency("starvation: fg", runs["starved"]),
+    ]
+
+    def table(costs: dict[int, float], unit: str = "") -> str:
+        return ", ".join(f"{n}{unit} {ms:.1f}" for n, ms in sorted(costs.items()))
 
     measured = (
-        f"One node serving a {model.describe()}, under four model entries of the same file "
-        f"that differ only in batching (window {WINDOW_MS:g} ms, max batch {MAX_BATCH} where "
-        f"on), queue capacity {CAPACITY}, priority order, preemption gap 5. The node's "
-        f"warm-up cost table: {costs(tables['lin_forced'], ' rows')} ms (in-process, back "
-        f"to back: {costs(hot, ' rows')} ms). For each entry: foreground requests alone, "
-        f"then under a background flood as in (c). Then the starvation bound: the same flood "
-        f"on the default entry with {OFFLINE_OUTSTANDING} offline (priority {OFFLINE}) "
-        f"requests also kept outstanding (the background flood keeps "
-        f"{OFFLINE_OUTSTANDING + 2} fewer), on a node without starvation bounds and on one "
-        f"with `starvation: {{classes: {{offline: {{min_share: {OFFLINE_SHARE}, max_wait_ms: "
-        f"{OFFLINE_MAX_WAIT_MS:g}}}}}}}`. Every request goes straight to the node actor."
+        f"One node serving a {model.describe()}, under four entries of that file differing "
+        f"only in batching (window {WINDOW_MS:g} ms, max batch {MAX_BATCH} where on), queue "
+        f"capacity {CAPACITY}, priority order, preemption gap 5; the node's warm-up costs: "
+        f"{table(costs['lin_forced'], ' rows')} ms (in-process, back to back: "
+        f"{table(hot, ' rows')} ms). Each entry: foreground alone, then under the flood of "
+        f"(c). Then the default entry with {OFFLINE_OUTSTANDING} offline (priority "
+        f"{OFFLINE}) requests also kept outstanding (the flood keeps {OFFLINE_OUTSTANDING + 2} "
+        "fewer), without starvation bounds and with `starvation: {classes: {offline: "
+        f"{{min_share: {OFFLINE_SHARE}, max_wait_ms: {OFFLINE_MAX_WAIT_MS:g}}}}}}}`. Every "
+        "request goes straight to the node actor."
     )
     disturbance = "; ".join(
-        f"{r.name}: {r.alone.foreign_cores:.2f}/{r.flooded.foreign_cores:.2f} "
-        f"cores, {r.alone.attempts}/{r.flooded.attempts}"
-        for r in [*runs, strict, starved]
+        f"{r.name}: {r.alone.foreign_cores:.2f}/{r.flooded.foreign_cores:.2f} cores, "
+        f"{r.alone.attempts}/{r.flooded.attempts}"
+        for r in runs.values()
     )
     notes = [
         "Each entry's own warm-up table (ms per call by rows; the same file, so the spread "
-        "is measurement noise): " + "; ".join(f"{k}: {costs(t)}" for k, t in tables.items()),
-        "Batch limit: the batch size the node waits for, from its warm-up measurement "
-        "(`min_gain` 0.25 by default). 'Forced' batches whatever the gain; 'previous rules' "
-        "lets background rows fill a foreground call's free slots and always waits out the "
-        "window. p99 / bound: flood p99 / (1.5 x alone p99 + the median service time "
-        "alone). Offline engine share: engine time of completed offline requests over that "
-        "of every completed request while the foreground ran; offline wait: their "
-        "`Reply.queue_s`.",
+        "is measurement noise): " + "; ".join(f"{k}: {table(t)}" for k, t in costs.items()),
+        "Batch limit: the batch size the node waits for (`min_gain` 0.25 by default). "
+        "'Forced' batches whatever the gain; 'previous rules' lets background rows fill a "
+        "foreground call's free slots and always waits out the window. Offline engine "
+        "share: of the engine time of completed requests while the foreground ran; offline "
+        "wait: their `Reply.queue_s`.",
         "Disturbance (CPU other processes used during the kept measurement; attempts): "
         f"{disturbance} (alone/flood).",
     ]
-    tables_md = [_variant_table(runs), _starvation_table(strict, starved)]
-    return Section(
-        BATCHING_TITLE, measured, tables_md, _batching_targets(hot, runs, starved), notes
-    )
+    return Section(BATCHING_TITLE, measured, _batching_tables(runs), targets, notes)
