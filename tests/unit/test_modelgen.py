@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -287,6 +289,15 @@ def test_builtin_registry_contents() -> None:
     for name, spec in BUILTIN_MODELS.items():
         assert spec.name == name
         assert spec.filename == f"{name}.onnx"
+
+
+def test_the_command_line_names_the_builtin_models_without_importing_onnx() -> None:
+    from cluster.cli.models import BUILTIN
+
+    assert tuple(BUILTIN_MODELS) == BUILTIN
+    shown = "import sys, cluster.cli; cluster.cli.build_parser(); print('onnx' in sys.modules)"
+    ran = subprocess.run([sys.executable, "-c", shown], capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == "False"
 
 
 def test_make_all_writes_everything_and_reports(tmp_path: Path) -> None:
