@@ -107,6 +107,7 @@ class ModelManager:
         self._budget_mb = budget_mb
         self._loader = loader
         self._info: dict[str, ModelInfo] = {}
+        self._replaced: dict[str, ModelInfo] = {}  # models whose new version is loading
         self._resident: OrderedDict[str, Engine] = OrderedDict()  # LRU order, newest last
 
     def probe_all(self, progress: Progress | None = None) -> None:
@@ -145,7 +146,7 @@ class ModelManager:
         old_config, old_info = self._configs[name], self.info(name)
         self.unload(name)
         self._configs[name] = config
-        del self._info[name]
+        self._replaced[name] = self._info.pop(name)  # still listed while the new one loads
         try:
             self._probe(name)
             info = self._info[name]
@@ -164,6 +165,8 @@ class ModelManager:
                     f"not load again: {again}"
                 ) from None
             raise VersionFailed(f"model {name!r}: the new version failed: {exc}") from None
+        finally:
+            del self._replaced[name]
         return info
 
     def info(self, name: str) -> ModelInfo:
@@ -176,7 +179,10 @@ class ModelManager:
             ) from None
 
     def models(self) -> list[ModelInfo]:
-        return list(self._info.values())
+        """Every model, one being replaced included (as its old version until the new
+        one is in)."""
+        replaced = [i for n, i in self._replaced.items() if n not in self._info]
+        return [*self._info.values(), *replaced]
 
     def resident(self, name: str) -> Engine | None:
         engine = self._resident.get(name)

@@ -282,8 +282,11 @@ def test_a_node_whose_new_version_does_not_load_serves_the_old_one_again():
     from actors.models import ModelManager
     from tests.fakes import FakeLoader
 
+    listed: list[list[str]] = []  # the models status lists while a version loads
+
     class Loader(FakeLoader):
         def __call__(self, name: str, config: ModelConfig) -> Any:
+            listed.append([i.name for i in manager.models()])
             if "broken" in str(config.path):
                 raise VersionFailed("not an ONNX file")  # what a failed load raises
             return super().__call__(name, config)
@@ -292,6 +295,7 @@ def test_a_node_whose_new_version_does_not_load_serves_the_old_one_again():
     old = ModelConfig(path=Path("/models/v1/m.onnx"), warmup=False)
     manager = ModelManager({"m": old}, 100, loader)
     manager.probe_all()
+    listed.clear()
     try:
         manager.replace("m", ModelConfig(path=Path("/models/broken/m.onnx"), warmup=False))
     except VersionFailed as exc:
@@ -302,3 +306,4 @@ def test_a_node_whose_new_version_does_not_load_serves_the_old_one_again():
     assert loader.engines["m"].closed is False and loader.loads == ["m", "m"]
     new = ModelConfig(path=Path("/models/v2/m.onnx"), warmup=False)
     assert manager.replace("m", new).config == new and manager.info("m").config == new
+    assert listed == [["m"]] * 3  # listed throughout (status shows it moving)
