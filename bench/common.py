@@ -33,7 +33,7 @@ from cluster.deploy import init_loopback_ray
 from cluster.traffic import Answer, Counts, OpenLoop
 from edgefleet.config import FleetConfig, parse_config
 from edgefleet.messages import Reply
-from edgefleet.modelgen import _median_call_s, calibrate_slow
+from edgefleet.modelgen import calibrate_slow, median_call_s
 from sim.report import md_table as md_table  # one table writer: benchmarks and simulator
 from sim.workload import Arrival
 
@@ -843,7 +843,7 @@ def raw_session(path: Path) -> ort.InferenceSession:
 
 def median_call_ms(session: Any, feed: Feed, repeats: int = 9) -> float:
     """Median ms of ``repeats`` back-to-back calls of ``session``, after 3 warm-ups."""
-    return 1000 * _median_call_s(session, feed, runs=repeats)
+    return 1000 * median_call_s(session, feed, runs=repeats)
 
 
 def linear_call_ms(path: Path, width: int, rows: int = 1, repeats: int = 9) -> float:

@@ -319,7 +319,9 @@ def _session(model_bytes: bytes, threads: int) -> Any:
     return ort.InferenceSession(model_bytes, opts, providers=["CPUExecutionProvider"])
 
 
-def _median_call_s(session: Any, feed: dict[str, FloatArray], runs: int, warmup: int = 3) -> float:
+def median_call_s(session: Any, feed: dict[str, FloatArray], runs: int, warmup: int = 3) -> float:
+    """The median wall time of ``runs`` calls of ``session`` on ``feed``, after
+    ``warmup`` calls (also the benchmarks' timer of a bare ONNX Runtime session)."""
     run = session.run
     for _ in range(warmup):
         run(None, feed)  # first calls pay for allocations and page faults
@@ -338,7 +340,7 @@ def _time_slow(layers: int, width: int, seed: int, threads: int, runs: int, warm
     )
     session = _session(model.SerializeToString(), threads)
     feed = {"x": np.ones((1, width), dtype=np.float32)}
-    return _median_call_s(session, feed, runs=runs, warmup=warmup)
+    return median_call_s(session, feed, runs=runs, warmup=warmup)
 
 
 # Probe and re-time only graphs whose measurement stays cheap: session creation grows
@@ -1276,5 +1278,6 @@ __all__ = [
     "make_spin",
     "make_stateful",
     "make_tiny_lm",
+    "median_call_s",
     "random_inputs",
 ]
