@@ -33,7 +33,7 @@ the group, with its own cache, at the token where it ends.
 A decode step of a ``GroupQueryAttention`` graph alone writes the new token's keys and
 values in place: past and present are bound (ONNX Runtime's IO binding) to one
 preallocated buffer, as ONNX Runtime GenAI does with ``past_present_share_buffer``, so
-no step copies the whole cache (see ``_decode_shared``). The buffer grows geometrically;
+no step copies the whole cache (see ``_decode_in_place``). The buffer grows geometrically;
 the engine hands caches back to the node in arrays of their own size.
 """
 
@@ -75,15 +75,23 @@ MATMUL_NBITS = b"MatMulNBits"
 NBITS_GROUPING_LEVEL = 2
 # ONNX Runtime's attention op of GenAI builds: it finds each row's past from column 0.
 GROUP_QUERY_ATTENTION = b"GroupQueryAttention"
-# A decode buffer's columns: twice those needed when it is made (or this many more), so
-# a generation's decode steps copy its cache O(log n) times, not once a token.
+# GroupQueryAttention's inputs seqlens_k and total_sequence_length, and the ops a graph
+# may derive them from its attention mask with (see mask_only_counts).
+GQA_COUNT_INPUTS = (5, 6)
+COUNT_OPS = frozenset(
+    {"Shape", "Gather", "Cast", "Squeeze", "Unsqueeze", "ReduceSum", "Sub", "Add", "Reshape"}
+    | {"Identity", "Size"}
+)
+# A decode buffer's columns: those the generation may still fill (its token budget),
+# and at least twice those needed when it is made (or this many more), so a generation
+# whose budget keeps growing copies its cache O(log n) times, not once a token.
 BUFFER_SLACK = 64
 
 
 @dataclass(eq=False)
 class _KVBuffer:
     """Preallocated KV arrays (``[1, heads, capacity, head_dim]``, one per past input)
-    that one engine's decode steps write in place (see ``DecoderEngine._decode_shared``),
+    that one engine's decode steps write in place (see ``DecoderEngine._decode_in_place``),
     with the IO binding that runs them: past and present inputs and outputs bound to the
     same arrays. Columns ``0 .. filled - 1`` hold keys and values. Only a cache that
     covers exactly those columns appends (writes column ``filled``), so every
@@ -93,6 +101,13 @@ class _KVBuffer:
     filled: int
     binding: ort.IOBinding
     session: ort.InferenceSession  # the binding's: a reloaded model makes its own buffers
+    # Bind host memory to an input (name, element type, shape, address), and run the
+    # binding: see _native_calls.
+    bind: Callable[[str, Any, list[int], int], None]
+    run: Callable[[], None]
+    # The attention mask bound once at the buffer's full width, ones over the columns
+    # filled (see DecoderEngine._wide_mask); None: bound at the row's width each step.
+    mask: np.ndarray | None = None
 
     @property
     def capacity(self) -> int:
@@ -160,6 +175,9 @@ class Generation:
         if not self.tokens:
             self.tokens = list(self.request.prompt_ids)
         self._stop_ids = frozenset(self.request.stop_ids)
+        # Read each step: the request's numbers, once (it is immutable).
+        self._prompt_len = len(self.request.prompt_ids)
+        self._most = self.request.max_new_tokens - self.request.continued
         if self.rng is None and self.request.temperature > 0:
             self.rng = np.random.default_rng(self.request.seed)
             self.rng.random(self.request.continued)  # one draw per token already sampled
@@ -189,12 +207,16 @@ class Generation:
             return n
         return n - n % self.exact_chunk if self.exact_chunk > 0 else 0
 
+    def room(self) -> int:
+        """New tokens this generation may still make (its length and budget allowing)."""
+        return min(self._most, self.limit) - (len(self.tokens) - self._prompt_len)
+
     def end_reason(self) -> str | None:
         """Why the generation ends before another step, or None to go on."""
-        n = len(self.tokens) - self.prompt_len
+        n = len(self.tokens) - self._prompt_len
         if n and self.tokens[-1] in self._stop_ids:
             return "stop"
-        if n >= self.request.max_new_tokens - self.request.continued:
+        if n >= self._most:
             return "length"
         if n >= self.limit:
             return "budget"
@@ -348,7 +370,7 @@ class DecoderEngine:
         self._positions = np.arange(0, dtype=np.int64)[None]
         self._grow(self.max_context or 1024)
         # Decode steps of a GroupQueryAttention graph write the cache in place (see
-        # _decode_shared): the token and the logits go through these arrays. Only on
+        # _decode_in_place): the token and the logits go through these arrays. Only on
         # the CPU provider alone: the buffers are host memory, which another provider
         # would copy to its device and back, so past and present would not be shared.
         self._share_buffer = (
@@ -356,9 +378,12 @@ class DecoderEngine:
             and not self._cache_branch
             and self._session.get_providers() == [CPU.ort_name]
         )
+        # Whether a decode buffer's mask can be bound once, at the buffer's width.
+        self._wide_mask = self._share_buffer and mask_only_counts(path)
         self._ids = np.zeros((1, 1), dtype=self._ids_dtype)
         self._logits_dtype = next(s for s in self._sig.outputs if s.name == "logits").dtype
         self._logits: np.ndarray | None = None  # [1, 1, vocab], once the vocabulary is known
+        self._logits_row: np.ndarray | None = None  # its [vocab] view
 
     # --------------------------------------------------------------- Engine protocol
 
@@ -397,7 +422,8 @@ class DecoderEngine:
                     return reason
                 if stop is not None and stop.is_set():
                     return None
-                self.step(gen, stop)
+                if not (self._in_place(gen) and self._decode_in_place(gen, stop)):
+                    self.step(gen, stop)
         except RunAborted:
             return None  # a prefill aborted for a pause: its cache is as it was
         finally:
@@ -412,6 +438,8 @@ class DecoderEngine:
         yet). On an exact_grouping model each step is one call of the uninterrupted run
         (see ``_exact_call``), so a cache is rebuilt over several steps. Raises
         RunAborted when ``stop`` aborted a prefill."""
+        if self._in_place(gen) and self._decode_in_place(gen, stop, most=1):
+            return gen.tokens[-1]
         if self.exact_grouping:
             start, end = self._exact_call(gen)
         else:
@@ -453,35 +481,43 @@ class DecoderEngine:
         cache: KVCache | None,
         stop: threading.Event | None = None,
     ) -> tuple[np.ndarray, KVCache]:
-        """``forward``, returning the cache that covers ``ids`` too. A decode step (one
-        token after a cache) of a graph that takes it writes the cache in place."""
-        refused: Exception | None = None
-        if len(ids) == 1 and cache is not None and self._share_buffer and self.vocab:
-            try:
-                return self._decode_shared(ids[0], cache)
-            except Exception as exc:  # ONNX Runtime's own error types
-                refused = exc
+        """``forward``, returning the cache that covers ``ids`` too."""
         logits, arrays = self.forward(ids, start, cache, stop)
-        if refused is not None:
-            # The graph runs, but not on shared buffers: decode with a copy per token.
-            self._share_buffer = False
-            log.warning(
-                "model %r: decoding in a shared KV buffer failed (%s); copying the cache "
-                "each step instead",
-                self.name,
-                refused,
-            )
         return logits, KVCache(arrays, start + len(ids))
 
-    def _decode_shared(self, token: int, cache: KVCache) -> tuple[np.ndarray, KVCache]:
-        """One decode step that writes the new token's keys and values into the cache's
-        decode buffer in place, through ONNX Runtime's IO binding. GroupQueryAttention
-        takes past and present bound to one buffer wider than the mask (ONNX Runtime
-        GenAI's ``past_present_share_buffer``): it then reads the row's past from its
-        first ``seqlens_k`` columns, as it does from a past of their width, and writes
-        the new token's column instead of copying the past to a new present. Logits are
-        those of ``forward`` (the same kernels, the same columns attended to). A cache
-        without a buffer it may append to is first copied into a new one."""
+    def _in_place(self, gen: Generation) -> bool:
+        """Whether ``gen``'s next steps are decode steps ``_decode_in_place`` runs: one
+        token to feed after its cache, on a graph that takes shared buffers (on an
+        exact_grouping model, past its original prompt and on a cache of its own calls)."""
+        cache = gen.cache
+        return (
+            self._share_buffer
+            and self.vocab is not None
+            and cache is not None
+            and cache.length == len(gen.tokens) - 1
+            and not (self.exact_grouping and (gen.reused or cache.length < gen.original_prompt_len))
+        )
+
+    def _decode_in_place(
+        self, gen: Generation, stop: threading.Event | None = None, most: int = 0
+    ) -> int:
+        """Decode steps (``_in_place`` says when) that write each new token's keys and
+        values into the cache's decode buffer in place, through ONNX Runtime's IO
+        binding, until the generation ends, ``stop`` is set, ``most`` tokens are made
+        (0: no limit) or the buffer is full. Returns the tokens made: 0 when the graph
+        refused shared buffers (the engine then copies the cache each step).
+
+        GroupQueryAttention takes past and present bound to one buffer wider than the
+        mask (ONNX Runtime GenAI's ``past_present_share_buffer``): it then reads the
+        row's past from its first ``seqlens_k`` columns, as it does from a past of their
+        width, and writes the new token's column instead of copying the past to a new
+        present. Logits are those of ``forward`` (the same kernels, the same columns
+        attended to). A cache without a buffer it may append to is first copied into a
+        new one. Between steps only the mask changes (bound again at the row's width, or
+        one more column set in a wide mask), and the cache handed back is made once,
+        when the steps stop."""
+        cache = gen.cache
+        assert cache is not None  # see _in_place
         n = cache.length
         buffer = cache.buffer
         if (
@@ -490,28 +526,68 @@ class DecoderEngine:
             or buffer.filled != n
             or n >= buffer.capacity
         ):
-            buffer = self._buffer_for(cache)
-        if n + 1 > self._ones.shape[1]:
-            self._grow(2 * (n + 1))
-        self._ids[0, 0] = token
-        binding = buffer.binding
-        binding.bind_input(
-            "attention_mask", "cpu", 0, self._mask_dtype.type, [1, n + 1], self._ones_at
-        )
-        if self._has_positions:
-            at = self._positions_at + n * self._positions.itemsize
-            binding.bind_input("position_ids", "cpu", 0, np.int64, [1, 1], at)
-        self._session.run_with_iobinding(binding)
-        buffer.filled = n + 1
-        arrays = tuple(a[:, :, : n + 1] for a in buffer.arrays)
-        assert self._logits is not None  # bound by _buffer_for
-        return self._logits[0, -1].copy(), KVCache(arrays, n + 1, buffer)
+            try:
+                buffer = self._buffer_for(cache, gen.room())
+            except Exception as exc:  # ONNX Runtime's own error types
+                self._refused(exc)
+                return 0
+        if buffer.capacity > self._ones.shape[1]:
+            self._grow(buffer.capacity)
+        if self.exact_grouping:
+            gen.exact_chunk = self.prefill_chunk
+        assert self._logits_row is not None  # made with the first buffer
+        bind, run, wide = buffer.bind, buffer.run, buffer.mask
+        ids, logits, tokens = self._ids.reshape(-1), self._logits_row, gen.tokens
+        mask_type, ones_at, positions_at = self._mask_dtype.type, self._ones_at, self._positions_at
+        greedy = gen.request.temperature <= 0 or gen.rng is None
+        made = 0
+        try:
+            while n < buffer.capacity:
+                ids[0] = tokens[-1]
+                if wide is not None:
+                    wide[0, n] = 1
+                else:
+                    bind("attention_mask", mask_type, [1, n + 1], ones_at)
+                if self._has_positions:
+                    bind("position_ids", np.int64, [1, 1], positions_at + 8 * n)
+                try:
+                    run()
+                except Exception as exc:  # ONNX Runtime's own error types
+                    self._refused(exc)
+                    break
+                n += 1
+                buffer.filled = n
+                if greedy:
+                    token = int(logits.argmax())
+                else:
+                    token = sample(logits, gen.request.temperature, gen.request.top_k, gen.rng)
+                tokens.append(token)
+                gen.fed += 1
+                made += 1
+                gen.emit(token)
+                if made == most or gen.end_reason() is not None or _is_set(stop):
+                    break
+        finally:
+            if made:
+                gen.cache = KVCache(tuple(a[:, :, :n] for a in buffer.arrays), n, buffer)
+        return made
 
-    def _buffer_for(self, cache: KVCache) -> _KVBuffer:
-        """A new decode buffer holding ``cache`` in its first columns, with room to grow
-        (up to the model's context), and its IO binding."""
+    def _refused(self, exc: Exception) -> None:
+        """The graph runs, but not on shared buffers: decode with a copy per token."""
+        self._share_buffer = False
+        log.warning(
+            "model %r: decoding in a shared KV buffer failed (%s); copying the cache "
+            "each step instead",
+            self.name,
+            exc,
+        )
+
+    def _buffer_for(self, cache: KVCache, room: int = 0) -> _KVBuffer:
+        """A new decode buffer holding ``cache`` in its first columns, with ``room``
+        tokens to grow or more (see BUFFER_SLACK), up to the model's context, and its IO
+        binding."""
         need = cache.length + 1
-        capacity = max(2 * need, need + BUFFER_SLACK)
+        capacity = max(cache.length + room, 2 * need, need + BUFFER_SLACK)
         if self.max_context is not None:
             capacity = max(need, min(capacity, self.max_context))
         arrays = []
@@ -523,6 +599,7 @@ class DecoderEngine:
             arrays.append(out)
         if self._logits is None:  # once: every binding writes here (the vocabulary is fixed)
             self._logits = np.zeros((1, 1, int(self.vocab or 0)), self._logits_dtype)
+            self._logits_row = self._logits[0, 0]
         binding = self._session.io_binding()
         for past, present, array in zip(self._past, self._present, arrays, strict=True):
             value = ort.OrtValue.ortvalue_from_numpy(array)
@@ -539,7 +616,13 @@ class DecoderEngine:
             list(self._logits.shape),
             self._logits.ctypes.data,
         )
-        return _KVBuffer(tuple(arrays), cache.length, binding, self._session)
+        bind, run = _native_calls(self._session, binding)
+        mask = None
+        if self._wide_mask:
+            mask = np.zeros((1, capacity), self._mask_dtype)
+            mask[0, : cache.length] = 1
+            bind("attention_mask", self._mask_dtype.type, [1, capacity], mask.ctypes.data)
+        return _KVBuffer(tuple(arrays), cache.length, binding, self._session, bind, run, mask)
 
     def forward(
         self,
@@ -872,6 +955,64 @@ def _charge(gens: Sequence[Generation], since: tuple[float, float]) -> tuple[flo
 
 def _ignore(token: int) -> None:
     pass
+
+
+def _native_calls(
+    session: ort.InferenceSession, binding: ort.IOBinding
+) -> tuple[Callable[[str, Any, list[int], int], None], Callable[[], None]]:
+    """Bind host memory to an input of ``binding`` (name, element type, shape, address),
+    and run the binding: through ONNX Runtime's native objects where this version
+    exposes them, else through its public calls. The public ones build the device
+    again for each bind and check for graph capture on each run, a few microseconds a
+    token, against about 100 for a decode step of a small model."""
+    native, native_session = getattr(binding, "_iobinding", None), getattr(session, "_sess", None)
+    try:
+        device = ort.OrtDevice.make("cpu", 0)._get_c_device()
+    except (AttributeError, TypeError):
+        native = None
+    if native is None or native_session is None or not hasattr(native, "bind_input"):
+        return (
+            lambda name, kind, shape, at: binding.bind_input(name, "cpu", 0, kind, shape, at),
+            lambda: session.run_with_iobinding(binding),
+        )
+    return (
+        lambda name, kind, shape, at: native.bind_input(name, device, kind, shape, at),
+        lambda: native_session.run_with_iobinding(native, None),
+    )
+
+
+def mask_only_counts(path: Path) -> bool:
+    """True when the graph at ``path`` reads its attention mask only as counts that
+    GroupQueryAttention takes: its row sums (``seqlens_k``) and its width
+    (``total_sequence_length``), through arithmetic, shape and cast ops. A decode step
+    may then bind a mask wider than the row, zeros after it: the sums, and what the op
+    computes, are the same. Not so for a graph that makes anything else of the width
+    (the LongRoPE builds choose their rotary tables with an ``If`` on it), or that has
+    subgraphs: those get a mask of the row's width."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    consumers: dict[str, list[tuple[Any, int]]] = {}
+    for node in graph.node:
+        if any(a.HasField("g") or a.graphs for a in node.attribute):
+            return False
+        for i, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, i))
+    outputs = {o.name for o in graph.output}
+    todo, seen = ["attention_mask"], {"attention_mask"}
+    while todo:
+        tensor = todo.pop()
+        if tensor in outputs:
+            return False
+        for node, i in consumers.get(tensor, []):
+            if node.op_type == "GroupQueryAttention" and i in GQA_COUNT_INPUTS:
+                continue
+            if node.op_type not in COUNT_OPS:
+                return False
+            fresh = [o for o in node.output if o not in seen]
+            seen.update(fresh)
+            todo += fresh
+    return True
 
 
 def dynamically_quantized(path: Path) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import RunContext, Section, Target, fmt, log, md_table
-from bench.generation import Loop, engine_loop, tokens_per_s
+from bench.generation import Loop, engine_loop, paired_ratio, tokens_per_s
 from edgefleet.modelgen import make_genai_int4, make_genai_lm
 
 TITLE = "Generation against ONNX Runtime GenAI's Generator: tokens/s, one thread"
@@ -69,11 +69,12 @@ def _measure(
         "copying": engine_loop(folder / "model.onnx", PROMPT, n, in_place=False),
     }
     tps = tokens_per_s(loops, rounds, f"{label} ", MIN_RUN_S)
-    wall, cpu = ({k: t[i] for k, t in tps.items()} for i in (0, 1))
-    same = tps["engine"][2] == tps["generator"][2] == tps["copying"][2]
+    wall, cpu = ({k: t.wall for k, t in tps.items()}, {k: t.cpu for k, t in tps.items()})
+    same = tps["engine"].tokens == tps["generator"].tokens == tps["copying"].tokens
     figures = ", ".join(f"{k} {wall[k]:.0f} tok/s, {cpu[k]:.0f} tok/CPU-s" for k in loops)
     log(f"  {label}: {figures}; same tokens: {same}")
-    ratio, cpu_ratio = wall["engine"] / wall["generator"], cpu["engine"] / cpu["generator"]
+    ratio = wall["engine"] / wall["generator"]
+    cpu_ratio = paired_ratio(tps["generator"], tps["engine"])
     cells = [fmt(x, 0) for x in (wall["generator"], wall["engine"])] + [fmt(ratio, 2)]
     cells += [fmt(x, 0) for x in (cpu["generator"], cpu["engine"])] + [fmt(cpu_ratio, 2)]
     row = [label, fmt(params / 1e6, 1), *cells, fmt(cpu["copying"], 0), "yes" if same else "NO"]
@@ -89,7 +90,7 @@ def run(ctx: RunContext) -> Section:
     except ImportError:
         missing = "Not run: onnxruntime-genai is not installed (pip install -e '.[dev]')."
         return Section(TITLE, missing)
-    n, rounds, root = ctx.count(192, 48), ctx.count(7, 2), ctx.models.directory / "genai"
+    n, rounds, root = ctx.count(192, 48), ctx.count(11, 2), ctx.models.directory / "genai"
     rows, targets = [], []
     for size, kw in SIZES.items():
         t0 = time.perf_counter()
@@ -105,12 +106,14 @@ def run(ctx: RunContext) -> Section:
         f"Greedy generation of {n} tokens after a {len(PROMPT)}-token prompt (the prefill "
         "included), batch 1, one intra-op thread in both: ONNX Runtime GenAI's Generator "
         "(its session options overlaid with intra_op_num_threads 1) and edgefleet's "
-        f"DecoderEngine (advance, as a node runs it), on the same folders. Medians of {rounds} "
-        f"alternating rounds (each of at least {MIN_RUN_S:g} s of generations): tokens/s on the "
-        "wall clock, and per second of the calling thread's CPU time, which other processes "
-        "disturb less (the target). int4: MatMulNBits, block 32, accuracy_level 4 (as the "
-        "GenAI builder makes for the CPU). 'copying': the engine's decode steps copying the "
-        "whole cache each token (present to past), as before they wrote it in place."
+        f"DecoderEngine (advance, as a node runs it), on the same folders, in {rounds} "
+        f"rounds of each in turn (each of at least {MIN_RUN_S:g} s of generations). Tokens/s "
+        "on the wall clock and per second of the calling thread's CPU time (medians), which "
+        "other processes disturb less; the CPU ratio (the target) is the median of the "
+        "rounds' ratios, each round's two runs back to back. int4: MatMulNBits, block 32, "
+        "accuracy_level 4 (as the GenAI builder makes for the CPU). 'copying': the engine's "
+        "decode steps copying the whole cache each token (present to past), as before they "
+        "wrote it in place."
     )
     header = ["model", "M params", "Generator tok/s", "engine tok/s", "ratio"]
     header += ["Generator tok/CPU-s", "engine tok/CPU-s", "CPU ratio", "copying tok/CPU-s"]

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -244,12 +245,22 @@ def engine_loop(path: Path, prompt: tuple[int, ...], n: int, *, in_place: bool =
     return run
 
 
+@dataclass(frozen=True)
+class Speed:
+    """A loop's tokens per second of wall and of CPU time (medians over the rounds),
+    each round's CPU seconds, and the tokens its warm-up made."""
+
+    wall: float
+    cpu: float
+    cpu_s: list[float]
+    tokens: list[int]
+
+
 def tokens_per_s(
     loops: dict[str, Loop], rounds: int, label: str, min_run_s: float = 0.0
-) -> dict[str, tuple[float, float, list[int]]]:
-    """Each loop's tokens per second of wall and of CPU time (medians of ``rounds``
-    rounds of every loop in turn, each calm and of at least ``min_run_s`` of the first
-    loop's generations), and the tokens its warm-up made."""
+) -> dict[str, Speed]:
+    """Each loop's speed over ``rounds`` rounds of every loop in turn, each calm and of
+    at least ``min_run_s`` of the first loop's generations."""
     first = {k: loop() for k, loop in loops.items()}
     reference = first[next(iter(loops))]
     times = max(1, math.ceil(min_run_s / reference[0]))
@@ -260,9 +271,21 @@ def tokens_per_s(
 
     runs = bc.alternating({k: repeated(loop) for k, loop in loops.items()}, rounds, label)
     return {
-        k: (made / median([r[0] for r in v]), made / median([r[1] for r in v]), first[k][2])
+        k: Speed(
+            made / median([r[0] for r in v]),
+            made / median([r[1] for r in v]),
+            [float(r[1]) for r in v],
+            first[k][2],
+        )
         for k, v in runs.items()
     }
+
+
+def paired_ratio(slow: Speed, fast: Speed) -> float:
+    """``fast`` against ``slow`` in tokens per CPU-second: the median of the rounds'
+    ratios (each round measures both back to back, so a drift of the machine's speed
+    between rounds cancels out)."""
+    return median([s / f for s, f in zip(slow.cpu_s, fast.cpu_s, strict=True)])
 
 
 def _throughput(ctx: RunContext, models: dict[str, Path]) -> Part:
@@ -270,7 +293,7 @@ def _throughput(ctx: RunContext, models: dict[str, Path]) -> Part:
     rows, targets = [], []
     for label, path in models.items():
         loops = {"bare": _bare_loop(path, prompt, n), "engine": engine_loop(path, prompt, n)}
-        bare, ours = (tps[0] for tps in tokens_per_s(loops, rounds, f"{label} ").values())
+        bare, ours = (tps.wall for tps in tokens_per_s(loops, rounds, f"{label} ").values())
         with deployed(_config(f"gen-tps-{label}", path)) as client:
             client.generate("chat", prompt, max_new_tokens=n).collect()  # warm up
             t0 = time.perf_counter()

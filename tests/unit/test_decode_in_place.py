@@ -12,13 +12,17 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+from onnx import helper
 
-from actors.decoder import DecoderEngine, Generation, KVCache
+from actors import decoder
+from actors.decoder import DecoderEngine, Generation, KVCache, mask_only_counts
 from edgefleet.modelgen import make_genai_int4, make_genai_lm, make_tiny_lm
 from edgefleet.request import GenerateRequest
 
 PROMPT = tuple(range(3, 35))
+native_calls = decoder._native_calls
 
 
 @pytest.fixture(scope="module", params=["fp32", "int4"])
@@ -58,8 +62,27 @@ def test_decode_steps_write_in_place_and_match_the_copying_path(genai):
     assert copying.advance(expected) == "length"
     assert gen.generated == expected.generated
     assert_same(gen.cache, expected.cache)
-    # Buffers grow geometrically: the cache was copied twice in 150 tokens, not 150 times.
-    assert len(buffers) == 2
+    # One buffer holds the whole budget: the cache was copied once in 150 tokens.
+    assert len(buffers) == 1
+
+
+def test_a_budget_that_keeps_growing_copies_the_cache_a_few_times(genai):
+    in_place, copying = engines(genai)
+    gen, expected = generation(200), generation(200)
+    gen.limit = 1
+    in_place.advance(gen)  # the prompt, and one token
+    buffers = set()
+    while gen.limit < 200:  # the budget grows by 2 tokens at a time
+        gen.limit += 2
+        while gen.end_reason() is None:
+            in_place.step(gen)
+            assert gen.cache is not None and gen.cache.buffer is not None
+            buffers.add(id(gen.cache.buffer))
+    assert copying.advance(expected) == "length"
+    assert gen.generated == expected.generated
+    assert_same(gen.cache, expected.cache)
+    # Geometric growth: 2 or 3 buffers for 200 tokens after a 32-token prompt, not 150.
+    assert len(buffers) <= 3
 
 
 def test_caches_sharing_a_buffer_never_see_each_others_writes(genai):
@@ -108,13 +131,18 @@ def test_the_engine_hands_back_caches_without_spare_columns(genai):
     assert resumed == "length" and paused.generated == expected.generated
 
 
-def test_a_graph_that_refuses_shared_buffers_decodes_by_copying(genai, caplog):
+def test_a_graph_that_refuses_shared_buffers_decodes_by_copying(genai, caplog, monkeypatch):
     in_place, copying = engines(genai)
 
-    def refuse(token: int, cache: KVCache) -> tuple[np.ndarray, KVCache]:
-        raise RuntimeError("shape mismatch")
+    def refusing(session: object, binding: object) -> tuple[object, object]:
+        bind, _ = native_calls(session, binding)
 
-    in_place._decode_shared = refuse  # type: ignore[method-assign]
+        def run() -> None:
+            raise RuntimeError("shape mismatch")
+
+        return bind, run
+
+    monkeypatch.setattr(decoder, "_native_calls", refusing)
     gen, expected = generation(30), generation(30)
     with caplog.at_level(logging.WARNING, logger="actors.decoder"):
         in_place.advance(gen)
@@ -125,3 +153,33 @@ def test_a_graph_that_refuses_shared_buffers_decodes_by_copying(genai, caplog):
 
 def test_graphs_without_group_query_attention_copy(tmp_path):
     assert not DecoderEngine("lm", make_tiny_lm(tmp_path / "lm.onnx"))._share_buffer
+
+
+def test_a_mask_read_only_as_counts_is_bound_once_at_the_buffer_width(genai, tmp_path):
+    assert mask_only_counts(genai) and DecoderEngine("lm", genai)._wide_mask
+    # A graph that also makes something else of the mask's width (as LongRoPE builds
+    # choose their rotary tables with it) gets a mask of the row's width each step.
+    model = onnx.load(str(genai))
+    width = next(
+        n.output[0]
+        for n in model.graph.node
+        if n.input[:1] == ["attention_mask"] and n.op_type == "Shape"
+    )
+    model.graph.node.append(helper.make_node("Cast", [width], ["width_as_float"], to=1))
+    model.graph.output.append(helper.make_tensor_value_info("width_as_float", 1, None))
+    other = tmp_path / "other.onnx"
+    onnx.save(model, str(other))
+    assert not mask_only_counts(other)
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_both_masks_decode_what_the_copying_path_does(genai, wide):
+    in_place, copying = engines(genai)
+    in_place._wide_mask = wide
+    gen, expected = generation(60), generation(60)
+    stop = threading.Event()
+    gen.emit = lambda t: stop.set() if len(gen.generated) == 20 else None
+    assert in_place.advance(gen, stop) is None  # paused, then resumed on a new buffer
+    assert in_place.advance(gen) == copying.advance(expected) == "length"
+    assert gen.generated == expected.generated
+    assert_same(gen.cache, expected.cache)
