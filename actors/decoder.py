@@ -82,10 +82,13 @@ COUNT_OPS = frozenset(
     {"Shape", "Gather", "Cast", "Squeeze", "Unsqueeze", "ReduceSum", "Sub", "Add", "Reshape"}
     | {"Identity", "Size"}
 )
-# A decode buffer's columns: those the generation may still fill (its token budget),
-# and at least twice those needed when it is made (or this many more), so a generation
-# whose budget keeps growing copies its cache O(log n) times, not once a token.
+# A decode buffer's columns: at least twice those needed when it is made (or this many
+# more), so a generation's decode steps copy its cache O(log n) times, not once a
+# token; and room for all the tokens the generation may still make (its budget) where
+# that takes at most BUFFER_ROOM_BYTES, so a small model (where a copy costs as much as
+# a few steps) makes one buffer per generation.
 BUFFER_SLACK = 64
+BUFFER_ROOM_BYTES = 64 << 20
 
 
 @dataclass(eq=False)
@@ -583,11 +586,13 @@ class DecoderEngine:
         )
 
     def _buffer_for(self, cache: KVCache, room: int = 0) -> _KVBuffer:
-        """A new decode buffer holding ``cache`` in its first columns, with ``room``
-        tokens to grow or more (see BUFFER_SLACK), up to the model's context, and its IO
-        binding."""
+        """A new decode buffer holding ``cache`` in its first columns, with room to grow
+        (for ``room`` more tokens where that is small: see BUFFER_SLACK), up to the
+        model's context, and its IO binding."""
         need = cache.length + 1
-        capacity = max(cache.length + room, 2 * need, need + BUFFER_SLACK)
+        column = sum(a.shape[1] * a.shape[3] * a.itemsize for a in cache.arrays)
+        affordable = BUFFER_ROOM_BYTES // max(1, column)
+        capacity = max(min(cache.length + room, affordable), 2 * need, need + BUFFER_SLACK)
         if self.max_context is not None:
             capacity = max(need, min(capacity, self.max_context))
         arrays = []

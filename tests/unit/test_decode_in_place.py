@@ -183,3 +183,17 @@ def test_both_masks_decode_what_the_copying_path_does(genai, wide):
     assert in_place.advance(gen) == copying.advance(expected) == "length"
     assert gen.generated == expected.generated
     assert_same(gen.cache, expected.cache)
+
+
+@pytest.mark.parametrize("room_bytes", [decoder.BUFFER_ROOM_BYTES, 1])
+def test_a_buffer_holds_the_budget_only_where_that_is_small(genai, monkeypatch, room_bytes):
+    monkeypatch.setattr(decoder, "BUFFER_ROOM_BYTES", room_bytes)
+    engine, _ = engines(genai)
+    gen = generation(200)
+    engine.step(gen)  # the prompt
+    engine.step(gen)  # the first decode step makes the buffer
+    assert gen.cache is not None and gen.cache.buffer is not None
+    need = len(PROMPT) + 1
+    # All but the last of the prompt and 200 new tokens: the last is never fed.
+    expected = len(PROMPT) + 199 if room_bytes > 1 else max(2 * need, need + decoder.BUFFER_SLACK)
+    assert gen.cache.buffer.capacity == expected
