@@ -36,7 +36,6 @@ from cluster.head import head_processes, kill_head, restart_head, start_head, st
 from cluster.names import NAMESPACE, router_name
 from cluster.raylet import kill_raylet, raylet_processes, start_raylet, the_raylet
 from edgefleet.config import parse_config
-from edgefleet.errors import FleetStartError
 from edgefleet.messages import NodeState, NodeStatus
 
 NODES = ("edge-0", "edge-1", "edge-2")
@@ -63,7 +62,6 @@ AIM_WORK, AIM_S = 2, 2.0  # an event waits up to AIM_S for a target holding AIM_
 QUIET_END_S = 12.0  # no event this close to the end: what was hit comes back
 DOWN_S = (4.0, 8.0)  # how long a killed raylet stays away
 HEAD_DOWN_S = (3.0, 6.0)  # how long a killed head stays dead
-HEAD_STARTS = 3  # tries to start it again
 # A frozen node: shorter than lost_after_s; past it (unresponsive); past lost_after_s +
 # restart_after_s (the router kills it). A frozen raylet: within the health checks'
 # limit (about 6-9 s here), or past it.
@@ -414,18 +412,10 @@ class Controller:
             self.away.pop(name, None)
 
     def _restart_head(self, event: Event) -> None:
-        """Start the head again; as an operator would, again when a start fails (on a
-        busy machine its raylet may not register in time)."""
+        """Start the head again (``restart_head`` starts it again itself when, on a busy
+        machine, its raylet does not register in time)."""
         try:
-            for attempt in range(1, HEAD_STARTS + 1):
-                try:
-                    restart_head(self.fleet.name)
-                    break
-                except FleetStartError as exc:
-                    log(f"chaos: starting the head again failed: {str(exc)[:300]}")
-                    if attempt == HEAD_STARTS:
-                        raise
-                    event.note += f"; start {attempt} failed, started again"
+            restart_head(self.fleet.name)
             event.back_at = time.time()
             log(f"chaos: head started again ({event.back_at - event.at:.1f} s after the kill)")
         finally:
