@@ -690,8 +690,14 @@ def report_markdown(
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def _clock(results: Sequence[RunResult]) -> str:
+    """What the runs' time axis is: a live run's seconds are the run's own."""
+    return "time into the run" if any(r.live for r in results) else "simulated time"
+
+
 def _plots(results: Sequence[RunResult], out: Path) -> list[str]:
     """Draw the report's plots in ``out``; the lines of its section linking them."""
+    clock = _clock(results)
     _plot_latency_cdf(results, out / LATENCY_PNG)
     _plot_queue(results, out / QUEUE_PNG)
     lines = [
@@ -699,12 +705,12 @@ def _plots(results: Sequence[RunResult], out: Path) -> list[str]:
         "",
         f"![Latency CDF of completed requests by priority class]({LATENCY_PNG})",
         "",
-        f"![Requests queued on nodes and in flight over simulated time]({QUEUE_PNG})",
+        f"![Requests queued on nodes and in flight over {clock}]({QUEUE_PNG})",
         "",
     ]
     if any(r.churned() for r in results):
         _plot_capacity(results, out / CAPACITY_PNG)
-        lines += [f"![Devices serving over simulated time]({CAPACITY_PNG})", ""]
+        lines += [f"![Devices serving over {clock}]({CAPACITY_PNG})", ""]
     return lines + [
         f"Latency lines are drawn at about {CDF_POINTS} quantiles each. A run with "
         f"more than {SERIES_POINTS} queue samples is drawn with the largest value of "
@@ -825,7 +831,7 @@ def _plot_queue(results: Sequence[RunResult], path: Path) -> None:
     queued_ax.set_title("Requests queued on nodes (fleet-wide)")
     flight_ax.set_ylabel("in flight")
     flight_ax.set_title("Requests in flight")
-    flight_ax.set_xlabel("simulated time, s")
+    flight_ax.set_xlabel(f"{_clock(results)}, s")
     for ax in (queued_ax, flight_ax):
         ax.grid(True, alpha=0.3)
         if ax.lines:
@@ -836,7 +842,7 @@ def _plot_queue(results: Sequence[RunResult], path: Path) -> None:
 
 
 def _plot_capacity(results: Sequence[RunResult], path: Path) -> None:
-    """Devices serving over simulated time, a line per run."""
+    """Devices serving over time, a line per run."""
     fig = _new_figure(9, 3.5)
     ax = fig.subplots()
     for result in results:
@@ -846,7 +852,7 @@ def _plot_capacity(results: Sequence[RunResult], path: Path) -> None:
             serving = np.append(serving, serving[-1])
             ax.plot(t, serving, drawstyle="steps-post", label=result.label)
     ax.set_ylabel("devices serving")
-    ax.set_xlabel("simulated time, s")
+    ax.set_xlabel(f"{_clock(results)}, s")
     ax.set_title("Capacity: devices serving")
     ax.grid(True, alpha=0.3)
     if ax.lines:

@@ -214,3 +214,5 @@ def test_a_live_run_reads_as_one_in_the_simulators_report(tmp_path):
     text = write_report(tmp_path, [result], title="Live fleet").read_text()
     assert "Drove a live fleet for 2.0 s; 1 answers." in text
     assert "(latency_cdf.png)" in text and (tmp_path / "latency_cdf.png").is_file()
+    assert "queued on nodes and in flight over time into the run" in text
+    assert "simulated time" not in text
