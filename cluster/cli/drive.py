@@ -259,10 +259,11 @@ def _line(workload: Workload, path: str) -> str:
 
 
 def _inputs(config: FleetConfig, model: str, rows: int) -> Mapping[str, np.ndarray]:
-    """Inputs of ``rows`` rows for ``model``: a built-in model's own, else zeros shaped
-    as its file says (dynamic dimensions 1, the batch axis ``rows``)."""
+    """Inputs of ``rows`` rows for ``model``: a built-in model's own, else those its node
+    measures its costs with at warm-up (``synthetic_inputs``: shaped as its file says)."""
     import numpy as np
 
+    from actors.models import synthetic_inputs
     from cluster.modelfiles import model_signature
     from edgefleet.modelgen import builtin_model
 
@@ -280,16 +281,7 @@ def _inputs(config: FleetConfig, model: str, rows: int) -> Mapping[str, np.ndarr
         raise ConfigError(
             f"the workload sends {rows}-row requests to model {model!r}, which takes one row"
         )
-    return {
-        s.name: np.zeros(
-            tuple(
-                rows if i == 0 and not isinstance(d, int) else d if isinstance(d, int) else 1
-                for i, d in enumerate(s.shape)
-            ),
-            s.dtype,
-        )
-        for s in sig.inputs
-    }
+    return synthetic_inputs(sig, rows)
 
 
 def _one_line(fn: Callable[..., Any], *args: Any) -> Any:

@@ -216,3 +216,20 @@ def test_a_live_run_reads_as_one_in_the_simulators_report(tmp_path):
     assert "(latency_cdf.png)" in text and (tmp_path / "latency_cdf.png").is_file()
     assert "queued on nodes and in flight over time into the run" in text
     assert "simulated time" not in text
+
+
+def test_a_users_own_model_gets_the_inputs_its_node_warms_up_with(tmp_path):
+    import onnxruntime as ort
+
+    from actors.engine import session_signature
+    from actors.models import synthetic_inputs
+    from edgefleet.config import parse_config
+    from edgefleet.modelgen import make_classifier
+
+    make_classifier(tmp_path / "mine.onnx")  # not a built-in's file name
+    config = parse_config({"models": {"mine": {"path": "mine.onnx"}}}, tmp_path)
+    sig = session_signature(ort.InferenceSession(str(tmp_path / "mine.onnx")))
+    got, expected = drive._inputs(config, "mine", 3), synthetic_inputs(sig, 3)
+    assert got.keys() == expected.keys()
+    for name, array in got.items():
+        assert array.shape[0] == 3 and (array == expected[name]).all()
