@@ -82,6 +82,7 @@ COUNT_OPS = frozenset(
     {"Shape", "Gather", "Cast", "Squeeze", "Unsqueeze", "ReduceSum", "Sub", "Add", "Reshape"}
     | {"Identity", "Size"}
 )
+MASK_CHECK_MAX_BYTES = 256 << 20
 # A decode buffer's columns: at least twice those needed when it is made (or this many
 # more), so a generation's decode steps copy its cache O(log n) times, not once a
 # token; and room for all the tokens the generation may still make (its budget) where
@@ -993,9 +994,14 @@ def mask_only_counts(path: Path) -> bool:
     may then bind a mask wider than the row, zeros after it: the sums, and what the op
     computes, are the same. Not so for a graph that makes anything else of the width
     (the LongRoPE builds choose their rotary tables with an ``If`` on it), or that has
-    subgraphs: those get a mask of the row's width."""
+    subgraphs: those get a mask of the row's width. So does a model file over
+    MASK_CHECK_MAX_BYTES (its weights inside it): parsing it would hold them all in
+    memory once more, for a saving of a microsecond a step on a model whose steps take
+    milliseconds."""
     import onnx
 
+    if path.stat().st_size > MASK_CHECK_MAX_BYTES:
+        return False
     graph = onnx.load(str(path), load_external_data=False).graph
     consumers: dict[str, list[tuple[Any, int]]] = {}
     for node in graph.node:

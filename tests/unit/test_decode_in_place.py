@@ -172,6 +172,15 @@ def test_a_mask_read_only_as_counts_is_bound_once_at_the_buffer_width(genai, tmp
     assert not mask_only_counts(other)
 
 
+def test_a_large_model_file_is_not_parsed_for_its_mask(genai, monkeypatch):
+    monkeypatch.setattr(decoder, "MASK_CHECK_MAX_BYTES", genai.stat().st_size - 1)
+    assert not mask_only_counts(genai)
+    engine, copying = engines(genai)
+    gen, expected = generation(40), generation(40)
+    assert not engine._wide_mask and engine.advance(gen) == copying.advance(expected)
+    assert gen.generated == expected.generated
+
+
 @pytest.mark.parametrize("wide", [True, False])
 def test_both_masks_decode_what_the_copying_path_does(genai, wide):
     in_place, copying = engines(genai)
