@@ -49,7 +49,9 @@ class Client(Protocol):
 
     ``submit`` returns a concurrent future of the request's :class:`Reply` (as
     ``FleetClient.submit`` does) or an awaitable of it (a Ray object reference of a node
-    actor's reply); either must deliver every outcome as a Reply, not raise it.
+    actor's reply); either must deliver every outcome as a Reply, not raise it. The open
+    loop sends generations to a client that also has ``submit_generation`` (see
+    :class:`Generations`): the same, for a whole generation.
     """
 
     def submit(
@@ -64,6 +66,30 @@ class Client(Protocol):
     ) -> cf.Future[Reply] | Awaitable[Reply]: ...
 
     def cancel(self, request_id: str, timeout_s: float = 10.0) -> bool: ...
+
+
+class Generations(Protocol):
+    """A client that also sends generations: ``submit_generation`` returns a future of a
+    :class:`Reply` that stands for the whole generation (its node, its error, its queue
+    and engine time), as ``submit`` does for an inference."""
+
+    def submit_generation(
+        self,
+        model: str,
+        prompt_ids: tuple[int, ...],
+        *,
+        max_new_tokens: int,
+        priority: str | int,
+        deadline_s: float | None,
+        session: str | None,
+        request_id: str,
+    ) -> cf.Future[Reply] | Awaitable[Reply]: ...
+
+
+def prompt_ids(n: int) -> tuple[int, ...]:
+    """The prompt of an arrival of ``n`` prompt tokens: ids 1 to 64 in turn (any
+    vocabulary has them; what the model makes of them does not matter to a load)."""
+    return tuple(1 + i % 64 for i in range(n))
 
 
 @dataclass
@@ -247,11 +273,36 @@ class Driver:
         key: str | None,
     ) -> _Flight:
         rid = new_request_id()
-        self.counts.submitted += 1
         sent = self._clock()
         pending = self._client.submit(
             model, inputs, priority=priority, deadline_s=deadline_s, key=key, request_id=rid
         )
+        return self._flight(rid, sent, pending)
+
+    def _submit_generation(self, arrival: Arrival) -> _Flight:
+        submit = getattr(self._client, "submit_generation", None)
+        if submit is None:
+            raise TrafficError(
+                f"an arrival of {arrival.model!r} at {arrival.at:.3f} s is a generation; "
+                "this client sends inferences only (it has no submit_generation)"
+            )
+        rid = new_request_id()
+        sent = self._clock()
+        pending = submit(
+            arrival.model,
+            prompt_ids(arrival.prompt_tokens),
+            max_new_tokens=arrival.max_new_tokens,
+            priority=arrival.priority,
+            deadline_s=arrival.deadline_s,
+            session=arrival.session,
+            request_id=rid,
+        )
+        return self._flight(rid, sent, pending)
+
+    def _flight(
+        self, rid: str, sent: float, pending: cf.Future[Reply] | Awaitable[Reply]
+    ) -> _Flight:
+        self.counts.submitted += 1
         self._live.add(rid)
         reply = asyncio.ensure_future(
             asyncio.wrap_future(pending) if isinstance(pending, cf.Future) else pending
@@ -472,8 +523,10 @@ class OpenLoop(Driver):
     the inputs of one row (an arrival of ``rows`` rows repeats them along the first
     axis). A refusal is an answer like any other: an open loop does not retry. When
     sending falls behind, an arrival goes as soon as it can (``max_lag_s`` says how late
-    the latest was). Generations (``prompt_tokens`` > 0) are not sent: the first one
-    fails the loop with TrafficError.
+    the latest was). A generation (``prompt_tokens`` > 0) goes through the client's
+    ``submit_generation`` (:class:`Generations`), its prompt ``prompt_ids``, in its
+    chat session when it has one; to a client without it, the first one fails the loop
+    with TrafficError.
     """
 
     what = "open loop"
@@ -511,13 +564,16 @@ class OpenLoop(Driver):
                     await self._pause(due - now)
                 if self.stopping:
                     return
-                flight = self._submit(
-                    arrival.model,
-                    self._inputs_of(arrival),
-                    arrival.priority,
-                    arrival.deadline_s,
-                    arrival.key,
-                )
+                if arrival.prompt_tokens > 0:
+                    flight = self._submit_generation(arrival)
+                else:
+                    flight = self._submit(
+                        arrival.model,
+                        self._inputs_of(arrival),
+                        arrival.priority,
+                        arrival.deadline_s,
+                        arrival.key,
+                    )
                 self.max_lag_s = max(self.max_lag_s, flight.sent - due)
                 self._spawn(self._answered(arrival, due, flight))
         except Exception as exc:  # kept for check(); nothing more is sent
@@ -533,11 +589,6 @@ class OpenLoop(Driver):
             self._fail(exc)
 
     def _inputs_of(self, arrival: Arrival) -> Inputs:
-        if arrival.prompt_tokens > 0:
-            raise TrafficError(
-                f"an arrival of {arrival.model!r} at {arrival.at:.3f} s is a generation; the "
-                "open loop sends inferences only"
-            )
         if callable(self._inputs):
             return self._inputs(arrival)
         if arrival.model not in self._inputs:

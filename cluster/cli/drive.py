@@ -5,7 +5,9 @@ The arrivals are the ones `edgefleet simulate CONFIG --workload W.yaml` generate
 same workload, seed and node count: CONFIG's nodes), each sent at its time whatever the
 answers do (``cluster.traffic.OpenLoop``). Each request's latency runs from its
 arrival (when it was due, so a driver that falls behind does not hide a slow fleet) to
-its answer, as the simulator measures it.
+its answer, as the simulator measures it. A generation is streamed to its end (its
+prompt: ``cluster.traffic.prompt_ids``, in its chat session when it has one) and counts
+as answered at its last token.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ STATUS_EVERY_S = 1.0  # queue samples for the report
 STATUS_TIMEOUT_S = 5.0
 INTERRUPTED_STOP_S = 20.0  # after Ctrl-C and the report, stopping the fleet may take this
 CONTROL_TIMEOUT_S = 30.0  # a call on the traffic loop (start, stop) that must not hang
+GENERATION_THREADS = 64  # generations streamed at once (each holds a thread to its end)
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -57,8 +60,10 @@ def add_parser(sub: Subparsers) -> None:
         "simulate (the same workload, seed and node count) to a live fleet, each at its\n"
         "time, and report per priority class as the simulator does: compare the two side\n"
         "by side. Without --fleet or --address it starts CONFIG's fleet on an embedded\n"
-        "Ray on 127.0.0.1 and stops it at the end. Ctrl-C stops sending, waits a few\n"
-        "seconds for the answers already out and reports what it has (exit status 130).",
+        "Ray on 127.0.0.1 and stops it at the end. A generation (a class with generate:)\n"
+        "is streamed to its last token: its latency runs to its end. Ctrl-C stops\n"
+        "sending, waits a few seconds for the answers already out and reports what it\n"
+        "has (exit status 130).",
         epilog="examples:\n"
         "  edgefleet drive configs/local.yaml --workload configs/sim/steady.yaml "
         "--requests 2000\n"
@@ -119,7 +124,6 @@ def cmd_drive(args: argparse.Namespace) -> int:
 
     config = _one_line(load_config, args.config)
     workload = _one_line(load_workload, args.workload)
-    _live_only(workload)
     for note in _ignored(workload):
         err(f"note: {note}")
     record = None if args.record is None else Path(args.record).resolve()
@@ -189,7 +193,8 @@ class _Plan:
     inputs: dict[tuple[str, int], Mapping[str, np.ndarray]] = field(default_factory=dict)
 
     def build_inputs(self, config: FleetConfig) -> None:
-        for model, rows in sorted({(a.model, a.rows) for a in self.arrivals}):
+        inferences = {(a.model, a.rows) for a in self.arrivals if a.prompt_tokens == 0}
+        for model, rows in sorted(inferences):
             self.inputs[(model, rows)] = _inputs(config, model, rows)
 
     def inputs_of(self, arrival: Arrival) -> Mapping[str, np.ndarray]:
@@ -205,10 +210,17 @@ def _plan(
     served = sorted(fleet.served_models())
     _one_line(workload.check, fleet.priorities, served, served)
     for i, c in enumerate(workload.mix or []):
-        if fleet.models[c.model].kind == "decoder":
+        decoder = fleet.models[c.model].kind == "decoder"
+        if decoder != (c.generate is not None):
+            field = f"mix.{i}.generate" if c.generate is not None else f"mix.{i}.model"
             raise ConfigError(
-                f"workload {args.workload}: mix.{i}.model{_line(workload, f'mix.{i}.model')}: "
-                f"{c.model!r} is a decoder; drive sends inferences only"
+                f"workload {args.workload}: {field}{_line(workload, field)}: {c.model!r} is "
+                + (
+                    "a decoder: its class of traffic needs generate: {prompt_tokens: N, "
+                    "max_new_tokens: M}"
+                    if decoder
+                    else "not a decoder: it takes inferences, not generations"
+                )
             )
     seed = workload.seed if args.seed is None else args.seed
     nodes = len(config.node_specs())
@@ -222,24 +234,7 @@ def _plan(
             )
         )
     )
-    generations = sum(1 for a in arrivals if a.prompt_tokens > 0)
-    if generations:  # a trace's: the mix's are refused as the file is read
-        raise ConfigError(
-            f"workload {args.workload}: {generations} of its arrivals are generations; "
-            "drive sends inferences only"
-        )
     return _Plan(arrivals, dict(fleet.priorities), nodes, seed)
-
-
-def _live_only(workload: Workload) -> None:
-    """Refuse what the driver cannot send: generations (the open loop sends inferences)."""
-    for i, c in enumerate(workload.mix or []):
-        if c.generate is not None:
-            raise ConfigError(
-                f"workload {workload._source}: mix.{i}.generate"
-                f"{_line(workload, f'mix.{i}.generate')}: a class of generations "
-                f"({c.model}); drive sends inferences only"
-            )
 
 
 def _ignored(workload: Workload) -> Iterator[str]:
@@ -300,14 +295,50 @@ def _one_line(fn: Callable[..., Any], *args: Any) -> Any:
 
 class _Timed:
     """The driver's client: every request bounded by ``timeout_s`` (answered
-    ``TimedOut`` past it, cancelled where it was), every cancel too."""
+    ``TimedOut`` past it, cancelled where it was), every cancel too. A generation is
+    streamed to its end on a thread of a pool (at most ``GENERATION_THREADS`` at once;
+    more wait for one) and answered as one Reply: its node, its error, its queue and
+    engine time."""
 
     def __init__(self, client: FleetClient, timeout_s: float) -> None:
+        import concurrent.futures as cf
+
         self._client = client
         self._timeout_s = timeout_s
+        self._pool = cf.ThreadPoolExecutor(GENERATION_THREADS, "edgefleet-drive-generation")
 
     def submit(self, model: str, inputs: Any, **kw: Any) -> cf.Future[Reply]:
         return self._client.submit(model, inputs, timeout_s=self._timeout_s, **kw)
+
+    def submit_generation(
+        self, model: str, prompt_ids: tuple[int, ...], **kw: Any
+    ) -> cf.Future[Reply]:
+        return self._pool.submit(self._generate, model, prompt_ids, kw)
+
+    def _generate(self, model: str, prompt_ids: tuple[int, ...], kw: dict[str, Any]) -> Reply:
+        from edgefleet.messages import Reply
+
+        rid, stream = kw["request_id"], None
+        try:
+            stream = self._client.generate(model, prompt_ids, timeout_s=self._timeout_s, **kw)
+            stream.collect()
+        except EdgeFleetError as exc:  # typed: an answer like any other
+            return Reply(rid, (stream.node if stream is not None else None) or "", error=exc)
+        result = stream.result
+        assert result is not None  # a stream that ends without one raises NodeLost
+        return Reply(
+            rid,
+            result.node,
+            error=result.error,
+            queue_s=result.queue_s,
+            service_s=result.engine_s,
+            batch_size=1,
+        )
+
+    def close(self) -> None:
+        """Stop the generation threads (those still streaming end with their
+        generations, each bounded by ``timeout_s``)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def cancel(self, request_id: str, timeout_s: float = 10.0) -> bool:
         try:
@@ -413,9 +444,8 @@ def _drive(client: FleetClient, plan: _Plan, tally: _Tally) -> str | None:
 
     total = len(plan.arrivals)
     last_due = plan.arrivals[-1].at if plan.arrivals else 0.0
-    driver = OpenLoop(
-        _Timed(client, REQUEST_TIMEOUT_S), plan.arrivals, plan.inputs_of, on_answer=tally.add
-    )
+    timed = _Timed(client, REQUEST_TIMEOUT_S)
+    driver = OpenLoop(timed, plan.arrivals, plan.inputs_of, on_answer=tally.add)
     bar = tqdm(total=total, unit="req", desc="driving", file=sys.stderr, leave=False)
     sampler = _Sampler(client, lambda: driver.in_flight, tally)
     traffic: LoopThread | None = None
@@ -454,6 +484,7 @@ def _drive(client: FleetClient, plan: _Plan, tally: _Tally) -> str | None:
         sampler.stop()
         if traffic is not None:
             traffic.close()
+        timed.close()
 
 
 def _show(bar: Any, tally: _Tally, sent: int) -> None:

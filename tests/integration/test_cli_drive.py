@@ -4,6 +4,7 @@ the call record; and Ctrl-C, which keeps what it has."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -37,6 +38,7 @@ models:
   classifier: {{path: classifier.onnx, batching: {{window_ms: 5, max_batch_size: 8}}}}
   heavy: {{path: heavy.onnx, batching: {{window_ms: 10, max_batch_size: 8}}}}
   stateful: {{path: stateful.onnx}}
+  tiny_lm: {{path: tiny_lm.onnx, kind: decoder}}
 """
     )
     return path
@@ -53,11 +55,14 @@ mix:
   - {{model: classifier, priority: foreground, weight: 0.4, deadline_ms: 2000}}
   - {{model: classifier, priority: inline, weight: 0.3}}
   - {{model: heavy, priority: background, weight: 0.2, rows: 2}}
-  - {{model: stateful, priority: offline, weight: 0.1}}
+  - {{model: stateful, priority: offline, weight: 0.05}}
+  - {{model: tiny_lm, priority: offline, weight: 0.05, sessions: 3,
+      generate: {{prompt_tokens: 8, max_new_tokens: 6}}}}
 costs:
   classifier: {{call_ms: {{1: 1.0, 8: 6.5}}}}
   heavy: {{call_ms: {{1: 4.0, 8: 12.0}}}}
   stateful: {{call_ms: {{1: 0.2}}}}
+  tiny_lm: {{prefill_ms_per_token: 0.05, step_ms: {{1: 0.15}}}}
 """
     )
     return path
@@ -106,8 +111,11 @@ def test_drive_sends_the_simulators_arrivals_and_reports_every_answer(tmp_path, 
     assert "driving" in result.stderr  # the progress bar
     written = (out / "report.md").read_text()
     assert _class_rows(written) == rows and (out / "latency_cdf.png").is_file()
-    lines = sum(len(f.read_text().splitlines()) for f in calls.glob("*.jsonl"))
-    assert lines == 240  # the call record: a line per request, for simulate --costs
+    lines = [json.loads(x) for f in calls.glob("*.jsonl") for x in f.read_text().splitlines()]
+    assert len(lines) == 240  # the call record: a line per request, for simulate --costs
+    generations = [x for x in lines if x["prompt_tokens"] > 0]
+    assert generations and all(x["outcome"] == "completed" for x in generations), generations
+    assert {x["prompt_tokens"] for x in generations} == {8}  # the workload's prompts
     replay = subprocess.run(
         [str(EDGEFLEET), "simulate", str(config), "--workload", str(workload)]
         + ["--costs", str(calls), "--out", str(tmp_path / "sim")],

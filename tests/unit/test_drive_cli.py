@@ -96,13 +96,14 @@ def test_a_missing_workload_file_is_refused(tmp_path, cli):
     assert "cannot read workload" in line
 
 
-def test_generations_are_refused(tmp_path, cli):
+def test_generations_of_a_model_that_is_not_a_decoder_are_refused(tmp_path, cli):
     workload = _workload(
         tmp_path,
-        "  - {model: tiny_lm, priority: inline, generate: {prompt_tokens: 4, max_new_tokens: 2}}\n",
+        "  - {model: classifier, priority: inline, generate: {prompt_tokens: 4, "
+        "max_new_tokens: 2}}\n",
     )
     line = _refused(cli("drive", CONFIG, "--workload", workload))
-    assert "mix.0.generate (line 5)" in line and "inferences only" in line
+    assert "mix.0.generate (line 5)" in line and "'classifier' is not a decoder" in line
 
 
 def test_inference_on_a_decoder_is_refused(tmp_path, cli):

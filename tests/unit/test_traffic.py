@@ -8,7 +8,7 @@ import concurrent.futures as cf
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from cluster.traffic import (
     OpenLoop,
     TrafficError,
     in_background,
+    prompt_ids,
 )
 from edgefleet.config import parse_config
 from edgefleet.errors import Cancelled, EngineError, Evicted, Rejected
@@ -484,9 +485,54 @@ def test_the_open_loop_replays_a_workloads_arrivals():
     run(main())
 
 
+class GeneratingClient(ScriptedClient):
+    """Also sends generations: each is recorded (its inputs: the prompt and what else
+    it was sent with) and answered like an inference."""
+
+    def submit_generation(
+        self, model: str, prompt_ids: tuple[int, ...], **kw: Any
+    ) -> cf.Future[Reply]:
+        rid = kw.pop("request_id")
+        sent = Sent(rid, model, (prompt_ids, kw), kw["priority"], kw["deadline_s"], None, 0.0)
+        return self.send(replace(sent, at=self.clock()))
+
+
+def test_the_open_loop_sends_generations_to_a_client_that_takes_them():
+    arrivals = [
+        Arrival(0.0, "a", 3),
+        Arrival(0.5, "lm", 10, deadline_s=2.0, session="s1", prompt_tokens=70, max_new_tokens=5),
+        Arrival(1.0, "lm", 3, prompt_tokens=3, max_new_tokens=9),
+    ]
+
+    async def main() -> None:
+        vt = VirtualTime()
+        client = GeneratingClient(vt.clock)
+        client.auto = reply
+        answers: list[Answer] = []
+        driver = OpenLoop(
+            client, arrivals, {"a": ONE}, on_answer=answers.append, clock=vt.clock, sleep=vt.sleep
+        )
+        counts = await driver.run()
+        assert counts.completed == counts.submitted == 3 and len(answers) == 3
+        inference, chat, summary = client.sent
+        assert inference.inputs is ONE and chat.at == pytest.approx(0.5)
+        prompt, kw = chat.inputs
+        assert prompt == prompt_ids(70) and len(prompt) == 70 and max(prompt) <= 64
+        assert kw == {"max_new_tokens": 5, "priority": 10, "deadline_s": 2.0, "session": "s1"}
+        assert summary.inputs == (prompt_ids(3), {"max_new_tokens": 9, "priority": 3} | {
+            "deadline_s": None, "session": None})  # fmt: skip
+        assert {a.arrival for a in answers} == set(arrivals)
+
+    run(main())
+
+
 def test_the_open_loop_refuses_what_it_cannot_send():
     cases = [
-        (Arrival(0.0, "lm", 3, prompt_tokens=8, max_new_tokens=4), {"lm": ONE}, "generation"),
+        (
+            Arrival(0.0, "lm", 3, prompt_tokens=8, max_new_tokens=4),
+            {"lm": ONE},
+            "is a generation; this client sends inferences only",
+        ),
         (Arrival(0.0, "z", 3), {"a": ONE}, "no inputs for model 'z'; inputs for: a"),
         (Arrival(0.0, "a", 3, rows=4), {"a": {"x": np.zeros(4, np.float32)}}, "asks for 4 rows"),
     ]
