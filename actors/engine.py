@@ -212,10 +212,12 @@ def open_session(name: str, path: Path, threads: int) -> ort.InferenceSession:
 
 
 def open_planned(
-    name: str, plan: SessionPlan, threads: int
+    name: str, plan: SessionPlan, threads: int, *, arena: bool = True
 ) -> tuple[ort.InferenceSession, ProviderUse]:
     """An ONNX Runtime session as a node runs it (sequential, one inter-op thread) on
-    the providers of ``plan``, and what it really runs on.
+    the providers of ``plan``, and what it really runs on. ``arena`` False: the CPU's
+    tensors come from the system allocator, not ONNX Runtime's arena (see
+    ``DecoderEngine``).
 
     A session whose first provider is not the CPU is first opened with the CPU
     fallback off, so that a graph its provider cannot run whole is caught: a strict
@@ -229,7 +231,7 @@ def open_planned(
     fallback = plan.fallback
     if accelerated and plan.providers[0].name != CPU.name:
         try:
-            session = _session(name, path, threads, accelerated, cpu_fallback=False)
+            session = _session(name, path, threads, accelerated, cpu_fallback=False, arena=arena)
             return session, _use(session, plan, fallback)
         except _PartlyOnCpu as exc:
             if plan.strict:
@@ -241,7 +243,7 @@ def open_planned(
                     provider=first,
                 ) from None
             fallback = f"part of the graph runs on the CPU: {exc}"
-    session = _session(name, path, threads, plan.providers, cpu_fallback=True)
+    session = _session(name, path, threads, plan.providers, cpu_fallback=True, arena=arena)
     return session, _use(session, plan, fallback)
 
 
@@ -256,8 +258,10 @@ def _session(
     providers: Sequence[ProviderConfig],
     *,
     cpu_fallback: bool,
+    arena: bool = True,
 ) -> ort.InferenceSession:
     opts = ort.SessionOptions()
+    opts.enable_cpu_mem_arena = arena
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL

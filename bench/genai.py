@@ -5,6 +5,7 @@ its int4 build ``make_genai_int4``), both on one intra-op thread."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,11 @@ SIZES: dict[str, dict[str, int]] = {
 }
 PROMPT = tuple(range(3, 35))  # 32 tokens
 TARGET_RATIO = 1.0  # engine tokens/s at least the Generator's
-MIN_RUN_S = 0.5  # a measurement's generations take at least this long (a tick swamps less)
+# Rounds of one generation of each loop in turn, as many as fit in about this many
+# seconds of the engine's generations, between the given least and MAX_ROUNDS: pairs
+# back to back see the same machine, and many of them make a tight median.
+ROUND_BUDGET_S = 20.0
+MAX_ROUNDS = 101
 
 
 def _parameters(folder: Path) -> int:
@@ -60,15 +65,17 @@ def _generator_loop(og: Any, folder: Path, n: int) -> Loop:
 
 
 def _measure(
-    og: Any, label: str, folder: Path, params: int, n: int, rounds: int
+    og: Any, label: str, folder: Path, params: int, n: int, rounds: int, budget_s: float
 ) -> tuple[list[object], list[Target]]:
-    """One folder's row of the table, and its targets."""
+    """One folder's row of the table (with the rounds measured), and its targets."""
     loops = {
         "generator": _generator_loop(og, folder, n),
         "engine": engine_loop(folder / "model.onnx", PROMPT, n),
         "copying": engine_loop(folder / "model.onnx", PROMPT, n, in_place=False),
     }
-    tps = tokens_per_s(loops, rounds, f"{label} ", MIN_RUN_S)
+    one = loops["engine"]()[0]
+    rounds = max(rounds, min(MAX_ROUNDS, math.ceil(budget_s / max(one, 1e-6))))
+    tps = tokens_per_s(loops, rounds, f"{label} ")
     wall, cpu = ({k: t.wall for k, t in tps.items()}, {k: t.cpu for k, t in tps.items()})
     same = tps["engine"].tokens == tps["generator"].tokens == tps["copying"].tokens
     figures = ", ".join(f"{k} {wall[k]:.0f} tok/s, {cpu[k]:.0f} tok/CPU-s" for k in loops)
@@ -78,10 +85,15 @@ def _measure(
     cells = [fmt(x, 0) for x in (wall["generator"], wall["engine"])] + [fmt(ratio, 2)]
     cells += [fmt(x, 0) for x in (cpu["generator"], cpu["engine"])] + [fmt(cpu_ratio, 2)]
     row = [label, fmt(params / 1e6, 1), *cells, fmt(cpu["copying"], 0), "yes" if same else "NO"]
-    return row, [
-        Target(f"{label}: engine / Generator tokens per CPU-second", cpu_ratio, ">=", TARGET_RATIO),
-        Target(f"{label}: same tokens as the Generator (1: yes)", float(same), ">=", 1, 0),
-    ]
+    return (
+        [*row[:2], rounds, *row[2:]],
+        [
+            Target(
+                f"{label}: engine / Generator tokens per CPU-second", cpu_ratio, ">=", TARGET_RATIO
+            ),
+            Target(f"{label}: same tokens as the Generator (1: yes)", float(same), ">=", 1, 0),
+        ],
+    )
 
 
 def run(ctx: RunContext) -> Section:
@@ -91,6 +103,7 @@ def run(ctx: RunContext) -> Section:
         missing = "Not run: onnxruntime-genai is not installed (pip install -e '.[dev]')."
         return Section(TITLE, missing)
     n, rounds, root = ctx.count(192, 48), ctx.count(11, 2), ctx.models.directory / "genai"
+    budget_s = ctx.pick(ROUND_BUDGET_S, 0.5)
     rows, targets = [], []
     for size, kw in SIZES.items():
         t0 = time.perf_counter()
@@ -99,22 +112,23 @@ def run(ctx: RunContext) -> Section:
         params = _parameters(fp32)
         log(f"  {size}: {params / 1e6:.1f} M parameters, built in {time.perf_counter() - t0:.0f} s")
         for label, folder in ((f"{size} fp32", fp32), (f"{size} int4", int4)):
-            row, more = _measure(og, label, folder, params, n, rounds)
+            row, more = _measure(og, label, folder, params, n, rounds, budget_s)
             rows.append(row)
             targets += more
     measured = (
         f"Greedy generation of {n} tokens after a {len(PROMPT)}-token prompt (the prefill "
         "included), batch 1, one intra-op thread in both: ONNX Runtime GenAI's Generator "
         "(its session options overlaid with intra_op_num_threads 1) and edgefleet's "
-        f"DecoderEngine (advance, as a node runs it), on the same folders, in {rounds} "
-        f"rounds of each in turn (each of at least {MIN_RUN_S:g} s of generations). Tokens/s "
-        "on the wall clock and per second of the calling thread's CPU time (medians), which "
-        "other processes disturb less; the CPU ratio (the target) is the median of the "
-        "rounds' ratios, each round's two runs back to back. int4: MatMulNBits, block 32, "
-        "accuracy_level 4 (as the GenAI builder makes for the CPU). 'copying': the engine's "
-        "decode steps copying the whole cache each token (present to past), as before they "
-        "wrote it in place."
+        "DecoderEngine (advance, as a node runs it), on the same folders, in rounds of one "
+        "generation of each in turn: as many rounds as fit in about "
+        f"{budget_s:g} s of the engine's generations ({rounds} at least, {MAX_ROUNDS} at "
+        "most). Tokens/s on the wall clock and per second of the calling thread's CPU time "
+        "(medians), which other processes disturb less; the CPU ratio (the target) is the "
+        "median of the rounds' ratios, each round's runs back to back. int4: MatMulNBits, "
+        "block 32, accuracy_level 4 (as the GenAI builder makes for the CPU). 'copying': "
+        "the engine's decode steps copying the whole cache each token (present to past), "
+        "as before they wrote it in place."
     )
-    header = ["model", "M params", "Generator tok/s", "engine tok/s", "ratio"]
+    header = ["model", "M params", "rounds", "Generator tok/s", "engine tok/s", "ratio"]
     header += ["Generator tok/CPU-s", "engine tok/CPU-s", "CPU ratio", "copying tok/CPU-s"]
     return Section(TITLE, measured, [md_table([*header, "same tokens"], rows)], targets)
