@@ -314,9 +314,10 @@ class DecoderEngine:
         plan = plan or SessionPlan(path, (CPU,))
         path = plan.path
         # No arena: a decode step's tensors are small and many, and the system
-        # allocator serves them faster than ONNX Runtime's arena (4-8 % more tokens per
-        # CPU-second on a tiny and a 40M GenAI build, measured side by side), holding
-        # no peak-sized blocks between calls either.
+        # allocator serves them faster than ONNX Runtime's arena (decode steps side by
+        # side: 4-7 % more tokens per CPU-second on tiny GenAI builds, 5-8 % on a 40M
+        # int4 one, within the noise on a 40M fp32 one), holding no peak-sized blocks
+        # between calls either.
         self._session, self.providers = open_planned(name, plan, threads, arena=False)
         # Logits depend on how tokens are grouped into calls: caches are rebuilt by
         # replaying the original calls, never reused from other requests or batched.
