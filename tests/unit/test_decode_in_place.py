@@ -49,19 +49,30 @@ def assert_same(a: KVCache | None, b: KVCache | None) -> None:
         np.testing.assert_array_equal(x, y)
 
 
+def step_to_the_end(engine: DecoderEngine, gen: Generation) -> set[int]:
+    """Step ``gen`` until it ends, each step in a decode buffer; the buffers' ids."""
+    buffers = set()
+    while gen.end_reason() is None:
+        engine.step(gen)
+        assert gen.cache is not None and gen.cache.buffer is not None
+        buffers.add(id(gen.cache.buffer))
+    return buffers
+
+
+def assert_copied(copying: DecoderEngine, gen: Generation, expected: Generation) -> None:
+    """``gen`` made the tokens and cache the copying path makes of ``expected``."""
+    assert copying.advance(expected) == "length"
+    assert gen.generated == expected.generated
+    assert_same(gen.cache, expected.cache)
+
+
 def test_decode_steps_write_in_place_and_match_the_copying_path(genai):
     in_place, copying = engines(genai)
     assert in_place._share_buffer
     gen, expected = generation(150), generation(150)
     in_place.step(gen)  # the prompt, in one call that makes the cache
-    buffers = set()
-    while gen.end_reason() is None:
-        in_place.step(gen)
-        assert gen.cache is not None and gen.cache.buffer is not None
-        buffers.add(id(gen.cache.buffer))
-    assert copying.advance(expected) == "length"
-    assert gen.generated == expected.generated
-    assert_same(gen.cache, expected.cache)
+    buffers = step_to_the_end(in_place, gen)
+    assert_copied(copying, gen, expected)
     # One buffer holds the whole budget: the cache was copied once in 150 tokens.
     assert len(buffers) == 1
 
@@ -71,16 +82,11 @@ def test_a_budget_that_keeps_growing_copies_the_cache_a_few_times(genai):
     gen, expected = generation(200), generation(200)
     gen.limit = 1
     in_place.advance(gen)  # the prompt, and one token
-    buffers = set()
+    buffers: set[int] = set()
     while gen.limit < 200:  # the budget grows by 2 tokens at a time
         gen.limit += 2
-        while gen.end_reason() is None:
-            in_place.step(gen)
-            assert gen.cache is not None and gen.cache.buffer is not None
-            buffers.add(id(gen.cache.buffer))
-    assert copying.advance(expected) == "length"
-    assert gen.generated == expected.generated
-    assert_same(gen.cache, expected.cache)
+        buffers |= step_to_the_end(in_place, gen)
+    assert_copied(copying, gen, expected)
     # Geometric growth: 2 or 3 buffers for 200 tokens after a 32-token prompt, not 150.
     assert len(buffers) <= 3
 

@@ -8,7 +8,8 @@ import concurrent.futures as cf
 import random
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -442,6 +443,20 @@ def test_an_open_loop_that_falls_behind_sends_late_and_says_how_late():
     run(main())
 
 
+async def open_loop(
+    client: ScriptedClient, arrivals: Iterable[Arrival], inputs: Any
+) -> tuple[Counts, list[Answer]]:
+    """Run an open loop of ``arrivals`` on virtual time, every request answered at once;
+    its counts and answers."""
+    vt = VirtualTime()
+    client.clock, client.auto = vt.clock, reply
+    answers: list[Answer] = []
+    driver = OpenLoop(
+        client, arrivals, inputs, on_answer=answers.append, clock=vt.clock, sleep=vt.sleep
+    )
+    return await driver.run(), answers
+
+
 def test_the_open_loop_replays_a_workloads_arrivals():
     workload = parse_workload(
         {
@@ -457,19 +472,8 @@ def test_the_open_loop_replays_a_workloads_arrivals():
     arrivals = list(workload.arrivals(random.Random(workload.seed), nodes=1))
 
     async def main() -> None:
-        vt = VirtualTime()
-        client = ScriptedClient(vt.clock)
-        client.auto = reply
-        answers: list[Answer] = []
-        driver = OpenLoop(
-            client,
-            iter(arrivals),
-            lambda a: x(float(a.priority)),
-            on_answer=answers.append,
-            clock=vt.clock,
-            sleep=vt.sleep,
-        )
-        counts = await driver.run()
+        client = ScriptedClient()
+        counts, answers = await open_loop(client, iter(arrivals), lambda a: x(float(a.priority)))
         assert counts.completed == len(arrivals) == len(client.sent) == 60
         for s, a in zip(client.sent, arrivals, strict=True):
             assert s.at == pytest.approx(a.at)
@@ -493,8 +497,10 @@ class GeneratingClient(ScriptedClient):
         self, model: str, prompt_ids: tuple[int, ...], **kw: Any
     ) -> cf.Future[Reply]:
         rid = kw.pop("request_id")
-        sent = Sent(rid, model, (prompt_ids, kw), kw["priority"], kw["deadline_s"], None, 0.0)
-        return self.send(replace(sent, at=self.clock()))
+        at = self.clock()
+        return self.send(
+            Sent(rid, model, (prompt_ids, kw), kw["priority"], kw["deadline_s"], None, at)
+        )
 
 
 def test_the_open_loop_sends_generations_to_a_client_that_takes_them():
@@ -505,14 +511,8 @@ def test_the_open_loop_sends_generations_to_a_client_that_takes_them():
     ]
 
     async def main() -> None:
-        vt = VirtualTime()
-        client = GeneratingClient(vt.clock)
-        client.auto = reply
-        answers: list[Answer] = []
-        driver = OpenLoop(
-            client, arrivals, {"a": ONE}, on_answer=answers.append, clock=vt.clock, sleep=vt.sleep
-        )
-        counts = await driver.run()
+        client = GeneratingClient()
+        counts, answers = await open_loop(client, arrivals, {"a": ONE})
         assert counts.completed == counts.submitted == 3 and len(answers) == 3
         inference, chat, summary = client.sent
         assert inference.inputs is ONE and chat.at == pytest.approx(0.5)
