@@ -33,8 +33,9 @@ the group, with its own cache, at the token where it ends.
 A decode step of a ``GroupQueryAttention`` graph alone writes the new token's keys and
 values in place: past and present are bound (ONNX Runtime's IO binding) to one
 preallocated buffer, as ONNX Runtime GenAI does with ``past_present_share_buffer``, so
-no step copies the whole cache (see ``_decode_in_place``). The buffer grows geometrically;
-the engine hands caches back to the node in arrays of their own size.
+no step copies the whole cache (see ``_decode_in_place``). A buffer has room for the
+generation's token budget where that is small, and grows geometrically otherwise; the
+engine hands caches back to the node in arrays of their own size.
 """
 
 from __future__ import annotations

@@ -316,6 +316,7 @@ class _Timed:
         return self._pool.submit(self._generate, model, prompt_ids, kw)
 
     def _generate(self, model: str, prompt_ids: tuple[int, ...], kw: dict[str, Any]) -> Reply:
+        from edgefleet.errors import Cancelled
         from edgefleet.messages import Reply
 
         rid, stream = kw["request_id"], None
@@ -326,10 +327,13 @@ class _Timed:
             return Reply(rid, (stream.node if stream is not None else None) or "", error=exc)
         result = stream.result
         assert result is not None  # a stream that ends without one raises NodeLost
+        error = result.error
+        if error is None and result.finish_reason == "cancelled":  # by the driver's stop
+            error = Cancelled(f"generation {rid} cancelled after {len(result.tokens)} tokens")
         return Reply(
             rid,
             result.node,
-            error=result.error,
+            error=error,
             queue_s=result.queue_s,
             service_s=result.engine_s,
             batch_size=1,

@@ -234,3 +234,45 @@ def test_a_users_own_model_gets_the_inputs_its_node_warms_up_with(tmp_path):
     assert got.keys() == expected.keys()
     for name, array in got.items():
         assert array.shape[0] == 3 and (array == expected[name]).all()
+
+
+class _Stream:
+    def __init__(self, result: object, error: Exception | None = None) -> None:
+        self.result, self._error = result, error
+        self.node = getattr(result, "node", None)
+
+    def collect(self) -> list[int]:
+        if self._error is not None:
+            raise self._error
+        return []
+
+
+def test_a_generation_is_answered_as_one_reply_with_its_outcome():
+    from edgefleet.errors import Cancelled
+    from edgefleet.messages import GenerationResult
+
+    done = GenerationResult("g1", "edge-0", (5, 6), "length", queue_s=0.01, engine_s=0.2)
+    cancelled = GenerationResult("g2", "edge-1", (5,), "cancelled")
+    streams = {
+        "g1": _Stream(done),
+        "g2": _Stream(cancelled),
+        "g3": _Stream(None, Rejected("full", retry_after_s=0.1)),
+    }
+
+    class Client:
+        def generate(self, model: str, prompt: tuple[int, ...], **kw: object) -> _Stream:
+            assert kw["timeout_s"] == 5.0 and prompt == (1, 2)
+            return streams[str(kw["request_id"])]
+
+    timed = drive._Timed(Client(), 5.0)  # type: ignore[arg-type]
+    try:
+        got = {
+            rid: timed.submit_generation("lm", (1, 2), request_id=rid, priority=3).result(30)
+            for rid in streams
+        }
+    finally:
+        timed.close()
+    assert got["g1"].error is None and got["g1"].node == "edge-0"
+    assert (got["g1"].queue_s, got["g1"].service_s, got["g1"].batch_size) == (0.01, 0.2, 1)
+    assert isinstance(got["g2"].error, Cancelled) and got["g2"].node == "edge-1"
+    assert isinstance(got["g3"].error, Rejected) and got["g3"].node == ""
