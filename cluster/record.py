@@ -28,8 +28,8 @@ One line, one request (keys in this order; numbers are JSON numbers)::
     node            the node that gave the final answer, or "" (none did)
     service_ms      engine time of the call that served the request, as its node
                     measured it (``Reply.service_s``; 0 when no call did, e.g. it
-                    expired while queued); null for a generation, and when no node
-                    answered
+                    expired while queued); a generation's over all its engine calls
+                    (``GenerationResult.engine_s``); null when no node answered
     queue_ms        time queued on the node, arrival to engine start (``queue_s`` of
                     the answer; a generation's to its first engine step); null when no
                     node answered
@@ -44,6 +44,11 @@ One line, one request (keys in this order; numbers are JSON numbers)::
                     just before that call (preempted, or cancelled) took to stop, from
                     the abort to the end of its run (``Reply.abort_s``); 0 when the call
                     before was not aborted; null as service_ms is
+    new_tokens      tokens a generation made (``GenerationResult.tokens``); null for an
+                    inference, and when no node answered
+    fed_tokens      tokens a generation ran through the model: its prompt, what it
+                    prefilled again after a pause or a loss, and one a step
+                    (``GenerationResult.fed_tokens``); null as new_tokens is
 
 For example::
 
@@ -51,11 +56,12 @@ For example::
      "rows": 1, "deadline_s": 0.2, "key": null, "session": null, "prompt_tokens": 0,
      "max_new_tokens": 0, "outcome": "completed", "latency_s": 0.0012, "node": "edge-0",
      "service_ms": 0.731, "queue_ms": 0.052, "batch": 1, "call_rows": 1,
-     "handoff_ms": 0.041, "abort_ms": 0.0}
+     "handoff_ms": 0.041, "abort_ms": 0.0, "new_tokens": null, "fed_tokens": null}
 
-Readers take lines without the last six keys too (their figures then unknown): the
+Readers take lines without the last eight keys too (their figures then unknown): the
 simulator replays such files, and draws engine times only from lines that have them
-(``sim.workload.read_engine_times``).
+(``sim.workload.read_engine_times``, and for generations
+``sim.workload.read_generation_times``).
 
 Lines are buffered and flushed at least once a second while requests are answered
 (and on every fleet view a ``FleetClient`` fetches), and when the dispatcher closes; a
@@ -121,6 +127,9 @@ def call_line(
         key, session, prompt_tokens, max_new_tokens = request.key, None, 0, 0
     deadline_s = _deadline_s(request.deadline_unix, at)
     service_ms, queue_ms, batch, call_rows, handoff_ms, abort_ms = node_figures(answer)
+    made = fed = None
+    if isinstance(answer, GenerationResult) and answer.node:
+        made, fed = len(answer.tokens), answer.fed_tokens
     return (
         f'{{"at": {float(at)!r}, "id": {_text(request.id)}, "model": {_text(request.model)}, '
         f'"priority": {int(request.priority)}, "rows": {int(rows)}, '
@@ -132,7 +141,9 @@ def call_line(
         f'"queue_ms": {_maybe_number(queue_ms)}, '
         f'"batch": {"null" if batch is None else int(batch)}, '
         f'"call_rows": {"null" if call_rows is None else int(call_rows)}, '
-        f'"handoff_ms": {_maybe_number(handoff_ms)}, "abort_ms": {_maybe_number(abort_ms)}}}\n'
+        f'"handoff_ms": {_maybe_number(handoff_ms)}, "abort_ms": {_maybe_number(abort_ms)}, '
+        f'"new_tokens": {"null" if made is None else int(made)}, '
+        f'"fed_tokens": {"null" if fed is None else int(fed)}}}\n'
     )
 
 
@@ -147,7 +158,7 @@ def node_figures(
         return None, None, None, None, None, None
     queue_ms = round(float(answer.queue_s) * 1000, 3)
     if isinstance(answer, GenerationResult):
-        return None, queue_ms, None, None, None, None
+        return round(float(answer.engine_s) * 1000, 3), queue_ms, None, None, None, None
     return (
         round(float(answer.service_s) * 1000, 3),
         queue_ms,

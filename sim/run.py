@@ -45,10 +45,16 @@ from sim.workload import (
     EngineTimes,
     NodeTypeConfig,
     RecordedCall,
+    RecordedGeneration,
     Workload,
     read_engine_times,
+    read_generation_times,
 )
 
+# A fit of a decoder's two costs is kept when the recorded shapes tell them apart: the
+# smaller singular value of (tokens prefilled, tokens made) at least this share of the
+# larger one.
+FIT_CONDITION = 0.01
 SAMPLE_EVERY_S = 0.05  # queue length over time: one sample per this much simulated time
 PROGRESS_EVERY = 2000  # answers between progress updates
 DRAIN_LIMIT_S = 600.0  # simulated seconds after the last arrival before giving up
@@ -200,13 +206,41 @@ def workload_costs(workload: Workload, measured: str | Path | None = None) -> di
     ``measured`` when it is one (see :func:`is_call_record`), else the workload's
     ``costs_from:``."""
     tables = model_costs(workload.costs)
+    record: str | Path | None = workload.costs_from
     if measured is not None and is_call_record(measured):
-        times = read_engine_times(measured)
+        times, record = read_engine_times(measured), measured
     else:
         if measured is not None:
             tables = costs_from_status(measured) | tables
         times = workload.engine_times()
-    return recorded_costs(times, tables) if times else tables
+    costs = recorded_costs(times, tables) if times else tables
+    for model, generations in (read_generation_times(record) if record else {}).items():
+        costs[model] = fitted_decoder(generations, costs.get(model, ModelCost()))
+    return costs
+
+
+def fitted_decoder(generations: Sequence[RecordedGeneration], table: ModelCost) -> ModelCost:
+    """``table`` with a decoder's costs fitted to the recorded ``generations``: engine ms
+    = ``prefill_ms_per_token`` x tokens prefilled + the step's ms x tokens made, by least
+    squares. Where the generations cannot tell the two apart (all of one shape, or a
+    fit below zero), the table's two costs are scaled together to match them. The
+    step's costs across batch sizes keep the table's shape (scaled); without a table,
+    one row's."""
+    x = np.array([(g.prefilled, g.made) for g in generations], dtype=np.float64)
+    y = np.array([g.ms for g in generations], dtype=np.float64)
+    step0 = table.step_s(1) * 1000.0
+    fit, _, rank, singular = np.linalg.lstsq(x, y, rcond=None)
+    if rank == 2 and singular[-1] > FIT_CONDITION * singular[0] and (fit >= 0).all():
+        prefill, step = float(fit[0]), float(fit[1])
+    else:
+        base = x @ np.array([table.prefill_ms_per_token, step0])
+        if base @ base > 0:
+            scale = float(y @ base / (base @ base))
+            prefill, step = table.prefill_ms_per_token * scale, step0 * scale
+        else:  # no table: all of it a step's
+            prefill, step = 0.0, float(y.sum() / max(1.0, x[:, 1].sum()))
+    steps = {k: v * step / step0 for k, v in table.step_ms.items()} if step0 > 0 else {1: step}
+    return replace(table, prefill_ms_per_token=prefill, step_ms=steps)
 
 
 LOCAL_TYPE = "local"  # the node type of a config's local.nodes identical nodes

@@ -83,6 +83,18 @@ class RecordedCall(NamedTuple):
 
 # recorded calls: model -> batch size -> the calls, in the order they started
 EngineTimes = dict[str, dict[int, list[RecordedCall]]]
+
+
+class RecordedGeneration(NamedTuple):
+    """One completed generation a call record shows."""
+
+    prefilled: int  # tokens it ran through the model other than one a step (fed - made)
+    made: int  # tokens it made
+    ms: float  # its engine time over all its calls
+
+
+# recorded generations: model -> the generations, in the record's order
+GenerationTimes = dict[str, list[RecordedGeneration]]
 _DEFER = "defer_cross_checks"  # validation context: parse_workload reports them with lines
 
 
@@ -1123,11 +1135,37 @@ def read_engine_times(path: str | Path) -> EngineTimes:
             by_size[size] = sorted(
                 (c._replace(at=c.at - first) for c in calls), key=lambda c: (c.at, c.ms)
             )
-    if not out:
+    if not out and not read_generation_times(path):
         raise ConfigError(
             f"{path}: no engine times in this call record: no line of a completed inference "
-            "has service_ms and batch (recorded by a caller with router.record_dir)"
+            "has service_ms and batch, nor of a completed generation service_ms and "
+            "new_tokens (recorded by a caller with router.record_dir)"
         )
+    return out
+
+
+def read_generation_times(path: str | Path) -> GenerationTimes:
+    """The completed generations of a call record (``service_ms``, ``new_tokens`` and
+    ``fed_tokens`` of each line of a generation, see ``cluster/record.py``), by model;
+    lines without them are skipped. Read as :func:`read_engine_times` reads a record."""
+    out: GenerationTimes = {}
+    for file in _jsonl_files(Path(path), "call record"):
+        for number, obj in _objects(file, "call record"):
+            problem = _engine_problem(obj)
+            if problem is not None:
+                raise ConfigError(f"{file}:{number}: {problem}")
+            ms, made, fed = obj.get("service_ms"), obj.get("new_tokens"), obj.get("fed_tokens")
+            if (
+                obj.get("outcome") == "completed"
+                and obj.get("prompt_tokens", 0) > 0
+                and _number(ms)
+                and ms > 0
+                and isinstance(made, int)
+                and isinstance(fed, int)
+                and 1 <= made <= fed
+            ):
+                generation = RecordedGeneration(fed - made, made, float(ms))
+                out.setdefault(obj["model"], []).append(generation)
     return out
 
 
@@ -1143,6 +1181,8 @@ _ENGINE_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "call_rows": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
     "handoff_ms": _MS,
     "abort_ms": _MS,
+    "new_tokens": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
+    "fed_tokens": (lambda v: v is None or (_integer(v) and v >= 0), "null or an int >= 0"),
     "outcome": (lambda v: isinstance(v, str), "a string"),
 }
 

@@ -74,7 +74,15 @@ class ScriptedNode(FutureCalls):
             return
         yield TokenChunk((1, 2))
         yield TokenChunk((3,))
-        yield GenerationResult(request.id, self.name, finish_reason="length", queue_s=QUEUE_S)
+        yield GenerationResult(
+            request.id,
+            self.name,
+            (1, 2, 3),
+            finish_reason="length",
+            queue_s=QUEUE_S,
+            engine_s=SERVICE_S,
+            fed_tokens=len(request.prompt_ids) + 2,
+        )
 
 
 def make_config(base: Path, record_dir: str | None = "calls") -> FleetConfig:
@@ -163,6 +171,8 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
         "call_rows",
         "handoff_ms",
         "abort_ms",
+        "new_tokens",
+        "fed_tokens",
     ]
     assert all(before <= line["at"] <= time.time() for line in got.values())
     assert all(line["latency_s"] >= 0 for line in got.values())
@@ -195,9 +205,14 @@ def test_every_request_is_recorded_once_when_answered(tmp_path):
     for rid in ("timed", "plain", SPILLED):
         want = (4.25, 1.5, BATCH, CALL_ROWS, 0.2, 0.7)
         assert tuple(got[rid][k] for k in figures) == want, rid
-    assert tuple(chat[k] for k in figures) == (None, 1.5, None, None, None, None)  # its queue
+    # a generation: its engine time over all its calls, its queue, the tokens it made
+    # and fed (its 4-token prompt, then a step for each token after the first)
+    assert tuple(chat[k] for k in figures) == (4.25, 1.5, None, None, None, None)
+    assert (chat["new_tokens"], chat["fed_tokens"]) == (3, 6)
+    for rid in ("timed", "plain", SPILLED):
+        assert got[rid]["new_tokens"] is got[rid]["fed_tokens"] is None, rid
     for rid in (REFUSED, "unknown", "left"):  # no node answered; the caller walked away
-        assert tuple(got[rid][k] for k in figures) == (None,) * 6, rid
+        assert tuple(got[rid][k] for k in (*figures, "new_tokens", "fed_tokens")) == (None,) * 8
 
 
 def test_the_record_reads_back_as_the_arrivals_sent(tmp_path):

@@ -13,13 +13,17 @@ import pytest
 
 from edgefleet.config import load_config
 from edgefleet.errors import ConfigError
+from sim.fleet import ModelCost
+from sim.run import fitted_decoder, workload_costs
 from sim.workload import (
     Arrival,
     FleetEvent,
+    RecordedGeneration,
     Workload,
     load_workload,
     parse_workload,
     read_engine_times,
+    read_generation_times,
     read_trace,
 )
 
@@ -626,3 +630,63 @@ def test_a_call_record_names_the_line_and_field_of_a_bad_figure(tmp_path, text, 
     path = write(tmp_path, text, "calls.jsonl")
     with pytest.raises(ConfigError, match=f"{path}{message}"):
         read_engine_times(path)
+
+
+def generation_line(prompt: int, made: int, ms: float, **fields: object) -> str:
+    """A call record's line of a completed generation of lm: its prompt prefilled once,
+    then a step for each token after the first."""
+    figures = {"model": "lm", "prompt_tokens": prompt, "service_ms": ms, "batch": None}
+    figures |= {"new_tokens": made, "fed_tokens": prompt + made - 1}
+    return call_line(**(figures | fields))
+
+
+def test_generation_times_come_from_completed_generations_of_a_call_record(tmp_path):
+    text = (
+        generation_line(32, 32, 10.0)
+        + generation_line(256, 64, 40.0, node="edge-1")
+        + generation_line(32, 32, 99.0, outcome="cancelled")  # not completed
+        + generation_line(32, 0, 1.0)  # made nothing
+        + call_line()  # an inference
+        + call_line(model="lm", prompt_tokens=8, service_ms=None, batch=None)  # an old line
+    )
+    path = write(tmp_path, text, "calls.jsonl")
+    assert read_generation_times(path) == {
+        "lm": [RecordedGeneration(32 - 1, 32, 10.0), RecordedGeneration(256 - 1, 64, 40.0)]
+    }
+    assert engine_ms(read_engine_times(path)) == {"m": {1: [4.0]}}
+    # a record of generations alone has engine times for the simulator too
+    only = write(tmp_path, generation_line(32, 32, 10.0), "generations.jsonl")
+    assert read_engine_times(only) == {} and read_generation_times(only)
+    bad = write(tmp_path, generation_line(32, 32, 10.0, new_tokens=-1), "bad.jsonl")
+    with pytest.raises(ConfigError, match=r":1: new_tokens: must be null or an int >= 0"):
+        read_generation_times(bad)
+
+
+def test_a_decoders_costs_are_fitted_to_its_recorded_generations(tmp_path):
+    table = ModelCost(prefill_ms_per_token=0.05, step_ms={1: 0.15, 4: 0.3})
+    # engine ms = 0.02 a token prefilled + 0.9 a token made, in two shapes
+    shapes = [(31, 32), (255, 64), (31, 32), (255, 64)]
+    recorded = [RecordedGeneration(p, m, 0.02 * p + 0.9 * m) for p, m in shapes]
+    fitted = fitted_decoder(recorded, table)
+    assert fitted.prefill_ms_per_token == pytest.approx(0.02)
+    assert fitted.step_ms == pytest.approx({1: 0.9, 4: 1.8})  # the table's shape, scaled
+    # one shape cannot tell prefill from steps apart: the table scaled to match it
+    one = fitted_decoder(recorded[:1], table)
+    assert one.prefill_ms_per_token / one.step_ms[1] == pytest.approx(0.05 / 0.15)
+    assert 31 * one.prefill_ms_per_token + 32 * one.step_ms[1] == pytest.approx(recorded[0].ms)
+    # no table: all of it a step's
+    bare = fitted_decoder(recorded[:1], ModelCost())
+    assert bare.prefill_ms_per_token == 0 and bare.step_ms == {
+        1: pytest.approx(recorded[0].ms / 32)
+    }
+    # through workload_costs, from a call record
+    lines = [generation_line(p + 1, m, r.ms) for (p, m), r in zip(shapes, recorded, strict=True)]
+    record = write(tmp_path, "".join(lines), "c.jsonl")
+    w = parse_workload(
+        {"requests": 9, "arrivals": {"rate": 5}, "mix": [{"model": "lm", "priority": 1,
+         "generate": {"prompt_tokens": 8, "max_new_tokens": 4}}],
+         "costs": {"lm": {"prefill_ms_per_token": 0.05, "step_ms": {1: 0.15, 4: 0.3}}}}
+    )  # fmt: skip
+    costs = workload_costs(w, record)
+    assert costs["lm"].prefill_ms_per_token == pytest.approx(0.02)
+    assert costs["lm"].step_ms == pytest.approx({1: 0.9, 4: 1.8})
