@@ -157,6 +157,10 @@ class ModelCost:
     abort_ms: Sequence[float] = ()
     window_s: float = 0.0
     by_node: Mapping[str, ModelCost] = field(default_factory=dict)
+    # A decoder's recorded generations' times outside their nodes (ms), by the tokens
+    # each made: an answer spends one drawn at random among those that made the
+    # nearest count (generation_outside_s); none: the network's hop.
+    generation_outside_ms: Mapping[int, Sequence[float]] = field(default_factory=dict)
 
     def call_s(self, rows: int) -> float:
         return _interpolate(self.call_ms, rows) / 1000.0
@@ -232,6 +236,16 @@ class ModelCost:
 
     def step_s(self, rows: int) -> float:
         return _interpolate(self.step_ms, rows) / 1000.0
+
+    def generation_outside_s(self, made: int, rng: random.Random) -> float | None:
+        """The time outside its node of a generation that made ``made`` tokens (its
+        tokens stream back): one of ``generation_outside_ms`` of the nearest count made
+        (the smaller at a tie), drawn from ``rng``; None when none was recorded."""
+        if not self.generation_outside_ms:
+            return None
+        near = min(self.generation_outside_ms, key=lambda n: (abs(n - made), n))
+        times = self.generation_outside_ms[near]
+        return times[rng.randrange(len(times))] / 1000.0
 
     def prefill_s(self, tokens: int) -> float:
         return tokens * self.prefill_ms_per_token / 1000.0
@@ -650,7 +664,9 @@ class SimNode:
                     self._sessions.move_to_end(gen.request.session)
                     while len(self._sessions) > MAX_REPORTED_SESSIONS:
                         self._sessions.popitem(last=False)
-                self._give(r.id, _generation_result(r, self.spec.name, o, gen))
+                cost = self._costs.get(r.model)
+                outside = None if cost is None else cost.generation_outside_s(gen.made, self._rng)
+                self._give(r.id, _generation_result(r, self.spec.name, o, gen), outside)
             else:
                 queue_s = (r.started - r.arrival) if r.started is not None else 0.0
                 self._give(

@@ -225,7 +225,8 @@ def fitted_decoder(generations: Sequence[RecordedGeneration], table: ModelCost) 
     squares. Where the generations cannot tell the two apart (all of one shape, or a
     fit below zero), the table's two costs are scaled together to match them. The
     step's costs across batch sizes keep the table's shape (scaled); without a table,
-    one row's."""
+    one row's. Their answers spend the generations' recorded times outside the node
+    (by the tokens each made)."""
     x = np.array([(g.prefilled, g.made) for g in generations], dtype=np.float64)
     y = np.array([g.ms for g in generations], dtype=np.float64)
     step0 = table.step_s(1) * 1000.0
@@ -240,7 +241,13 @@ def fitted_decoder(generations: Sequence[RecordedGeneration], table: ModelCost) 
         else:  # no table: all of it a step's
             prefill, step = 0.0, float(y.sum() / max(1.0, x[:, 1].sum()))
     steps = {k: v * step / step0 for k, v in table.step_ms.items()} if step0 > 0 else {1: step}
-    return replace(table, prefill_ms_per_token=prefill, step_ms=steps)
+    outside: dict[int, list[float]] = {}
+    for g in generations:
+        if g.outside_ms is not None:
+            outside.setdefault(g.made, []).append(g.outside_ms)
+    return replace(
+        table, prefill_ms_per_token=prefill, step_ms=steps, generation_outside_ms=outside
+    )
 
 
 LOCAL_TYPE = "local"  # the node type of a config's local.nodes identical nodes

@@ -91,6 +91,7 @@ class RecordedGeneration(NamedTuple):
     prefilled: int  # tokens it ran through the model other than one a step (fed - made)
     made: int  # tokens it made
     ms: float  # its engine time over all its calls
+    outside_ms: float | None = None  # its latency less its queue and engine time
 
 
 # recorded generations: model -> the generations, in the record's order
@@ -1146,8 +1147,10 @@ def read_engine_times(path: str | Path) -> EngineTimes:
 
 def read_generation_times(path: str | Path) -> GenerationTimes:
     """The completed generations of a call record (``service_ms``, ``new_tokens`` and
-    ``fed_tokens`` of each line of a generation, see ``cluster/record.py``), by model;
-    lines without them are skipped. Read as :func:`read_engine_times` reads a record."""
+    ``fed_tokens`` of each line of a generation, see ``cluster/record.py``), by model,
+    each with its time outside its node (``latency_s`` less ``queue_ms`` and
+    ``service_ms``: both hops and its tokens' way back); lines without them are
+    skipped. Read as :func:`read_engine_times` reads a record."""
     out: GenerationTimes = {}
     for file in _jsonl_files(Path(path), "call record"):
         for number, obj in _objects(file, "call record"):
@@ -1164,7 +1167,11 @@ def read_generation_times(path: str | Path) -> GenerationTimes:
                 and isinstance(fed, int)
                 and 1 <= made <= fed
             ):
-                generation = RecordedGeneration(fed - made, made, float(ms))
+                latency, queue = obj.get("latency_s"), obj.get("queue_ms") or 0.0
+                outside = None
+                if _number(latency):
+                    outside = max(0.0, latency * 1000.0 - queue - ms)
+                generation = RecordedGeneration(fed - made, made, float(ms), outside)
                 out.setdefault(obj["model"], []).append(generation)
     return out
 

@@ -13,7 +13,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +316,21 @@ def test_two_generations_of_one_decoder_decode_together_at_the_step_tables_cost(
     assert when(answers) == [(0.005, "blk"), (0.032, "g1"), (0.032, "g2")]
     assert (gens["g1"].made, gens["g2"].made) == (10, 20)
     assert [a.finish_reason for _, _, a in answers[1:]] == ["length", "length"]
+
+
+def test_a_generation_spends_a_recorded_time_outside_its_node():
+    # recorded for generations of 3 and 9 tokens: these make 4, nearer 3
+    recorded = replace(LM, generation_outside_ms={3: (25.0, 40.0), 9: (500.0,)})
+    for cost, expected in ((LM, {None}), (recorded, {0.025, 0.040})):
+        loop = EventLoop()
+        outside: list[float | None] = []
+        node = SimNode(
+            loop, decoder_spec(), {"lm": cost}, lambda rid, a, o, out=outside: out.append(o)
+        )
+        for i in range(20):
+            loop.at(i * 1.0, node.receive, generate(f"g{i}", 4, INLINE))
+        loop.run()
+        assert len(outside) == 20 and set(outside) == expected
 
 
 def test_a_foreground_generation_pauses_a_background_one_which_resumes_to_max_new_tokens():

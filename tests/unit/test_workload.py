@@ -636,6 +636,7 @@ def generation_line(prompt: int, made: int, ms: float, **fields: object) -> str:
     """A call record's line of a completed generation of lm: its prompt prefilled once,
     then a step for each token after the first."""
     figures = {"model": "lm", "prompt_tokens": prompt, "service_ms": ms, "batch": None}
+    figures |= {"latency_s": 0.020}
     figures |= {"new_tokens": made, "fed_tokens": prompt + made - 1}
     return call_line(**(figures | fields))
 
@@ -650,8 +651,12 @@ def test_generation_times_come_from_completed_generations_of_a_call_record(tmp_p
         + call_line(model="lm", prompt_tokens=8, service_ms=None, batch=None)  # an old line
     )
     path = write(tmp_path, text, "calls.jsonl")
+    # outside: the latency (20 ms) less the queue (0.5 ms) and the engine time
     assert read_generation_times(path) == {
-        "lm": [RecordedGeneration(32 - 1, 32, 10.0), RecordedGeneration(256 - 1, 64, 40.0)]
+        "lm": [
+            RecordedGeneration(32 - 1, 32, 10.0, pytest.approx(9.5)),
+            RecordedGeneration(256 - 1, 64, 40.0, 0.0),  # a latency below them: none
+        ]
     }
     assert engine_ms(read_engine_times(path)) == {"m": {1: [4.0]}}
     # a record of generations alone has engine times for the simulator too
@@ -690,3 +695,8 @@ def test_a_decoders_costs_are_fitted_to_its_recorded_generations(tmp_path):
     costs = workload_costs(w, record)
     assert costs["lm"].prefill_ms_per_token == pytest.approx(0.02)
     assert costs["lm"].step_ms == pytest.approx({1: 0.9, 4: 1.8})
+    # their answers spend the recorded times outside the node (20 ms less the rest)
+    outside: dict[int, list[float]] = {}
+    for r in recorded:
+        outside.setdefault(r.made, []).append(max(0.0, 20.0 - 0.5 - r.ms))
+    assert {k: pytest.approx(v) for k, v in outside.items()} == costs["lm"].generation_outside_ms
