@@ -5,7 +5,6 @@ its int4 build ``make_genai_int4``), both on one intra-op thread."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ SIZES: dict[str, dict[str, int]] = {
 PROMPT = tuple(range(3, 35))  # 32 tokens
 TARGET_RATIO = 1.0  # engine tokens/s at least the Generator's
 # Rounds of one generation of each loop in turn, as many as fit in about this many
-# seconds of the engine's generations, between the given least and MAX_ROUNDS: pairs
+# seconds of the Generator's generations, between the given least and MAX_ROUNDS: pairs
 # back to back see the same machine, and many of them make a tight median.
 ROUND_BUDGET_S = 20.0
 MAX_ROUNDS = 101
@@ -73,9 +72,8 @@ def _measure(
         "engine": engine_loop(folder / "model.onnx", PROMPT, n),
         "copying": engine_loop(folder / "model.onnx", PROMPT, n, in_place=False),
     }
-    one = loops["engine"]()[0]
-    rounds = max(rounds, min(MAX_ROUNDS, math.ceil(budget_s / max(one, 1e-6))))
-    tps = tokens_per_s(loops, rounds, f"{label} ")
+    tps = tokens_per_s(loops, rounds, f"{label} ", budget_s, MAX_ROUNDS)
+    rounds = len(tps["engine"].cpu_s)
     wall, cpu = ({k: t.wall for k, t in tps.items()}, {k: t.cpu for k, t in tps.items()})
     same = tps["engine"].tokens == tps["generator"].tokens == tps["copying"].tokens
     figures = ", ".join(f"{k} {wall[k]:.0f} tok/s, {cpu[k]:.0f} tok/CPU-s" for k in loops)
@@ -121,7 +119,7 @@ def run(ctx: RunContext) -> Section:
         "(its session options overlaid with intra_op_num_threads 1) and edgefleet's "
         "DecoderEngine (advance, as a node runs it), on the same folders, in rounds of one "
         "generation of each in turn: as many rounds as fit in about "
-        f"{budget_s:g} s of the engine's generations ({rounds} at least, {MAX_ROUNDS} at "
+        f"{budget_s:g} s of the Generator's generations ({rounds} at least, {MAX_ROUNDS} at "
         "most). Tokens/s on the wall clock and per second of the calling thread's CPU time "
         "(medians), which other processes disturb less; the CPU ratio (the target) is the "
         "median of the rounds' ratios, each round's runs back to back. int4: MatMulNBits, "

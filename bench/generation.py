@@ -257,19 +257,20 @@ class Speed:
 
 
 def tokens_per_s(
-    loops: dict[str, Loop], rounds: int, label: str, min_run_s: float = 0.0
+    loops: dict[str, Loop], rounds: int, label: str, budget_s: float = 0.0, most: int = 0
 ) -> dict[str, Speed]:
-    """Each loop's speed over ``rounds`` rounds of every loop in turn, each calm and of
-    at least ``min_run_s`` of the first loop's generations."""
+    """Each loop's speed over rounds of one run of every loop in turn, each calm:
+    ``rounds`` of them, or as many as fit in about ``budget_s`` of the first loop's runs
+    (at most ``most``), after a warm-up run of each."""
     first = {k: loop() for k, loop in loops.items()}
-    reference = first[next(iter(loops))]
-    times = max(1, math.ceil(min_run_s / reference[0]))
-    made = times * len(reference[2])
+    took, made = first[next(iter(loops))][0], len(first[next(iter(loops))][2])
+    if budget_s > 0:
+        rounds = max(rounds, min(most, math.ceil(budget_s / max(took, 1e-6))))
 
-    def repeated(loop: Loop) -> Callable[[], np.ndarray]:
-        return lambda: np.sum([loop()[:2] for _ in range(times)], axis=0)
+    def once(loop: Loop) -> Callable[[], tuple[float, float]]:
+        return lambda: loop()[:2]
 
-    runs = bc.alternating({k: repeated(loop) for k, loop in loops.items()}, rounds, label)
+    runs = bc.alternating({k: once(loop) for k, loop in loops.items()}, rounds, label)
     return {
         k: Speed(
             made / median([r[0] for r in v]),
