@@ -104,7 +104,7 @@ class _KVBuffer:
 
     arrays: tuple[np.ndarray, ...]
     filled: int
-    binding: ort.IOBinding
+    binding: ort.IOBinding  # held with the buffer; bind and run below call into it
     session: ort.InferenceSession  # the binding's: a reloaded model makes its own buffers
     # Bind host memory to an input (name, element type, shape, address), and run the
     # binding: see _native_calls.
@@ -189,7 +189,7 @@ class Generation:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
+        return self._prompt_len
 
     @property
     def generated(self) -> list[int]:
